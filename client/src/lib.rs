@@ -1,0 +1,752 @@
+//! Client library for inference engines.
+//!
+//! A [`Client`] connects to the local `kvmeshd` over its Unix socket,
+//! receives the pools' memfds once and maps them. Blocks are then read in
+//! place: [`Client::pin`] returns [`PinnedBlock`] guards that deref to the
+//! block's bytes inside the daemon's pool (no copy) and unpin when dropped.
+//! Puts are written in place too: [`Client::allocate`] hands out
+//! [`WritableBlock`]s to fill, [`Client::commit`] makes them visible.
+//! Engines that want the bytes in their own buffer use [`Client::get_into`].
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvmesh_client::ClientError> {
+//! use kvmesh_client::{Client, Key};
+//! let client = Client::connect_default().await?;
+//! let ns = client.register_namespace("llama3-8b/bf16/tp1", 4096, "demo-layout").await?;
+//! let key = Key(0x0123_4567_89ab_cdef_0123_4567_89ab_cdef);
+//! client.put(&ns, &[(key, &[7u8; 4096][..])]).await?;
+//! let blocks = client.pin(&ns, &[key]).await?;
+//! let block = blocks[0].as_ref().expect("cached");
+//! assert_eq!(block[0], 7); // reads the daemon's pool in place
+//! # Ok(()) }
+//! ```
+//!
+//! **Leases.** Every pin carries a lease (30 s by default). Read a pinned
+//! block within its lease ([`PinnedBlock::lease_remaining`]); after it the
+//! daemon may reuse the slot. Dropping the client, or the process dying,
+//! releases all its pins and uncommitted allocations at once.
+#![forbid(unsafe_code)]
+
+use std::ops::{Deref, DerefMut};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+pub use kvmesh_common::{Key, ValidationError};
+use kvmesh_common::handshake::FD_HANDSHAKE_MAGIC;
+use kvmesh_common::slot::{SlotMeta, SlotState, validate_slot};
+use kvmesh_ffi_os::{ReadRegion, SharedMapping, ShmError, WriteRegion};
+use kvmesh_proto::engine::v1 as pb;
+pub use kvmesh_proto::engine::v1::StatsResponse as Stats;
+use pb::engine_client::EngineClient;
+use tokio::sync::{mpsc, oneshot};
+use tonic::transport::{Channel, Endpoint};
+
+pub use kvmesh_ffi_os::default_socket_path;
+
+/// Errors of the client library.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The daemon's socket could not be reached.
+    #[error("cannot connect to kvmeshd at {path}: {source}")]
+    Connect {
+        /// Socket path.
+        path: PathBuf,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The fd handshake failed or disagreed with the daemon's `Hello`.
+    #[error("handshake with kvmeshd at {path} failed: {reason}")]
+    Handshake {
+        /// Socket path.
+        path: PathBuf,
+        /// What went wrong.
+        reason: String,
+    },
+    /// The daemon answered with an error status.
+    #[error("{}", .0.message())]
+    Rpc(#[from] tonic::Status),
+    /// The request is invalid before it is sent.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The daemon answered something the client cannot use.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// Mapping or claiming pool memory failed.
+    #[error("pool memory: {0}")]
+    Shm(#[from] ShmError),
+}
+
+impl ClientError {
+    /// The gRPC code of the error (`Unavailable` for connection problems).
+    pub fn code(&self) -> tonic::Code {
+        match self {
+            ClientError::Rpc(s) => s.code(),
+            ClientError::Connect { .. } | ClientError::Handshake { .. } => tonic::Code::Unavailable,
+            ClientError::InvalidArgument(_) => tonic::Code::InvalidArgument,
+            ClientError::Protocol(_) | ClientError::Shm(_) => tonic::Code::Internal,
+        }
+    }
+}
+
+type Result<T> = std::result::Result<T, ClientError>;
+
+/// A registered namespace (see [`Client::register_namespace`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Namespace {
+    /// Handle used in requests.
+    pub id: u32,
+    /// Name.
+    pub name: String,
+    /// Size of every block.
+    pub block_bytes: u64,
+    /// Layout fingerprint string.
+    pub layout: String,
+    /// Pool that holds its blocks.
+    pub pool: u32,
+    /// Fingerprint written into slot headers.
+    pub fingerprint: u64,
+}
+
+impl From<pb::NamespaceInfo> for Namespace {
+    fn from(n: pb::NamespaceInfo) -> Self {
+        Namespace {
+            id: n.id,
+            name: n.name,
+            block_bytes: n.block_bytes,
+            layout: n.layout,
+            pool: n.pool,
+            fingerprint: n.fingerprint,
+        }
+    }
+}
+
+/// A slot reference as the daemon names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SlotRef {
+    /// Pool index.
+    pub pool: u32,
+    /// Slot index.
+    pub slot: u32,
+    /// Slot generation.
+    pub generation: u64,
+}
+
+impl From<SlotRef> for pb::SlotRef {
+    fn from(r: SlotRef) -> Self {
+        pb::SlotRef { pool: r.pool, slot: r.slot, generation: r.generation }
+    }
+}
+
+enum Release {
+    Unpin(SlotRef),
+    Abort(SlotRef),
+    Flush(oneshot::Sender<()>),
+}
+
+struct PoolMap {
+    map: Arc<SharedMapping>,
+    info: pb::PoolInfo,
+}
+
+struct Inner {
+    rpc: EngineClient<Channel>,
+    pools: Vec<PoolMap>,
+    hello: pb::HelloResponse,
+    release_tx: mpsc::UnboundedSender<Release>,
+    path: PathBuf,
+}
+
+/// A connection to the local kvmeshd. Cheap to clone; all clones share the
+/// connection (one session: pins die with it).
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+/// Presence of keys in the cache.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LookupResult {
+    /// One entry per key.
+    pub present: Vec<bool>,
+    /// Number of leading keys that are all present.
+    pub prefix_len: u32,
+}
+
+/// Options of a pin.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PinOptions {
+    /// Lease in milliseconds; 0 is the daemon's default.
+    pub lease_ms: u64,
+    /// Stop at the first miss (prefix fetch).
+    pub stop_at_first_miss: bool,
+}
+
+/// A pinned block, read in place. Derefs to the block's bytes; unpins when
+/// dropped.
+pub struct PinnedBlock {
+    region: ReadRegion,
+    key: Key,
+    slot: SlotRef,
+    version: u64,
+    checksum: u64,
+    fingerprint: u64,
+    lease_deadline_unix_ms: u64,
+    pool: Arc<SharedMapping>,
+    stride: u64,
+    payload_capacity: u64,
+    release: Option<mpsc::UnboundedSender<Release>>,
+}
+
+impl PinnedBlock {
+    /// The block's key.
+    pub fn key(&self) -> Key {
+        self.key
+    }
+    /// The block's version.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+    /// The payload checksum (xxh3-64) recorded at commit.
+    pub fn checksum(&self) -> u64 {
+        self.checksum
+    }
+    /// The pinned slot.
+    pub fn slot(&self) -> SlotRef {
+        self.slot
+    }
+    /// Time left on the pin's lease (zero once it has passed).
+    pub fn lease_remaining(&self) -> Duration {
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(u64::MAX);
+        Duration::from_millis(self.lease_deadline_unix_ms.saturating_sub(now))
+    }
+    /// Re-reads the whole slot (header, payload, trailer) and checks that it
+    /// still holds this block with a matching checksum.
+    pub fn verify(&self) -> std::result::Result<(), ValidationError> {
+        let base = self.slot.slot as u64 * self.stride;
+        let whole = self.pool.read(base, self.stride).map_err(|_| ValidationError::Size {
+            expected: self.stride,
+            found: 0,
+        })?;
+        let expected = SlotMeta {
+            state: SlotState::Valid,
+            namespace: self.fingerprint,
+            key: self.key,
+            version: self.version,
+            generation: self.slot.generation,
+            payload_len: self.region.len() as u64,
+            checksum: self.checksum,
+        };
+        validate_slot(&whole, self.payload_capacity, &expected).map(|_| ())
+    }
+}
+
+impl Deref for PinnedBlock {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.region
+    }
+}
+
+impl Drop for PinnedBlock {
+    fn drop(&mut self) {
+        if let Some(tx) = self.release.take() {
+            let _ = tx.send(Release::Unpin(self.slot));
+        }
+    }
+}
+
+/// A slot allocated for a put: write the block into it (it derefs mutably
+/// to the slot's payload in the pool), then [`Client::commit`] it. Dropped
+/// without commit, the allocation is aborted.
+pub struct WritableBlock {
+    region: WriteRegion,
+    key: Key,
+    slot: SlotRef,
+    release: Option<mpsc::UnboundedSender<Release>>,
+}
+
+impl WritableBlock {
+    /// The key being put.
+    pub fn key(&self) -> Key {
+        self.key
+    }
+    /// The allocated slot.
+    pub fn slot(&self) -> SlotRef {
+        self.slot
+    }
+}
+
+impl Deref for WritableBlock {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.region
+    }
+}
+
+impl DerefMut for WritableBlock {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.region
+    }
+}
+
+impl Drop for WritableBlock {
+    fn drop(&mut self) {
+        if let Some(tx) = self.release.take() {
+            let _ = tx.send(Release::Abort(self.slot));
+        }
+    }
+}
+
+/// Outcome of an allocation for one key.
+pub enum Allocation {
+    /// Write the block here, then commit.
+    Allocated(WritableBlock),
+    /// The key is already cached.
+    Exists,
+    /// Another put of the key is in progress.
+    InProgress,
+}
+
+/// Outcome of a commit for one block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CommitOutcome {
+    /// Stored; the checksum the daemon computed.
+    Committed(u64),
+    /// The allocation had expired or was unknown: not stored.
+    Lost,
+}
+
+/// Summary of [`Client::put`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PutSummary {
+    /// Blocks written and committed.
+    pub stored: u32,
+    /// Keys already cached (nothing written).
+    pub existed: u32,
+    /// Keys being put by someone else (nothing written).
+    pub in_progress: u32,
+    /// Allocations lost before commit (lease expired).
+    pub lost: u32,
+}
+
+fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, std::os::fd::OwnedFd)>), String> {
+    use std::io::Write;
+    let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    s.write_all(FD_HANDSHAKE_MAGIC).map_err(|e| format!("send: {e}"))?;
+    let mut buf = [0u8; 1024];
+    let (n, fds) = kvmesh_ffi_os::fdpass::recv_fds(s.as_fd(), &mut buf, kvmesh_common::handshake::POOLS_MAX)
+        .map_err(|e| format!("receive pool fds: {e}"))?;
+    let (instance, table) = kvmesh_common::handshake::decode(&buf[..n], fds.len())?;
+    Ok((
+        instance,
+        table
+            .into_iter()
+            .zip(fds)
+            .map(|(t, fd)| (pb::PoolInfo { index: t.pool, bytes: t.bytes, ..Default::default() }, fd))
+            .collect(),
+    ))
+}
+
+impl Client {
+    /// Connects to the daemon at the default socket path.
+    pub async fn connect_default() -> Result<Client> {
+        Client::connect(default_socket_path()).await
+    }
+
+    /// Connects to the daemon at `path`, receives and maps its pools.
+    pub async fn connect(path: impl AsRef<Path>) -> Result<Client> {
+        let path = path.as_ref().to_path_buf();
+        if !path.exists() {
+            return Err(ClientError::Connect {
+                path,
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no socket (is kvmeshd running?)"),
+            });
+        }
+        let hs_path = path.clone();
+        let (instance, fds) = tokio::task::spawn_blocking(move || handshake(&hs_path))
+            .await
+            .map_err(|e| ClientError::Protocol(format!("handshake task: {e}")))?
+            .map_err(|reason| ClientError::Handshake { path: path.clone(), reason })?;
+
+        // One connection per client: a reconnect would reach a daemon whose
+        // pools this client has not mapped, so it is refused.
+        let connects = Arc::new(AtomicU32::new(0));
+        let conn_path = path.clone();
+        let channel = Endpoint::from_static("http://kvmeshd.local")
+            .connect_timeout(Duration::from_secs(10))
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                let p = conn_path.clone();
+                let n = connects.fetch_add(1, Ordering::SeqCst);
+                async move {
+                    if n > 0 {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::ConnectionAborted,
+                            "connection to kvmeshd was lost; create a new client",
+                        ));
+                    }
+                    let s = tokio::net::UnixStream::connect(p).await?;
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                }
+            }))
+            .await
+            .map_err(|e| ClientError::Connect { path: path.clone(), source: std::io::Error::other(e) })?;
+        let mut rpc = EngineClient::new(channel).max_decoding_message_size(16 << 20).max_encoding_message_size(16 << 20);
+        let hello = rpc.hello(pb::HelloRequest {}).await?.into_inner();
+        let bad = |reason: String| ClientError::Handshake { path: path.clone(), reason };
+        if hello.instance_id != instance {
+            return Err(bad("the daemon restarted during the handshake; retry".into()));
+        }
+        if hello.layout_version != kvmesh_common::LAYOUT_VERSION {
+            return Err(bad(format!(
+                "daemon speaks slot layout {}, this client {}",
+                hello.layout_version,
+                kvmesh_common::LAYOUT_VERSION
+            )));
+        }
+        let mut pools = Vec::new();
+        for (info, fd) in fds {
+            let Some(full) = hello.pools.iter().find(|p| p.index == info.index) else {
+                return Err(bad(format!("fd for pool {} that Hello does not describe", info.index)));
+            };
+            if full.bytes != info.bytes || full.index as usize != pools.len() {
+                return Err(bad(format!("pool {} described inconsistently", info.index)));
+            }
+            let map = Arc::new(SharedMapping::map(fd, info.bytes)?);
+            pools.push(PoolMap { map, info: full.clone() });
+        }
+        let (release_tx, release_rx) = mpsc::unbounded_channel();
+        tokio::spawn(release_loop(rpc.clone(), release_rx, hello.batch_keys_max.max(1) as usize));
+        Ok(Client { inner: Arc::new(Inner { rpc, pools, hello, release_tx, path }) })
+    }
+
+    fn rpc(&self) -> EngineClient<Channel> {
+        self.inner.rpc.clone()
+    }
+
+    /// The daemon's self-description (pools, limits, session id).
+    pub fn hello(&self) -> &pb::HelloResponse {
+        &self.inner.hello
+    }
+
+    /// The socket this client is connected to.
+    pub fn socket_path(&self) -> &Path {
+        &self.inner.path
+    }
+
+    /// Registers a namespace (or returns the existing identical one).
+    pub async fn register_namespace(&self, name: &str, block_bytes: u64, layout: &str) -> Result<Namespace> {
+        let r = pb::RegisterNamespaceRequest { name: name.into(), block_bytes, layout: layout.into() };
+        Ok(self.rpc().register_namespace(r).await?.into_inner().into())
+    }
+
+    /// Finds a registered namespace by name.
+    pub async fn namespace(&self, name: &str) -> Result<Namespace> {
+        Ok(self.rpc().get_namespace(pb::GetNamespaceRequest { name: name.into() }).await?.into_inner().into())
+    }
+
+    fn check_batch(&self, n: usize) -> Result<()> {
+        if n > self.inner.hello.batch_keys_max as usize {
+            return Err(ClientError::InvalidArgument(format!(
+                "batch of {n} keys exceeds the daemon's batch_keys_max ({})",
+                self.inner.hello.batch_keys_max
+            )));
+        }
+        Ok(())
+    }
+
+    /// Per-key presence and the longest cached prefix. Pins nothing.
+    pub async fn lookup(&self, ns: &Namespace, keys: &[Key]) -> Result<LookupResult> {
+        self.check_batch(keys.len())?;
+        let r = pb::LookupRequest { namespace_id: ns.id, keys: pb_keys(keys) };
+        let resp = self.rpc().lookup(r).await?.into_inner();
+        if resp.present.len() != keys.len() {
+            return Err(ClientError::Protocol(format!("lookup answered {} of {} keys", resp.present.len(), keys.len())));
+        }
+        Ok(LookupResult { present: resp.present, prefix_len: resp.prefix_len })
+    }
+
+    /// Pins the cached keys with the daemon's default lease.
+    pub async fn pin(&self, ns: &Namespace, keys: &[Key]) -> Result<Vec<Option<PinnedBlock>>> {
+        self.pin_with(ns, keys, PinOptions::default()).await
+    }
+
+    /// Pins the cached keys. One entry per key (`None` on a miss); with
+    /// `stop_at_first_miss`, entries end at the first miss.
+    pub async fn pin_with(&self, ns: &Namespace, keys: &[Key], opts: PinOptions) -> Result<Vec<Option<PinnedBlock>>> {
+        self.check_batch(keys.len())?;
+        let r = pb::PinRequest {
+            namespace_id: ns.id,
+            keys: pb_keys(keys),
+            lease_ms: opts.lease_ms,
+            stop_at_first_miss: opts.stop_at_first_miss,
+        };
+        let resp = self.rpc().pin(r).await?.into_inner();
+        if resp.blocks.len() > keys.len() {
+            return Err(ClientError::Protocol("pin answered more blocks than keys".into()));
+        }
+        let pool = self
+            .inner
+            .pools
+            .get(ns.pool as usize)
+            .ok_or_else(|| ClientError::Protocol(format!("namespace in unknown pool {}", ns.pool)))?;
+        let mut out = Vec::with_capacity(resp.blocks.len());
+        // Build guards for every hit first, so an error below still unpins
+        // the rest when the partially built vector drops.
+        for (b, &key) in resp.blocks.into_iter().zip(keys) {
+            if !b.hit {
+                out.push(None);
+                continue;
+            }
+            let s = b.slot.ok_or_else(|| ClientError::Protocol("hit without slot".into()))?;
+            let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
+            let release = Some(self.inner.release_tx.clone());
+            let region = match pool.map.read(b.payload_offset, b.payload_bytes) {
+                Ok(r) => r,
+                Err(e) => {
+                    let _ = self.inner.release_tx.send(Release::Unpin(slot));
+                    return Err(e.into());
+                }
+            };
+            out.push(Some(PinnedBlock {
+                region,
+                key,
+                slot,
+                version: b.version,
+                checksum: b.checksum,
+                fingerprint: ns.fingerprint,
+                lease_deadline_unix_ms: resp.lease_deadline_unix_ms,
+                pool: Arc::clone(&pool.map),
+                stride: pool.info.slot_stride_bytes,
+                payload_capacity: pool.info.slot_payload_bytes,
+                release,
+            }));
+        }
+        Ok(out)
+    }
+
+    /// Unpins now and waits for the daemon's answer (dropping the guards
+    /// unpins too, in the background).
+    pub async fn unpin(&self, blocks: Vec<PinnedBlock>) -> Result<u32> {
+        let mut refs = Vec::with_capacity(blocks.len());
+        for mut b in blocks {
+            b.release = None;
+            refs.push(b.slot.into());
+        }
+        let mut released = 0;
+        for chunk in refs.chunks(self.inner.hello.batch_keys_max.max(1) as usize) {
+            released += self.rpc().unpin(pb::UnpinRequest { slots: chunk.to_vec() }).await?.into_inner().released;
+        }
+        Ok(released)
+    }
+
+    /// Waits until every unpin or abort queued by dropped guards so far has
+    /// reached the daemon.
+    pub async fn flush_releases(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.inner.release_tx.send(Release::Flush(tx)).is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// Copies cached blocks into `dst` (`keys.len()` blocks back to back,
+    /// each `ns.block_bytes` long). Returns per-key hit flags; the bytes of
+    /// a miss are left untouched.
+    pub async fn get_into(&self, ns: &Namespace, keys: &[Key], dst: &mut [u8]) -> Result<Vec<bool>> {
+        let bs = ns.block_bytes as usize;
+        if dst.len() != keys.len() * bs {
+            return Err(ClientError::InvalidArgument(format!(
+                "destination is {} bytes, expected {} ({} blocks of {bs})",
+                dst.len(),
+                keys.len() * bs,
+                keys.len()
+            )));
+        }
+        let blocks = self.pin(ns, keys).await?;
+        let mut hits = vec![false; keys.len()];
+        let mut held = Vec::with_capacity(blocks.len());
+        for (i, b) in blocks.into_iter().enumerate() {
+            if let Some(b) = b {
+                dst[i * bs..(i + 1) * bs].copy_from_slice(&b);
+                hits[i] = true;
+                held.push(b);
+            }
+        }
+        // A copy that outlived its lease may have raced a reuse of the slot.
+        if held.iter().any(|b| b.lease_remaining().is_zero()) {
+            drop(held);
+            return Err(ClientError::Protocol("copy finished after the pin lease expired; retry".into()));
+        }
+        if !held.is_empty() {
+            self.unpin(held).await?;
+        }
+        Ok(hits)
+    }
+
+    /// Put, phase one: reserves a slot per absent key.
+    pub async fn allocate(&self, ns: &Namespace, keys: &[Key]) -> Result<Vec<Allocation>> {
+        self.allocate_with_lease(ns, keys, 0).await
+    }
+
+    /// As [`Client::allocate`] with an explicit lease (0: daemon default).
+    pub async fn allocate_with_lease(&self, ns: &Namespace, keys: &[Key], lease_ms: u64) -> Result<Vec<Allocation>> {
+        self.check_batch(keys.len())?;
+        let r = pb::AllocateRequest { namespace_id: ns.id, keys: pb_keys(keys), lease_ms };
+        let resp = self.rpc().allocate(r).await?.into_inner();
+        if resp.allocations.len() != keys.len() {
+            return Err(ClientError::Protocol("allocate answered a different number of keys".into()));
+        }
+        let pool = self
+            .inner
+            .pools
+            .get(ns.pool as usize)
+            .ok_or_else(|| ClientError::Protocol(format!("namespace in unknown pool {}", ns.pool)))?;
+        let mut out = Vec::with_capacity(keys.len());
+        for (a, &key) in resp.allocations.into_iter().zip(keys) {
+            out.push(match pb::AllocateStatus::try_from(a.status) {
+                Ok(pb::AllocateStatus::Allocated) => {
+                    let s = a.slot.ok_or_else(|| ClientError::Protocol("allocation without slot".into()))?;
+                    let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
+                    let region = match pool.map.write(a.payload_offset, ns.block_bytes) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            let _ = self.inner.release_tx.send(Release::Abort(slot));
+                            return Err(e.into());
+                        }
+                    };
+                    Allocation::Allocated(WritableBlock {
+                        region,
+                        key,
+                        slot,
+                        release: Some(self.inner.release_tx.clone()),
+                    })
+                }
+                Ok(pb::AllocateStatus::Exists) => Allocation::Exists,
+                Ok(pb::AllocateStatus::InProgress) => Allocation::InProgress,
+                _ => return Err(ClientError::Protocol(format!("unknown allocation status {}", a.status))),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Put, phase two: the daemon checksums the written blocks and makes
+    /// them visible.
+    pub async fn commit(&self, blocks: Vec<WritableBlock>) -> Result<Vec<CommitOutcome>> {
+        self.check_batch(blocks.len())?;
+        let mut refs = Vec::with_capacity(blocks.len());
+        for mut b in blocks {
+            b.release = None;
+            refs.push(b.slot.into());
+            // dropping `b` here releases the write claim before the commit
+        }
+        let resp = self.rpc().commit(pb::CommitRequest { slots: refs }).await?.into_inner();
+        Ok(resp
+            .status
+            .iter()
+            .zip(resp.checksums.iter().chain(std::iter::repeat(&0)))
+            .map(|(&s, &c)| {
+                if s == pb::CommitStatus::Committed as i32 { CommitOutcome::Committed(c) } else { CommitOutcome::Lost }
+            })
+            .collect())
+    }
+
+    /// Frees allocated, uncommitted slots.
+    pub async fn abort(&self, blocks: Vec<WritableBlock>) -> Result<u32> {
+        self.check_batch(blocks.len())?;
+        let mut refs = Vec::with_capacity(blocks.len());
+        for mut b in blocks {
+            b.release = None;
+            refs.push(b.slot.into());
+        }
+        Ok(self.rpc().abort(pb::AbortRequest { slots: refs }).await?.into_inner().aborted)
+    }
+
+    /// Stores whole blocks: allocate, copy into the pool, commit.
+    pub async fn put(&self, ns: &Namespace, blocks: &[(Key, &[u8])]) -> Result<PutSummary> {
+        for (k, b) in blocks {
+            if b.len() as u64 != ns.block_bytes {
+                return Err(ClientError::InvalidArgument(format!(
+                    "block {k} is {} bytes, namespace {} has blocks of {}",
+                    b.len(),
+                    ns.name,
+                    ns.block_bytes
+                )));
+            }
+        }
+        let keys: Vec<Key> = blocks.iter().map(|(k, _)| *k).collect();
+        let allocs = self.allocate(ns, &keys).await?;
+        let mut sum = PutSummary::default();
+        let mut writes = Vec::new();
+        for (a, (_, bytes)) in allocs.into_iter().zip(blocks) {
+            match a {
+                Allocation::Allocated(mut w) => {
+                    w.copy_from_slice(bytes);
+                    writes.push(w);
+                }
+                Allocation::Exists => sum.existed += 1,
+                Allocation::InProgress => sum.in_progress += 1,
+            }
+        }
+        if !writes.is_empty() {
+            for o in self.commit(writes).await? {
+                match o {
+                    CommitOutcome::Committed(_) => sum.stored += 1,
+                    CommitOutcome::Lost => sum.lost += 1,
+                }
+            }
+        }
+        Ok(sum)
+    }
+
+    /// Removes keys; per-key whether it was cached.
+    pub async fn remove(&self, ns: &Namespace, keys: &[Key]) -> Result<Vec<bool>> {
+        self.check_batch(keys.len())?;
+        let r = pb::RemoveRequest { namespace_id: ns.id, keys: pb_keys(keys) };
+        Ok(self.rpc().remove(r).await?.into_inner().removed)
+    }
+
+    /// Daemon statistics.
+    pub async fn stats(&self) -> Result<Stats> {
+        Ok(self.rpc().stats(pb::StatsRequest {}).await?.into_inner())
+    }
+}
+
+fn pb_keys(keys: &[Key]) -> Vec<pb::Key> {
+    keys.iter().map(|k| pb::Key { hi: k.hi(), lo: k.lo() }).collect()
+}
+
+async fn release_loop(mut rpc: EngineClient<Channel>, mut rx: mpsc::UnboundedReceiver<Release>, batch_max: usize) {
+    while let Some(first) = rx.recv().await {
+        let mut unpins = Vec::new();
+        let mut aborts = Vec::new();
+        let mut flushes = Vec::new();
+        let mut next = Some(first);
+        while let Some(r) = next {
+            match r {
+                Release::Unpin(s) => unpins.push(pb::SlotRef::from(s)),
+                Release::Abort(s) => aborts.push(pb::SlotRef::from(s)),
+                Release::Flush(tx) => flushes.push(tx),
+            }
+            if unpins.len() >= batch_max || aborts.len() >= batch_max || !flushes.is_empty() {
+                break;
+            }
+            next = rx.try_recv().ok();
+        }
+        if !unpins.is_empty()
+            && let Err(e) = rpc.unpin(pb::UnpinRequest { slots: unpins }).await
+        {
+            tracing::debug!("background unpin failed (the daemon releases pins of closed connections): {e}");
+        }
+        if !aborts.is_empty()
+            && let Err(e) = rpc.abort(pb::AbortRequest { slots: aborts }).await
+        {
+            tracing::debug!("background abort failed: {e}");
+        }
+        for f in flushes {
+            let _ = f.send(());
+        }
+    }
+}

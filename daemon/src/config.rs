@@ -1,0 +1,301 @@
+//! The daemon's TOML configuration: one file, every field with a default,
+//! unknown fields rejected, and every error naming the field at fault.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Deserializer};
+
+/// The default configuration, embedded in the binary (`kvmeshd` with no
+/// arguments runs on it; `kvmeshd --print-default-config` prints it).
+pub const DEFAULT_CONFIG: &str = include_str!("../kvmeshd.default.toml");
+
+/// Whole configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Engine socket.
+    #[serde(default)]
+    pub server: ServerConfig,
+    /// Limits on requests, sessions and leases.
+    #[serde(default)]
+    pub limits: LimitsConfig,
+    /// Eviction watermarks.
+    #[serde(default)]
+    pub eviction: EvictionConfig,
+    /// Memory pools (at least one).
+    #[serde(default)]
+    pub pools: Vec<PoolConfig>,
+}
+
+/// `[server]`
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServerConfig {
+    /// Path of the engine socket. Default: `$XDG_RUNTIME_DIR/kvmesh/kvmeshd.sock`,
+    /// else `/tmp/kvmesh-<uid>/kvmeshd.sock`.
+    pub socket: Option<PathBuf>,
+}
+
+/// `[limits]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitsConfig {
+    /// Most keys in one request.
+    pub batch_keys_max: u32,
+    /// Most concurrent engine connections.
+    pub sessions_max: u32,
+    /// Most pins one session holds at once.
+    pub pins_per_session_max: u32,
+    /// Most uncommitted allocations one session holds at once.
+    pub allocations_per_session_max: u32,
+    /// Most namespaces.
+    pub namespaces_max: u32,
+    /// Lease of a pin or allocation when the client asks for none.
+    pub lease_ms_default: u64,
+    /// Longest lease a client can get.
+    pub lease_ms_max: u64,
+    /// How often expired leases are reclaimed.
+    pub reaper_interval_ms: u64,
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        LimitsConfig {
+            batch_keys_max: 4096,
+            sessions_max: 256,
+            pins_per_session_max: 1 << 20,
+            allocations_per_session_max: 1 << 16,
+            namespaces_max: 1024,
+            lease_ms_default: 30_000,
+            lease_ms_max: 600_000,
+            reaper_interval_ms: 50,
+        }
+    }
+}
+
+/// `[eviction]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EvictionConfig {
+    /// When the used fraction of a pool exceeds this, evict...
+    pub high_watermark: f64,
+    /// ...down to this fraction.
+    pub low_watermark: f64,
+}
+
+impl Default for EvictionConfig {
+    fn default() -> Self {
+        EvictionConfig { high_watermark: 0.98, low_watermark: 0.95 }
+    }
+}
+
+/// `[[pools]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Name in stats and logs.
+    pub name: String,
+    /// `"host"` (GPU pools, `"cuda:N"`, come later).
+    #[serde(default = "default_device")]
+    pub device: String,
+    /// Size of the pool in bytes (integer, or a string such as `"256MiB"`).
+    #[serde(deserialize_with = "de_bytes")]
+    pub bytes: u64,
+    /// Largest block one slot holds (integer or `"1MiB"`).
+    #[serde(deserialize_with = "de_bytes")]
+    pub slot_payload_bytes: u64,
+    /// Lock the pool in RAM (`mlock`); failure is logged, not fatal.
+    #[serde(default = "yes")]
+    pub mlock: bool,
+}
+
+fn default_device() -> String {
+    "host".into()
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Parses `1048576`, `"1048576"`, `"1MiB"`, `"4 KiB"`, `"2GiB"`.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size (expected e.g. 268435456 or \"256MiB\")"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "TiB" => 1 << 40,
+        u => return Err(format!("unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB or TiB)")),
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows 64 bits"))
+}
+
+fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Raw {
+        N(u64),
+        S(String),
+    }
+    match Raw::deserialize(d)? {
+        Raw::N(n) => Ok(n),
+        Raw::S(s) => parse_bytes(&s).map_err(serde::de::Error::custom),
+    }
+}
+
+/// Most slots in one pool (slot indices are u32 on the wire; this keeps the
+/// per-slot bookkeeping bounded too).
+pub const POOL_SLOTS_MAX: u64 = 1 << 24;
+
+impl Config {
+    /// Parses and validates a configuration text; `origin` names it in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Config, String> {
+        let cfg: Config = toml::from_str(text).map_err(|e| format!("{origin}: {e}"))?;
+        cfg.validate().map_err(|e| format!("{origin}: {e}"))?;
+        Ok(cfg)
+    }
+
+    /// The embedded default configuration.
+    pub fn default_config() -> Config {
+        Config::parse(DEFAULT_CONFIG, "embedded default config").expect("embedded default config is valid")
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.pools.is_empty() {
+            return Err("pools: at least one [[pools]] entry is required".into());
+        }
+        if self.pools.len() > kvmesh_common::handshake::POOLS_MAX {
+            return Err(format!(
+                "pools: {} pools configured, at most {} are supported",
+                self.pools.len(),
+                kvmesh_common::handshake::POOLS_MAX
+            ));
+        }
+        for (i, p) in self.pools.iter().enumerate() {
+            let f = |field: &str| format!("pools[{i}] ({}).{field}", p.name);
+            if p.name.is_empty() || p.name.len() > 64 {
+                return Err(format!("pools[{i}].name: must be 1 to 64 characters"));
+            }
+            if self.pools[..i].iter().any(|q| q.name == p.name) {
+                return Err(format!("{}: duplicate pool name", f("name")));
+            }
+            if p.device != "host" {
+                let hint = if p.device.starts_with("cuda:") {
+                    "GPU pools are not implemented yet"
+                } else {
+                    "expected \"host\""
+                };
+                return Err(format!("{}: unsupported device {:?} ({hint})", f("device"), p.device));
+            }
+            if p.slot_payload_bytes < 64 || p.slot_payload_bytes > (1 << 30) {
+                return Err(format!(
+                    "{}: {} is out of range (64 B to 1 GiB)",
+                    f("slot_payload_bytes"),
+                    p.slot_payload_bytes
+                ));
+            }
+            let stride = kvmesh_common::slot::slot_stride(p.slot_payload_bytes);
+            let slots = p.bytes / stride;
+            if slots == 0 {
+                return Err(format!(
+                    "{}: {} bytes cannot hold one slot of {} bytes (payload {} + header and trailer)",
+                    f("bytes"),
+                    p.bytes,
+                    stride,
+                    p.slot_payload_bytes
+                ));
+            }
+            if slots > POOL_SLOTS_MAX {
+                return Err(format!(
+                    "{}: {} slots exceed the maximum of {} (use larger slots or a smaller pool)",
+                    f("bytes"),
+                    slots,
+                    POOL_SLOTS_MAX
+                ));
+            }
+        }
+        let l = &self.limits;
+        for (name, v) in [
+            ("batch_keys_max", l.batch_keys_max as u64),
+            ("sessions_max", l.sessions_max as u64),
+            ("pins_per_session_max", l.pins_per_session_max as u64),
+            ("allocations_per_session_max", l.allocations_per_session_max as u64),
+            ("namespaces_max", l.namespaces_max as u64),
+            ("lease_ms_default", l.lease_ms_default),
+            ("lease_ms_max", l.lease_ms_max),
+            ("reaper_interval_ms", l.reaper_interval_ms),
+        ] {
+            if v == 0 {
+                return Err(format!("limits.{name}: must be greater than 0"));
+            }
+        }
+        if l.batch_keys_max > 65536 {
+            return Err(format!("limits.batch_keys_max: {} exceeds 65536", l.batch_keys_max));
+        }
+        if l.lease_ms_default > l.lease_ms_max {
+            return Err(format!(
+                "limits.lease_ms_default: {} exceeds limits.lease_ms_max ({})",
+                l.lease_ms_default, l.lease_ms_max
+            ));
+        }
+        let e = &self.eviction;
+        if !(e.low_watermark > 0.0 && e.low_watermark <= e.high_watermark && e.high_watermark <= 1.0) {
+            return Err(format!(
+                "eviction: need 0 < low_watermark ({}) <= high_watermark ({}) <= 1",
+                e.low_watermark, e.high_watermark
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn embedded_default_parses() {
+        let c = Config::default_config();
+        assert_eq!(c.pools.len(), 1);
+        assert_eq!(c.pools[0].device, "host");
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("256MiB").unwrap(), 256 << 20);
+        assert_eq!(parse_bytes("4 KiB").unwrap(), 4096);
+        assert_eq!(parse_bytes("123").unwrap(), 123);
+        assert!(parse_bytes("12MB").unwrap_err().contains("unknown size unit"));
+        assert!(parse_bytes("lots").is_err());
+        assert!(parse_bytes("99999999999TiB").unwrap_err().contains("overflows"));
+    }
+
+    /// Each bad config gives an error that names the field.
+    #[test]
+    fn errors_name_the_field() {
+        let pool = "[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n";
+        let cases = [
+            ("", "at least one [[pools]]"),
+            ("[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\n", "slot_payload_bytes"),
+            ("[[pools]]\nname = \"p\"\nbytes = \"1XB\"\nslot_payload_bytes = 4096\n", "unknown size unit"),
+            ("[[pools]]\nname = \"p\"\nbytes = 100\nslot_payload_bytes = 4096\n", "pools[0] (p).bytes"),
+            ("[[pools]]\nname = \"p\"\ndevice = \"cuda:0\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n", "not implemented yet"),
+            ("[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\nbogus = 1\n", "bogus"),
+            (&format!("{pool}{pool}"), "duplicate pool name"),
+            (&format!("[limits]\nbatch_keys_max = 0\n{pool}"), "limits.batch_keys_max"),
+            (&format!("[limits]\nlease_ms_default = 10\nlease_ms_max = 5\n{pool}"), "limits.lease_ms_default"),
+            (&format!("[eviction]\nhigh_watermark = 0.5\nlow_watermark = 0.9\n{pool}"), "low_watermark"),
+            (&format!("[server]\nsockett = \"/x\"\n{pool}"), "sockett"),
+        ];
+        for (text, want) in cases {
+            let e = Config::parse(text, "test.toml").unwrap_err();
+            assert!(e.contains(want), "config {text:?}: error {e:?} does not mention {want:?}");
+            assert!(e.starts_with("test.toml: "), "{e}");
+        }
+        Config::parse(pool, "ok.toml").unwrap();
+    }
+}

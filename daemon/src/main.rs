@@ -1,0 +1,75 @@
+//! `kvmeshd`: runs the daemon on the embedded default config, or on
+//! `--config FILE`.
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use kvmeshd::Config;
+
+/// kvmesh daemon: shares KV-cache blocks with co-located inference engines.
+#[derive(Parser)]
+#[command(version, about)]
+struct Args {
+    /// TOML configuration file (default: the embedded default config).
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Override the engine socket path.
+    #[arg(long, value_name = "PATH")]
+    socket: Option<PathBuf>,
+    /// Print the embedded default configuration and exit.
+    #[arg(long)]
+    print_default_config: bool,
+    /// Check the configuration and exit.
+    #[arg(long)]
+    check_config: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    let args = Args::parse();
+    if args.print_default_config {
+        print!("{}", kvmeshd::config::DEFAULT_CONFIG);
+        return std::process::ExitCode::SUCCESS;
+    }
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = match &args.config {
+        Some(path) => std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read config {}: {e}", path.display()))
+            .and_then(|text| Config::parse(&text, &path.display().to_string())),
+        None => Ok(Config::default_config()),
+    };
+    let mut cfg = match cfg {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvmeshd: {e}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    if let Some(s) = args.socket {
+        cfg.server.socket = Some(s);
+    }
+    if args.check_config {
+        println!("configuration ok");
+        return std::process::ExitCode::SUCCESS;
+    }
+    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kvmeshd").build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("kvmeshd: cannot start runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(kvmeshd::server::run(cfg, std::future::pending(), true)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("kvmeshd: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,362 @@
+//! The engine socket: claiming the path safely, telling the fd handshake
+//! from gRPC on each new connection, tying each gRPC connection to a session
+//! that is released the moment the connection closes, the lease reaper, and
+//! graceful shutdown.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, anyhow, bail};
+use kvmesh_common::handshake::{FD_HANDSHAKE_MAGIC, PoolFd};
+use parking_lot::Mutex;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, Interest, ReadBuf};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc;
+use tonic::transport::server::Connected;
+
+use crate::config::Config;
+use crate::service::{ConnInfo, EngineService};
+use crate::store::{SessionId, Store};
+
+/// The default engine socket: `$XDG_RUNTIME_DIR/kvmesh/kvmeshd.sock`, else
+/// `/tmp/kvmesh-<uid>/kvmeshd.sock`. The client library uses the same rule.
+pub fn default_socket_path() -> PathBuf {
+    kvmesh_ffi_os::default_socket_path()
+}
+
+/// Holds the socket path for the life of the daemon: an exclusive lock on
+/// `<socket>.lock` proves that no other live daemon serves the path.
+pub struct SocketClaim {
+    path: PathBuf,
+    _lock: File,
+}
+
+impl Drop for SocketClaim {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn private_dir(dir: &Path) -> anyhow::Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) => {
+            if !m.is_dir() {
+                bail!("{} exists and is not a directory", dir.display());
+            }
+            if m.uid() != kvmesh_ffi_os::current_uid() || m.mode() & 0o077 != 0 {
+                bail!(
+                    "socket directory {} must be owned by uid {} with mode 0700 (found uid {}, mode {:o})",
+                    dir.display(),
+                    kvmesh_ffi_os::current_uid(),
+                    m.uid(),
+                    m.mode() & 0o777
+                );
+            }
+            Ok(())
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(dir)
+                .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+            Ok(())
+        }
+        Err(e) => Err(e).with_context(|| format!("cannot inspect socket directory {}", dir.display())),
+    }
+}
+
+/// Claims `path` for this daemon and binds it (mode 0600). A path held by a
+/// live daemon is an error; a stale socket file is removed.
+pub fn bind_socket(path: &Path, default_location: bool) -> anyhow::Result<(UnixListener, SocketClaim)> {
+    let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    if default_location {
+        private_dir(dir)?;
+    } else if !dir.is_dir() {
+        bail!("socket directory {} does not exist", dir.display());
+    }
+    let lock_path = PathBuf::from(format!("{}.lock", path.display()));
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .mode(0o600)
+        .open(&lock_path)
+        .with_context(|| format!("cannot open lock file {}", lock_path.display()))?;
+    match lock.try_lock() {
+        Ok(()) => {}
+        Err(std::fs::TryLockError::WouldBlock) => {
+            bail!("socket {} is held by a live daemon (lock file {} is locked)", path.display(), lock_path.display())
+        }
+        Err(std::fs::TryLockError::Error(e)) => {
+            return Err(e).with_context(|| format!("cannot lock {}", lock_path.display()));
+        }
+    }
+    if path.exists() {
+        tracing::info!(socket = %path.display(), "removing stale socket of a daemon that is gone");
+        std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
+    }
+    let listener = UnixListener::bind(path).with_context(|| format!("cannot bind {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok((listener, SocketClaim { path: path.to_path_buf(), _lock: lock }))
+}
+
+/// Releases a session's pins and allocations when its connection closes.
+struct SessionGuard {
+    session: SessionId,
+    store: Arc<Mutex<Store>>,
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        let (pins, allocs) = self.store.lock().release_session(self.session);
+        if pins + allocs > 0 {
+            tracing::info!(session = self.session, pins, allocs, "connection closed: released its pins and allocations");
+        } else {
+            tracing::debug!(session = self.session, "connection closed");
+        }
+    }
+}
+
+/// A gRPC connection that knows its session.
+struct TrackedStream {
+    inner: UnixStream,
+    guard: Arc<SessionGuard>,
+}
+
+impl Connected for TrackedStream {
+    type ConnectInfo = ConnInfo;
+    fn connect_info(&self) -> ConnInfo {
+        ConnInfo { session: self.guard.session }
+    }
+}
+
+impl AsyncRead for TrackedStream {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for TrackedStream {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+}
+
+/// How long a new connection may take to send its first byte.
+const FIRST_BYTE_TIMEOUT: Duration = Duration::from_secs(10);
+
+async fn peek_first(stream: &UnixStream) -> io::Result<u8> {
+    loop {
+        stream.readable().await?;
+        let mut b = [0u8; 1];
+        match stream.try_io(Interest::READABLE, || kvmesh_ffi_os::fdpass::peek(stream.as_fd(), &mut b)) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(_) => return Ok(b[0]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn send_pool_fds(mut stream: UnixStream, store: &Arc<Mutex<Store>>) -> io::Result<()> {
+    let mut magic = [0u8; FD_HANDSHAKE_MAGIC.len()];
+    stream.read_exact(&mut magic).await?;
+    if &magic != FD_HANDSHAKE_MAGIC {
+        return Err(io::Error::other("bad fd handshake magic"));
+    }
+    let (instance, maps): (u64, Vec<_>) = {
+        let st = store.lock();
+        (st.instance_id, st.pools().iter().map(|p| (p.index, Arc::clone(&p.mapping))).collect())
+    };
+    let table: Vec<PoolFd> = maps.iter().map(|(i, m)| PoolFd { pool: *i, bytes: m.len() }).collect();
+    let payload = kvmesh_common::handshake::encode(instance, &table);
+    let fds: Vec<_> = maps.iter().map(|(_, m)| m.fd()).collect();
+    loop {
+        stream.writable().await?;
+        match stream.try_io(Interest::WRITABLE, || kvmesh_ffi_os::fdpass::send_fds(stream.as_fd(), &payload, &fds)) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Tells each new connection apart: the fd handshake is answered here,
+/// gRPC connections are handed to the server with a fresh session.
+async fn classify(
+    stream: UnixStream,
+    store: Arc<Mutex<Store>>,
+    next_session: Arc<AtomicU64>,
+    to_grpc: mpsc::Sender<io::Result<TrackedStream>>,
+) {
+    let first = match tokio::time::timeout(FIRST_BYTE_TIMEOUT, peek_first(&stream)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => {
+            tracing::debug!("connection closed before its first byte: {e}");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!("connection sent nothing for {FIRST_BYTE_TIMEOUT:?}; closed");
+            return;
+        }
+    };
+    if first == FD_HANDSHAKE_MAGIC[0] {
+        if let Err(e) = send_pool_fds(stream, &store).await {
+            tracing::warn!("fd handshake failed: {e}");
+        }
+        return;
+    }
+    let session = next_session.fetch_add(1, Ordering::Relaxed);
+    let guard = Arc::new(SessionGuard { session, store });
+    let _ = to_grpc.send(Ok(TrackedStream { inner: stream, guard })).await;
+}
+
+/// Tells systemd (when started with `Type=notify`) that the daemon is ready.
+fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let sock = match std::os::unix::net::UnixDatagram::unbound() {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("sd_notify: {e}");
+            return;
+        }
+    };
+    let bytes = path.as_encoded_bytes();
+    let res = if let Some(name) = bytes.strip_prefix(b"@") {
+        use std::os::linux::net::SocketAddrExt;
+        std::os::unix::net::SocketAddr::from_abstract_name(name).and_then(|a| sock.send_to_addr(state.as_bytes(), &a))
+    } else {
+        sock.send_to(state.as_bytes(), Path::new(&path))
+    };
+    if let Err(e) = res {
+        tracing::warn!("sd_notify to {:?} failed: {e}", path);
+    }
+}
+
+/// Runs the daemon until `shutdown` resolves (or a SIGTERM/SIGINT arrives
+/// when `handle_signals`).
+pub async fn run(
+    cfg: Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    handle_signals: bool,
+) -> anyhow::Result<()> {
+    let (path, default_location) = match &cfg.server.socket {
+        Some(p) => (p.clone(), false),
+        None => (default_socket_path(), true),
+    };
+    let (listener, claim) = bind_socket(&path, default_location)?;
+    let reaper_every = Duration::from_millis(cfg.limits.reaper_interval_ms);
+    let store = Arc::new(Mutex::new(Store::new(cfg).map_err(|e| anyhow!("{e}"))?));
+    tracing::info!(socket = %path.display(), "kvmeshd listening");
+
+    let (tx, rx) = mpsc::channel::<io::Result<TrackedStream>>(64);
+    let next_session = Arc::new(AtomicU64::new(1));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+
+    // Accept loop.
+    let accept_store = Arc::clone(&store);
+    let mut stop_accept = stop_rx.clone();
+    let accept = tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                r = listener.accept() => match r {
+                    Ok((stream, _)) => {
+                        tokio::spawn(classify(stream, Arc::clone(&accept_store), Arc::clone(&next_session), tx.clone()));
+                    }
+                    Err(e) => {
+                        tracing::warn!("accept failed: {e}");
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                },
+                _ = stop_accept.changed() => break,
+            }
+        }
+    });
+
+    // Lease reaper.
+    let reaper_store = Arc::clone(&store);
+    let mut stop_reaper = stop_rx.clone();
+    let reaper = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(reaper_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => {
+                    let n = reaper_store.lock().expire(Instant::now());
+                    if n > 0 {
+                        tracing::info!(expired = n, "reclaimed pins/allocations whose lease passed");
+                    }
+                }
+                _ = stop_reaper.changed() => break,
+            }
+        }
+    });
+
+    let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(EngineService::new(Arc::clone(&store)))
+        .max_decoding_message_size(16 << 20)
+        .max_encoding_message_size(16 << 20);
+    let mut stop_grpc = stop_rx.clone();
+    let incoming = tokio_stream::wrappers::ReceiverStream::new(rx);
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = stop_grpc.changed().await;
+            }),
+    );
+
+    sd_notify("READY=1");
+    let signals = async move {
+        if !handle_signals {
+            return std::future::pending::<&'static str>().await;
+        }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = tokio::signal::ctrl_c() => "SIGINT",
+        }
+    };
+    tokio::select! {
+        why = signals => tracing::info!("{why} received: shutting down"),
+        _ = shutdown => tracing::info!("shutdown requested"),
+    }
+    sd_notify("STOPPING=1");
+    let _ = stop_tx.send(true);
+    let _ = accept.await;
+    let _ = reaper.await;
+    // Give in-flight calls a moment; engines see their connection close.
+    match tokio::time::timeout(Duration::from_secs(5), grpc).await {
+        Ok(Ok(Err(e))) => tracing::warn!("grpc server ended with error: {e}"),
+        Err(_) => tracing::warn!("grpc server did not stop within 5 s"),
+        _ => {}
+    }
+    drop(claim);
+    tracing::info!("kvmeshd stopped");
+    Ok(())
+}

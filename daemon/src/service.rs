@@ -1,0 +1,297 @@
+//! The engine gRPC service: decodes batched requests, runs them against the
+//! store under its lock, and encodes the answers. Each request is tied to the
+//! session of the connection it arrived on (see `server`), so pins and
+//! allocations die with the connection.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use kvmesh_common::Key;
+use kvmesh_proto::engine::v1 as pb;
+use parking_lot::Mutex;
+use tonic::{Request, Response, Status};
+
+use crate::error::Error;
+use crate::store::{AllocOutcome, SessionId, SlotRef, Store};
+
+/// Connection identity attached to every request by the server.
+#[derive(Clone, Debug)]
+pub struct ConnInfo {
+    /// The session (connection) id.
+    pub session: SessionId,
+}
+
+/// Commits whose payload is larger than this are checksummed on a blocking
+/// thread, so no tokio worker is held for long.
+const INLINE_CHECKSUM_BYTES_MAX: u64 = 256 << 10;
+
+/// The engine service.
+#[derive(Clone)]
+pub struct EngineService {
+    store: Arc<Mutex<Store>>,
+    started: Instant,
+}
+
+impl EngineService {
+    /// A service over `store`.
+    pub fn new(store: Arc<Mutex<Store>>) -> Self {
+        EngineService { store, started: Instant::now() }
+    }
+}
+
+fn session_of<T>(req: &Request<T>) -> Result<SessionId, Status> {
+    req.extensions()
+        .get::<ConnInfo>()
+        .map(|c| c.session)
+        .ok_or_else(|| Status::internal("request without connection info"))
+}
+
+fn keys(ks: &[pb::Key]) -> Vec<Key> {
+    ks.iter().map(|k| Key::from_parts(k.hi, k.lo)).collect()
+}
+
+fn refs(rs: &[pb::SlotRef]) -> Vec<SlotRef> {
+    rs.iter().map(|r| SlotRef { pool: r.pool, slot: r.slot, generation: r.generation }).collect()
+}
+
+fn pb_ref(r: SlotRef) -> pb::SlotRef {
+    pb::SlotRef { pool: r.pool, slot: r.slot, generation: r.generation }
+}
+
+fn ns_info(ns: crate::store::Namespace) -> pb::NamespaceInfo {
+    pb::NamespaceInfo {
+        id: ns.id,
+        name: ns.name,
+        block_bytes: ns.block_bytes,
+        layout: ns.layout,
+        pool: ns.pool,
+        fingerprint: ns.fingerprint,
+    }
+}
+
+impl EngineService {
+    /// Refuses requests of a connection that exceeded `limits.sessions_max`.
+    fn admitted(&self, session: SessionId) -> Result<(), Status> {
+        let mut st = self.store.lock();
+        st.open_session(session).map_err(Status::from)
+    }
+}
+
+#[tonic::async_trait]
+impl pb::engine_server::Engine for EngineService {
+    async fn hello(&self, req: Request<pb::HelloRequest>) -> Result<Response<pb::HelloResponse>, Status> {
+        let session = session_of(&req)?;
+        self.admitted(session)?;
+        let st = self.store.lock();
+        let l = &st.config().limits;
+        Ok(Response::new(pb::HelloResponse {
+            daemon_version: env!("CARGO_PKG_VERSION").into(),
+            layout_version: kvmesh_common::LAYOUT_VERSION,
+            pools: st
+                .pools()
+                .iter()
+                .map(|p| pb::PoolInfo {
+                    index: p.index,
+                    name: p.name.clone(),
+                    device: p.device.clone(),
+                    bytes: p.mapping.len(),
+                    slot_stride_bytes: p.stride,
+                    slot_payload_bytes: p.slot_payload_bytes,
+                    slots: p.slot_count(),
+                    payload_offset_bytes: kvmesh_common::slot::HEADER_BYTES as u32,
+                })
+                .collect(),
+            batch_keys_max: l.batch_keys_max,
+            lease_ms_default: l.lease_ms_default,
+            lease_ms_max: l.lease_ms_max,
+            session_id: session,
+            instance_id: st.instance_id,
+        }))
+    }
+
+    async fn register_namespace(
+        &self,
+        req: Request<pb::RegisterNamespaceRequest>,
+    ) -> Result<Response<pb::NamespaceInfo>, Status> {
+        self.admitted(session_of(&req)?)?;
+        let r = req.into_inner();
+        let ns = self.store.lock().register_namespace(&r.name, r.block_bytes, &r.layout)?;
+        Ok(Response::new(ns_info(ns)))
+    }
+
+    async fn get_namespace(
+        &self,
+        req: Request<pb::GetNamespaceRequest>,
+    ) -> Result<Response<pb::NamespaceInfo>, Status> {
+        self.admitted(session_of(&req)?)?;
+        let ns = self.store.lock().namespace_by_name(&req.into_inner().name)?;
+        Ok(Response::new(ns_info(ns)))
+    }
+
+    async fn lookup(&self, req: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
+        self.admitted(session_of(&req)?)?;
+        let r = req.into_inner();
+        let (present, prefix_len) = self.store.lock().lookup(r.namespace_id, &keys(&r.keys))?;
+        Ok(Response::new(pb::LookupResponse { present, prefix_len }))
+    }
+
+    async fn pin(&self, req: Request<pb::PinRequest>) -> Result<Response<pb::PinResponse>, Status> {
+        let session = session_of(&req)?;
+        self.admitted(session)?;
+        let r = req.into_inner();
+        let ks = keys(&r.keys);
+        let now = Instant::now();
+        let (out, deadline) =
+            self.store.lock().pin(session, r.namespace_id, &ks, r.lease_ms, r.stop_at_first_miss, now)?;
+        let prefix_len = out.iter().take_while(|o| o.is_some()).count() as u32;
+        let blocks = out
+            .into_iter()
+            .map(|o| match o {
+                Some(p) => pb::PinnedBlock {
+                    hit: true,
+                    slot: Some(pb_ref(p.slot)),
+                    payload_offset: p.payload_offset,
+                    payload_bytes: p.payload_bytes,
+                    version: p.version,
+                    checksum: p.checksum,
+                },
+                None => pb::PinnedBlock::default(),
+            })
+            .collect();
+        Ok(Response::new(pb::PinResponse {
+            blocks,
+            prefix_len,
+            lease_deadline_unix_ms: crate::store::unix_ms(deadline, now),
+        }))
+    }
+
+    async fn unpin(&self, req: Request<pb::UnpinRequest>) -> Result<Response<pb::UnpinResponse>, Status> {
+        let session = session_of(&req)?;
+        let r = req.into_inner();
+        let (released, unknown) = self.store.lock().unpin(session, &refs(&r.slots))?;
+        Ok(Response::new(pb::UnpinResponse { released, unknown }))
+    }
+
+    async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
+        let session = session_of(&req)?;
+        self.admitted(session)?;
+        let r = req.into_inner();
+        let now = Instant::now();
+        let (out, deadline) = self.store.lock().allocate(session, r.namespace_id, &keys(&r.keys), r.lease_ms, now)?;
+        let allocations = out
+            .into_iter()
+            .map(|o| match o {
+                AllocOutcome::Allocated { slot, payload_offset } => pb::Allocation {
+                    status: pb::AllocateStatus::Allocated as i32,
+                    slot: Some(pb_ref(slot)),
+                    payload_offset,
+                },
+                AllocOutcome::Exists => {
+                    pb::Allocation { status: pb::AllocateStatus::Exists as i32, ..Default::default() }
+                }
+                AllocOutcome::InProgress => {
+                    pb::Allocation { status: pb::AllocateStatus::InProgress as i32, ..Default::default() }
+                }
+            })
+            .collect();
+        Ok(Response::new(pb::AllocateResponse {
+            allocations,
+            lease_deadline_unix_ms: crate::store::unix_ms(deadline, now),
+        }))
+    }
+
+    async fn commit(&self, req: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
+        let session = session_of(&req)?;
+        let r = req.into_inner();
+        let jobs = self.store.lock().begin_commit(session, &refs(&r.slots))?;
+        // The slots now belong to this commit, not to the session: finish it
+        // in a task of its own so a client that disconnects mid-call cannot
+        // strand them in the committing state.
+        let store = Arc::clone(&self.store);
+        let task = tokio::spawn(async move {
+            let total: u64 = jobs.iter().flatten().map(|j| j.len).sum();
+            let sums = move || {
+                jobs.into_iter()
+                    .map(|j| {
+                        j.map(|j| {
+                            let region = j.mapping.read(j.offset, j.len).expect("commit region inside pool");
+                            (j.slot, kvmesh_common::checksum(&region))
+                        })
+                    })
+                    .collect::<Vec<_>>()
+            };
+            let sums = if total > INLINE_CHECKSUM_BYTES_MAX {
+                tokio::task::spawn_blocking(sums).await.expect("checksum task panicked")
+            } else {
+                sums()
+            };
+            let done: Vec<_> = sums.iter().flatten().copied().collect();
+            store.lock().finish_commit(&done);
+            sums
+        });
+        let sums = task.await.map_err(|e| Error::Internal(format!("commit task failed: {e}")))?;
+        let status = sums
+            .iter()
+            .map(|s| {
+                (if s.is_some() { pb::CommitStatus::Committed } else { pb::CommitStatus::UnknownAllocation }) as i32
+            })
+            .collect();
+        let checksums = sums.iter().map(|s| s.map_or(0, |(_, c)| c)).collect();
+        Ok(Response::new(pb::CommitResponse { status, checksums }))
+    }
+
+    async fn abort(&self, req: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
+        let session = session_of(&req)?;
+        let r = req.into_inner();
+        let (aborted, unknown) = self.store.lock().abort(session, &refs(&r.slots))?;
+        Ok(Response::new(pb::AbortResponse { aborted, unknown }))
+    }
+
+    async fn remove(&self, req: Request<pb::RemoveRequest>) -> Result<Response<pb::RemoveResponse>, Status> {
+        self.admitted(session_of(&req)?)?;
+        let r = req.into_inner();
+        let removed = self.store.lock().remove(r.namespace_id, &keys(&r.keys))?;
+        Ok(Response::new(pb::RemoveResponse { removed }))
+    }
+
+    async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
+        let _ = session_of(&req)?;
+        let s = self.store.lock().stats();
+        let c = s.counters;
+        Ok(Response::new(pb::StatsResponse {
+            pools: s
+                .pools
+                .into_iter()
+                .map(|p| pb::PoolStats {
+                    name: p.name,
+                    device: p.device,
+                    bytes: p.bytes,
+                    slot_payload_bytes: p.slot_payload_bytes,
+                    slots: p.slots,
+                    free: p.free,
+                    valid: p.valid,
+                    pending: p.pending,
+                    pinned: p.pinned,
+                    zombie: p.zombie,
+                    mlocked: p.mlocked,
+                })
+                .collect(),
+            namespaces: s.namespaces,
+            sessions: s.sessions,
+            pins_outstanding: s.pins_outstanding,
+            allocations_outstanding: s.allocations_outstanding,
+            lookups: c.lookups,
+            hits: c.hits,
+            misses: c.misses,
+            pins: c.pins,
+            commits: c.commits,
+            aborts: c.aborts,
+            evictions: c.evictions,
+            removes: c.removes,
+            lease_expirations: c.lease_expirations,
+            session_releases: c.session_releases,
+            resource_exhausted: c.resource_exhausted,
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+        }))
+    }
+}

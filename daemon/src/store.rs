@@ -1,0 +1,1114 @@
+//! The block store: pools of slots, the (namespace, key) index, S3-FIFO
+//! eviction, and the pins and allocations of every engine session.
+//!
+//! **Invariants** (checked by tests, kept in release builds where cheap):
+//! - a slot is reused (generation bumped) only when it is Free, and it
+//!   becomes Free only with no pins and no pending allocation on it;
+//! - a pinned slot is never evicted; a removed pinned slot (zombie) leaves
+//!   the index at once and is freed by its last unpin;
+//! - every pin and every pending allocation belongs to exactly one session
+//!   and has a lease deadline; closing the session or passing the deadline
+//!   releases it;
+//! - the index maps a key to a Pending slot (an uncommitted put) or a Valid
+//!   slot, never to a Free or zombie one.
+//!
+//! All state sits behind one mutex; every operation is O(batch) except
+//! eviction, which is O(slots visited) and bounded by the queue lengths.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kvmesh_common::slot::{HEADER_BYTES, SlotMeta, SlotState, slot_stride, trailer_offset};
+use kvmesh_common::{Key, namespace_fingerprint};
+use kvmesh_ffi_os::SharedMapping;
+
+use crate::config::Config;
+use crate::error::Error;
+
+/// Identifies an engine connection.
+pub type SessionId = u64;
+
+/// One use of one slot: (pool, slot, generation).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SlotRef {
+    /// Pool index.
+    pub pool: u32,
+    /// Slot index within the pool.
+    pub slot: u32,
+    /// Generation of the slot at the time of the reference.
+    pub generation: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Free,
+    /// Allocated to `session` for a put, not yet committed.
+    Pending { session: SessionId },
+    /// Commit in progress (checksumming): owned by the commit task.
+    Committing,
+    Valid,
+    /// Removed or evicted while pinned: out of the index, freed on last unpin.
+    Zombie,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Queue {
+    None,
+    Small,
+    Main,
+}
+
+#[derive(Debug)]
+struct Slot {
+    state: State,
+    generation: u64,
+    pins: u32,
+    ns: u32,
+    key: Key,
+    version: u64,
+    checksum: u64,
+    payload_len: u64,
+    freq: u8,
+    queue: Queue,
+}
+
+/// A pool of fixed-size slots in one shared mapping.
+pub struct Pool {
+    /// Index in the daemon's pool list.
+    pub index: u32,
+    /// Name from the config.
+    pub name: String,
+    /// Device from the config.
+    pub device: String,
+    /// The memory.
+    pub mapping: Arc<SharedMapping>,
+    /// Largest payload of a slot.
+    pub slot_payload_bytes: u64,
+    /// Distance between slots.
+    pub stride: u64,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    small: VecDeque<(u32, u64)>,
+    main: VecDeque<(u32, u64)>,
+    small_live: usize,
+    main_live: usize,
+    ghost: VecDeque<u64>,
+    ghost_set: HashSet<u64>,
+    valid: u32,
+    pending: u32,
+    pinned: u32,
+    zombie: u32,
+}
+
+impl Pool {
+    fn slot_offset(&self, slot: u32) -> u64 {
+        slot as u64 * self.stride
+    }
+    /// Offset of a slot's payload in the mapping.
+    pub fn payload_offset(&self, slot: u32) -> u64 {
+        self.slot_offset(slot) + HEADER_BYTES as u64
+    }
+    /// Number of slots.
+    pub fn slot_count(&self) -> u32 {
+        self.slots.len() as u32
+    }
+    fn used(&self) -> u32 {
+        self.slot_count() - self.free.len() as u32
+    }
+
+    fn write_meta(&self, slot: u32, meta: &SlotMeta) {
+        let off = self.slot_offset(slot);
+        // The daemon is the only writer of headers and trailers, and it writes
+        // them under the store lock, so these claims never conflict.
+        self.mapping.copy_in(off, &meta.encode_header()).expect("header write within pool");
+        self.mapping
+            .copy_in(off + trailer_offset(self.slot_payload_bytes), &meta.encode_trailer())
+            .expect("trailer write within pool");
+    }
+
+    fn meta_of(&self, slot: u32, state: SlotState, fingerprint: u64) -> SlotMeta {
+        let s = &self.slots[slot as usize];
+        SlotMeta {
+            state,
+            namespace: fingerprint,
+            key: s.key,
+            version: s.version,
+            generation: s.generation,
+            payload_len: s.payload_len,
+            checksum: s.checksum,
+        }
+    }
+
+    fn ghost_add(&mut self, h: u64) {
+        if self.ghost_set.insert(h) {
+            self.ghost.push_back(h);
+            while self.ghost.len() > self.slots.len() {
+                if let Some(old) = self.ghost.pop_front() {
+                    self.ghost_set.remove(&old);
+                }
+            }
+        }
+    }
+}
+
+/// A registered namespace.
+#[derive(Clone, Debug)]
+pub struct Namespace {
+    /// Handle used by requests.
+    pub id: u32,
+    /// Name.
+    pub name: String,
+    /// Size of every block in bytes.
+    pub block_bytes: u64,
+    /// Layout fingerprint string.
+    pub layout: String,
+    /// Pool holding its blocks.
+    pub pool: u32,
+    /// Fingerprint written into slot headers.
+    pub fingerprint: u64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum LeaseKind {
+    Pin,
+    Alloc,
+}
+
+#[derive(Default)]
+struct Session {
+    /// Pins: slot -> (count, deadline key in the lease map).
+    pins: HashMap<SlotRef, (u32, (Instant, u64))>,
+    /// Pending allocations: slot -> deadline key.
+    allocs: HashMap<SlotRef, (Instant, u64)>,
+}
+
+/// Counters exported by `Stats`.
+#[derive(Default, Clone, Debug)]
+pub struct Counters {
+    /// Lookup calls.
+    pub lookups: u64,
+    /// Keys found by lookup or pin.
+    pub hits: u64,
+    /// Keys not found by lookup or pin.
+    pub misses: u64,
+    /// Pins granted.
+    pub pins: u64,
+    /// Blocks committed.
+    pub commits: u64,
+    /// Allocations aborted (explicitly, by lease expiry or by disconnect).
+    pub aborts: u64,
+    /// Blocks evicted.
+    pub evictions: u64,
+    /// Blocks removed by request.
+    pub removes: u64,
+    /// Pins or allocations reclaimed because their lease passed.
+    pub lease_expirations: u64,
+    /// Pins and allocations released because their session closed.
+    pub session_releases: u64,
+    /// Requests refused with RESOURCE_EXHAUSTED.
+    pub resource_exhausted: u64,
+}
+
+/// Result of a pin of one key.
+#[derive(Clone, Copy, Debug)]
+pub struct PinOutcome {
+    /// The pinned slot.
+    pub slot: SlotRef,
+    /// Payload offset in the pool mapping.
+    pub payload_offset: u64,
+    /// Payload length.
+    pub payload_bytes: u64,
+    /// Block version.
+    pub version: u64,
+    /// Payload checksum.
+    pub checksum: u64,
+}
+
+/// Result of an allocation of one key.
+#[derive(Clone, Copy, Debug)]
+pub enum AllocOutcome {
+    /// Write the block at `payload_offset`, then commit `slot`.
+    Allocated {
+        /// The reserved slot.
+        slot: SlotRef,
+        /// Where to write.
+        payload_offset: u64,
+    },
+    /// Already cached.
+    Exists,
+    /// Another put of this key is in progress.
+    InProgress,
+}
+
+/// A slot handed to a commit task: checksum `len` bytes at `offset`.
+#[derive(Clone)]
+pub struct CommitJob {
+    /// The slot.
+    pub slot: SlotRef,
+    /// Pool mapping to read.
+    pub mapping: Arc<SharedMapping>,
+    /// Payload offset.
+    pub offset: u64,
+    /// Payload length.
+    pub len: u64,
+}
+
+/// Per-pool figures for `Stats`.
+#[derive(Clone, Debug)]
+pub struct PoolStats {
+    /// Pool name.
+    pub name: String,
+    /// Device.
+    pub device: String,
+    /// Mapping size.
+    pub bytes: u64,
+    /// Slot payload size.
+    pub slot_payload_bytes: u64,
+    /// Slots.
+    pub slots: u32,
+    /// Free slots.
+    pub free: u32,
+    /// Valid slots.
+    pub valid: u32,
+    /// Pending or committing slots.
+    pub pending: u32,
+    /// Valid slots with a pin.
+    pub pinned: u32,
+    /// Removed-while-pinned slots.
+    pub zombie: u32,
+    /// Whether the pool is mlocked.
+    pub mlocked: bool,
+}
+
+/// Whole-store figures for `Stats`.
+#[derive(Clone, Debug)]
+pub struct StoreStats {
+    /// Per pool.
+    pub pools: Vec<PoolStats>,
+    /// Registered namespaces.
+    pub namespaces: u32,
+    /// Open sessions.
+    pub sessions: u32,
+    /// Pins held (counting repeats).
+    pub pins_outstanding: u64,
+    /// Uncommitted allocations.
+    pub allocations_outstanding: u64,
+    /// Counters.
+    pub counters: Counters,
+}
+
+/// The store. Wrap it in a mutex; every method is short.
+pub struct Store {
+    pools: Vec<Pool>,
+    namespaces: Vec<Namespace>,
+    ns_by_name: HashMap<String, u32>,
+    index: HashMap<(u32, Key), (u32, u32)>,
+    sessions: HashMap<SessionId, Session>,
+    leases: BTreeMap<(Instant, u64), (SessionId, SlotRef, LeaseKind)>,
+    lease_seq: u64,
+    pins_outstanding: u64,
+    allocs_outstanding: u64,
+    cfg: Config,
+    /// Random per start; ties the fd handshake to the RPCs of this daemon.
+    pub instance_id: u64,
+    /// Counters for `Stats`.
+    pub counters: Counters,
+}
+
+fn ghost_hash(ns: u32, key: Key) -> u64 {
+    let mut b = [0u8; 20];
+    b[..4].copy_from_slice(&ns.to_le_bytes());
+    b[4..].copy_from_slice(&key.0.to_le_bytes());
+    kvmesh_common::checksum(&b)
+}
+
+/// Wall-clock unix milliseconds of a monotonic deadline.
+pub fn unix_ms(deadline: Instant, now: Instant) -> u64 {
+    let wall = SystemTime::now() + deadline.saturating_duration_since(now);
+    wall.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+impl Store {
+    /// Creates the pools of `cfg` (allocating and prefaulting their memory).
+    pub fn new(cfg: Config) -> Result<Store, Error> {
+        let mut pools = Vec::new();
+        for (i, p) in cfg.pools.iter().enumerate() {
+            let stride = slot_stride(p.slot_payload_bytes);
+            let n = (p.bytes / stride) as u32;
+            let mapping = SharedMapping::create(&format!("kvmesh-{}", p.name), stride * n as u64, p.mlock)
+                .map_err(|e| Error::Internal(format!("pool {}: cannot allocate {} bytes: {e}", p.name, p.bytes)))?;
+            if p.mlock && !mapping.mlocked() {
+                tracing::warn!(pool = %p.name, "mlock failed (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); pool may be swapped");
+            }
+            let slots = (0..n)
+                .map(|_| Slot {
+                    state: State::Free,
+                    generation: 0,
+                    pins: 0,
+                    ns: 0,
+                    key: Key(0),
+                    version: 0,
+                    checksum: 0,
+                    payload_len: 0,
+                    freq: 0,
+                    queue: Queue::None,
+                })
+                .collect();
+            tracing::info!(pool = %p.name, slots = n, slot_payload_bytes = p.slot_payload_bytes,
+                bytes = stride * n as u64, mlocked = mapping.mlocked(), "pool ready");
+            pools.push(Pool {
+                index: i as u32,
+                name: p.name.clone(),
+                device: p.device.clone(),
+                mapping: Arc::new(mapping),
+                slot_payload_bytes: p.slot_payload_bytes,
+                stride,
+                slots,
+                free: (0..n).rev().collect(),
+                small: VecDeque::new(),
+                main: VecDeque::new(),
+                small_live: 0,
+                main_live: 0,
+                ghost: VecDeque::new(),
+                ghost_set: HashSet::new(),
+                valid: 0,
+                pending: 0,
+                pinned: 0,
+                zombie: 0,
+            });
+        }
+        Ok(Store {
+            pools,
+            namespaces: Vec::new(),
+            ns_by_name: HashMap::new(),
+            index: HashMap::new(),
+            sessions: HashMap::new(),
+            leases: BTreeMap::new(),
+            lease_seq: 0,
+            pins_outstanding: 0,
+            allocs_outstanding: 0,
+            cfg,
+            instance_id: {
+                let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+                let mut b = t.to_le_bytes().to_vec();
+                b.extend_from_slice(&std::process::id().to_le_bytes());
+                kvmesh_common::checksum(&b)
+            },
+            counters: Counters::default(),
+        })
+    }
+
+    /// The pools.
+    pub fn pools(&self) -> &[Pool] {
+        &self.pools
+    }
+
+    /// The configuration the store runs on.
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// Registers a namespace or returns the matching existing one.
+    pub fn register_namespace(&mut self, name: &str, block_bytes: u64, layout: &str) -> Result<Namespace, Error> {
+        if name.is_empty() || name.len() > 256 {
+            return Err(Error::InvalidArgument(format!(
+                "namespace name must be 1 to 256 bytes, got {}",
+                name.len()
+            )));
+        }
+        if layout.len() > 4096 {
+            return Err(Error::InvalidArgument(format!("layout is {} bytes, at most 4096", layout.len())));
+        }
+        if let Some(&id) = self.ns_by_name.get(name) {
+            let ns = &self.namespaces[id as usize];
+            if ns.block_bytes != block_bytes {
+                return Err(Error::FailedPrecondition(format!(
+                    "block size {block_bytes} does not match namespace {name} ({})",
+                    ns.block_bytes
+                )));
+            }
+            if ns.layout != layout {
+                return Err(Error::FailedPrecondition(format!(
+                    "layout {layout:?} does not match namespace {name} ({:?})",
+                    ns.layout
+                )));
+            }
+            return Ok(ns.clone());
+        }
+        if block_bytes == 0 {
+            return Err(Error::InvalidArgument("block size must be greater than 0".into()));
+        }
+        if self.namespaces.len() >= self.cfg.limits.namespaces_max as usize {
+            self.counters.resource_exhausted += 1;
+            return Err(Error::ResourceExhausted(format!(
+                "namespace limit reached ({} namespaces, limits.namespaces_max)",
+                self.namespaces.len()
+            )));
+        }
+        let pool = self
+            .pools
+            .iter()
+            .filter(|p| p.slot_payload_bytes >= block_bytes)
+            .min_by_key(|p| p.slot_payload_bytes)
+            .ok_or_else(|| {
+                let largest = self.pools.iter().map(|p| p.slot_payload_bytes).max().unwrap_or(0);
+                Error::InvalidArgument(format!(
+                    "block size {block_bytes} exceeds the largest slot of any pool ({largest} bytes)"
+                ))
+            })?;
+        let ns = Namespace {
+            id: self.namespaces.len() as u32,
+            name: name.to_string(),
+            block_bytes,
+            layout: layout.to_string(),
+            pool: pool.index,
+            fingerprint: namespace_fingerprint(name, block_bytes, layout),
+        };
+        tracing::info!(namespace = name, block_bytes, pool = %pool.name, "namespace registered");
+        self.ns_by_name.insert(ns.name.clone(), ns.id);
+        self.namespaces.push(ns.clone());
+        Ok(ns)
+    }
+
+    /// Finds a namespace by name.
+    pub fn namespace_by_name(&self, name: &str) -> Result<Namespace, Error> {
+        self.ns_by_name
+            .get(name)
+            .map(|&id| self.namespaces[id as usize].clone())
+            .ok_or_else(|| Error::NotFound(format!("namespace {name:?} is not registered")))
+    }
+
+    fn namespace(&self, id: u32) -> Result<&Namespace, Error> {
+        self.namespaces
+            .get(id as usize)
+            .ok_or_else(|| Error::NotFound(format!("namespace id {id} is not registered")))
+    }
+
+    fn check_batch(&self, n: usize) -> Result<(), Error> {
+        if n > self.cfg.limits.batch_keys_max as usize {
+            return Err(Error::InvalidArgument(format!(
+                "batch of {n} keys exceeds limits.batch_keys_max ({})",
+                self.cfg.limits.batch_keys_max
+            )));
+        }
+        Ok(())
+    }
+
+    fn lease(&self, lease_ms: u64) -> Duration {
+        let l = &self.cfg.limits;
+        Duration::from_millis(if lease_ms == 0 { l.lease_ms_default } else { lease_ms.min(l.lease_ms_max) })
+    }
+
+    fn valid_slot(&self, ns: u32, key: Key) -> Option<(u32, u32)> {
+        let &(p, s) = self.index.get(&(ns, key))?;
+        (self.pools[p as usize].slots[s as usize].state == State::Valid).then_some((p, s))
+    }
+
+    /// Per-key presence and the longest present prefix.
+    pub fn lookup(&mut self, ns: u32, keys: &[Key]) -> Result<(Vec<bool>, u32), Error> {
+        self.namespace(ns)?;
+        self.check_batch(keys.len())?;
+        self.counters.lookups += 1;
+        let present: Vec<bool> = keys.iter().map(|&k| self.valid_slot(ns, k).is_some()).collect();
+        let prefix = present.iter().take_while(|&&p| p).count() as u32;
+        let hits = present.iter().filter(|&&p| p).count() as u64;
+        self.counters.hits += hits;
+        self.counters.misses += keys.len() as u64 - hits;
+        Ok((present, prefix))
+    }
+
+    fn add_lease(&mut self, deadline: Instant, session: SessionId, slot: SlotRef, kind: LeaseKind) -> (Instant, u64) {
+        self.lease_seq += 1;
+        let k = (deadline, self.lease_seq);
+        self.leases.insert(k, (session, slot, kind));
+        k
+    }
+
+    /// Pins the present keys for `session`. Returns one entry per key (or up
+    /// to the first miss), and the lease deadline.
+    pub fn pin(
+        &mut self,
+        session: SessionId,
+        ns: u32,
+        keys: &[Key],
+        lease_ms: u64,
+        stop_at_first_miss: bool,
+        now: Instant,
+    ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
+        let nsd = self.namespace(ns)?.clone();
+        self.check_batch(keys.len())?;
+        let held = self.sessions.get(&session).map_or(0, |s| s.pins.len());
+        if held + keys.len() > self.cfg.limits.pins_per_session_max as usize {
+            self.counters.resource_exhausted += 1;
+            return Err(Error::ResourceExhausted(format!(
+                "session holds {held} pins; {} more would exceed limits.pins_per_session_max ({})",
+                keys.len(),
+                self.cfg.limits.pins_per_session_max
+            )));
+        }
+        let deadline = now + self.lease(lease_ms);
+        let mut out = Vec::with_capacity(keys.len());
+        for &key in keys {
+            let Some((p, s)) = self.valid_slot(ns, key) else {
+                self.counters.misses += 1;
+                out.push(None);
+                if stop_at_first_miss {
+                    break;
+                }
+                continue;
+            };
+            self.counters.hits += 1;
+            self.counters.pins += 1;
+            let pool = &mut self.pools[p as usize];
+            let payload_offset = pool.payload_offset(s);
+            let slot = &mut pool.slots[s as usize];
+            let r = SlotRef { pool: p, slot: s, generation: slot.generation };
+            if slot.pins == 0 {
+                pool.pinned += 1;
+            }
+            slot.pins += 1;
+            slot.freq = (slot.freq + 1).min(3);
+            let outcome = PinOutcome {
+                slot: r,
+                payload_offset,
+                payload_bytes: slot.payload_len,
+                version: slot.version,
+                checksum: slot.checksum,
+            };
+            self.pins_outstanding += 1;
+            let old = self.sessions.entry(session).or_default().pins.get(&r).copied();
+            let entry = match old {
+                Some((count, lk)) if lk.0 >= deadline => (count + 1, lk),
+                Some((count, lk)) => {
+                    self.leases.remove(&lk);
+                    (count + 1, self.add_lease(deadline, session, r, LeaseKind::Pin))
+                }
+                None => (1, self.add_lease(deadline, session, r, LeaseKind::Pin)),
+            };
+            self.sessions.entry(session).or_default().pins.insert(r, entry);
+            out.push(Some(outcome));
+        }
+        debug_assert_eq!(nsd.id, ns);
+        Ok((out, deadline))
+    }
+
+    /// Drops one pin reference of a slot; frees a zombie on its last pin.
+    fn drop_pin(&mut self, r: SlotRef) {
+        let pool = &mut self.pools[r.pool as usize];
+        let slot = &mut pool.slots[r.slot as usize];
+        assert!(slot.pins > 0 && slot.generation == r.generation, "pin accounting broken for {r:?}");
+        slot.pins -= 1;
+        self.pins_outstanding -= 1;
+        if slot.pins == 0 {
+            match slot.state {
+                State::Valid => pool.pinned -= 1,
+                State::Zombie => {
+                    pool.zombie -= 1;
+                    self.free_slot(r.pool, r.slot);
+                }
+                s => panic!("pinned slot {r:?} in state {s:?}"),
+            }
+        }
+    }
+
+    /// Releases all pins of `session` on each slot; returns (released, unknown).
+    pub fn unpin(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<(u32, u32), Error> {
+        self.check_batch(refs.len())?;
+        let (mut released, mut unknown) = (0, 0);
+        for r in refs {
+            let Some(sess) = self.sessions.get_mut(&session) else {
+                unknown += 1;
+                continue;
+            };
+            let Some((count, lk)) = sess.pins.get_mut(r) else {
+                unknown += 1;
+                continue;
+            };
+            *count -= 1;
+            if *count == 0 {
+                let lk = *lk;
+                sess.pins.remove(r);
+                self.leases.remove(&lk);
+            }
+            self.drop_pin(*r);
+            released += 1;
+        }
+        Ok((released, unknown))
+    }
+
+    fn queues_evict_one(&mut self, p: u32) -> bool {
+        let pool = &mut self.pools[p as usize];
+        let live = pool.small_live + pool.main_live;
+        // Each live entry is visited at most 4 times (freq <= 3) plus once
+        // when pinned; a bound keeps a fully pinned pool from spinning.
+        let mut budget = 5 * live + pool.small.len() + pool.main.len() + 1;
+        let mut pinned_seen = 0usize;
+        while budget > 0 {
+            budget -= 1;
+            let small_target = (live / 10).max(1);
+            let from_small = pool.small_live > small_target || pool.main_live == 0;
+            let entry = if from_small { pool.small.pop_front() } else { pool.main.pop_front() };
+            let Some((s, gen_)) = entry else {
+                if pool.small.is_empty() && pool.main.is_empty() {
+                    return false;
+                }
+                continue;
+            };
+            let expect = if from_small { Queue::Small } else { Queue::Main };
+            let slot = &mut pool.slots[s as usize];
+            if slot.generation != gen_ || slot.queue != expect || slot.state != State::Valid {
+                continue; // stale entry of a freed or removed slot
+            }
+            if slot.pins > 0 {
+                pinned_seen += 1;
+                if pinned_seen > live {
+                    // every live slot is pinned
+                    if from_small { pool.small.push_back((s, gen_)) } else { pool.main.push_back((s, gen_)) }
+                    return false;
+                }
+                if from_small {
+                    pool.small_live -= 1;
+                    pool.main_live += 1;
+                    slot.queue = Queue::Main;
+                }
+                pool.main.push_back((s, gen_));
+                continue;
+            }
+            if from_small {
+                pool.small_live -= 1;
+                if slot.freq > 1 {
+                    slot.freq = 0;
+                    slot.queue = Queue::Main;
+                    pool.main_live += 1;
+                    pool.main.push_back((s, gen_));
+                    continue;
+                }
+            } else {
+                if slot.freq > 0 {
+                    slot.freq -= 1;
+                    pool.main.push_back((s, gen_));
+                    continue;
+                }
+                pool.main_live -= 1;
+            }
+            // Evict.
+            slot.queue = Queue::None;
+            let (ns, key) = (slot.ns, slot.key);
+            if from_small {
+                pool.ghost_add(ghost_hash(ns, key));
+            }
+            pool.valid -= 1;
+            let removed = self.index.remove(&(ns, key));
+            assert_eq!(removed, Some((p, s)), "index out of sync with evicted slot");
+            self.counters.evictions += 1;
+            self.free_slot(p, s);
+            return true;
+        }
+        false
+    }
+
+    /// Marks a slot Free and returns it to the free list.
+    fn free_slot(&mut self, p: u32, s: u32) {
+        let pool = &mut self.pools[p as usize];
+        let slot = &mut pool.slots[s as usize];
+        assert_eq!(slot.pins, 0, "freeing a pinned slot");
+        slot.state = State::Free;
+        slot.queue = Queue::None;
+        let meta = pool.meta_of(s, SlotState::Free, 0);
+        pool.write_meta(s, &meta);
+        pool.free.push(s);
+    }
+
+    fn take_free_slot(&mut self, p: u32) -> Option<u32> {
+        if self.pools[p as usize].free.is_empty() && !self.queues_evict_one(p) {
+            return None;
+        }
+        self.pools[p as usize].free.pop()
+    }
+
+    /// Evicts down to the low watermark if a pool is above the high one.
+    fn apply_watermarks(&mut self, p: u32) {
+        let (n, used) = {
+            let pool = &self.pools[p as usize];
+            (pool.slot_count() as f64, pool.used() as f64)
+        };
+        if used > self.cfg.eviction.high_watermark * n {
+            let target = (self.cfg.eviction.low_watermark * n).floor() as u32;
+            while self.pools[p as usize].used() > target {
+                if !self.queues_evict_one(p) {
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Reserves slots for the absent keys (all or nothing for the batch).
+    pub fn allocate(
+        &mut self,
+        session: SessionId,
+        ns: u32,
+        keys: &[Key],
+        lease_ms: u64,
+        now: Instant,
+    ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
+        let nsd = self.namespace(ns)?.clone();
+        self.check_batch(keys.len())?;
+        let held = self.sessions.get(&session).map_or(0, |s| s.allocs.len());
+        if held + keys.len() > self.cfg.limits.allocations_per_session_max as usize {
+            self.counters.resource_exhausted += 1;
+            return Err(Error::ResourceExhausted(format!(
+                "session holds {held} uncommitted allocations; {} more would exceed \
+                 limits.allocations_per_session_max ({})",
+                keys.len(),
+                self.cfg.limits.allocations_per_session_max
+            )));
+        }
+        let deadline = now + self.lease(lease_ms);
+        let p = nsd.pool;
+        let mut out = Vec::with_capacity(keys.len());
+        let mut taken: Vec<(Key, u32)> = Vec::new();
+        let mut seen = HashSet::new();
+        for &key in keys {
+            if !seen.insert(key) {
+                out.push(AllocOutcome::InProgress);
+                continue;
+            }
+            if let Some(&(ip, is)) = self.index.get(&(ns, key)) {
+                let st = self.pools[ip as usize].slots[is as usize].state;
+                out.push(if st == State::Valid { AllocOutcome::Exists } else { AllocOutcome::InProgress });
+                continue;
+            }
+            let Some(s) = self.take_free_slot(p) else {
+                // Roll back this batch: nothing was visible yet.
+                for (k, s) in taken {
+                    self.index.remove(&(ns, k));
+                    let pool = &mut self.pools[p as usize];
+                    pool.pending -= 1;
+                    self.free_slot(p, s);
+                }
+                self.counters.resource_exhausted += 1;
+                let pool = &self.pools[p as usize];
+                return Err(Error::ResourceExhausted(format!(
+                    "pool {}: no slot to allocate: all {} slots are pinned or being written \
+                     ({} pinned, {} pending, {} removed but still pinned)",
+                    pool.name,
+                    pool.slot_count(),
+                    pool.pinned,
+                    pool.pending,
+                    pool.zombie
+                )));
+            };
+            let pool = &mut self.pools[p as usize];
+            let slot = &mut pool.slots[s as usize];
+            slot.generation += 1;
+            slot.state = State::Pending { session };
+            slot.ns = ns;
+            slot.key = key;
+            slot.version = 1;
+            slot.checksum = 0;
+            slot.payload_len = nsd.block_bytes;
+            slot.freq = 0;
+            let generation = slot.generation;
+            pool.pending += 1;
+            let meta = pool.meta_of(s, SlotState::Pending, nsd.fingerprint);
+            pool.write_meta(s, &meta);
+            self.index.insert((ns, key), (p, s));
+            taken.push((key, s));
+            out.push(AllocOutcome::Allocated {
+                slot: SlotRef { pool: p, slot: s, generation },
+                payload_offset: self.pools[p as usize].payload_offset(s),
+            });
+        }
+        for o in &out {
+            if let AllocOutcome::Allocated { slot, .. } = o {
+                let lk = self.add_lease(deadline, session, *slot, LeaseKind::Alloc);
+                self.sessions.entry(session).or_default().allocs.insert(*slot, lk);
+                self.allocs_outstanding += 1;
+            }
+        }
+        self.apply_watermarks(p);
+        Ok((out, deadline))
+    }
+
+    fn drop_pending(&mut self, r: SlotRef) {
+        let pool = &mut self.pools[r.pool as usize];
+        let slot = &pool.slots[r.slot as usize];
+        let (ns, key) = (slot.ns, slot.key);
+        pool.pending -= 1;
+        self.allocs_outstanding -= 1;
+        let removed = self.index.remove(&(ns, key));
+        assert_eq!(removed, Some((r.pool, r.slot)), "index out of sync with pending slot");
+        self.counters.aborts += 1;
+        self.free_slot(r.pool, r.slot);
+    }
+
+    /// Frees uncommitted allocations of `session`; returns (aborted, unknown).
+    pub fn abort(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<(u32, u32), Error> {
+        self.check_batch(refs.len())?;
+        let (mut aborted, mut unknown) = (0, 0);
+        for r in refs {
+            match self.sessions.get_mut(&session).and_then(|s| s.allocs.remove(r)) {
+                Some(lk) => {
+                    self.leases.remove(&lk);
+                    self.drop_pending(*r);
+                    aborted += 1;
+                }
+                None => unknown += 1,
+            }
+        }
+        Ok((aborted, unknown))
+    }
+
+    /// Commit, step one: takes the allocations out of the session (so lease
+    /// expiry and disconnect no longer touch them) and returns what to
+    /// checksum. `None` for references the session does not hold.
+    pub fn begin_commit(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<Vec<Option<CommitJob>>, Error> {
+        self.check_batch(refs.len())?;
+        let mut out = Vec::with_capacity(refs.len());
+        for r in refs {
+            match self.sessions.get_mut(&session).and_then(|s| s.allocs.remove(r)) {
+                Some(lk) => {
+                    self.leases.remove(&lk);
+                    let pool = &mut self.pools[r.pool as usize];
+                    let offset = pool.payload_offset(r.slot);
+                    let slot = &mut pool.slots[r.slot as usize];
+                    assert_eq!(slot.state, State::Pending { session }, "allocation not pending");
+                    slot.state = State::Committing;
+                    out.push(Some(CommitJob {
+                        slot: *r,
+                        mapping: Arc::clone(&pool.mapping),
+                        offset,
+                        len: slot.payload_len,
+                    }));
+                }
+                None => out.push(None),
+            }
+        }
+        Ok(out)
+    }
+
+    /// Commit, step two: records the checksums, writes header and trailer,
+    /// and makes the blocks visible.
+    pub fn finish_commit(&mut self, done: &[(SlotRef, u64)]) {
+        for &(r, checksum) in done {
+            let ns_of = self.pools[r.pool as usize].slots[r.slot as usize].ns;
+            let fingerprint = self.namespaces[ns_of as usize].fingerprint;
+            let pool = &mut self.pools[r.pool as usize];
+            let slot = &mut pool.slots[r.slot as usize];
+            assert!(slot.state == State::Committing && slot.generation == r.generation, "commit of {r:?} lost its slot");
+            slot.checksum = checksum;
+            slot.state = State::Valid;
+            let h = ghost_hash(slot.ns, slot.key);
+            let gen_ = slot.generation;
+            pool.pending -= 1;
+            pool.valid += 1;
+            if pool.ghost_set.remove(&h) {
+                pool.slots[r.slot as usize].queue = Queue::Main;
+                pool.main.push_back((r.slot, gen_));
+                pool.main_live += 1;
+            } else {
+                pool.slots[r.slot as usize].queue = Queue::Small;
+                pool.small.push_back((r.slot, gen_));
+                pool.small_live += 1;
+            }
+            let meta = pool.meta_of(r.slot, SlotState::Valid, fingerprint);
+            pool.write_meta(r.slot, &meta);
+            self.allocs_outstanding -= 1;
+            self.counters.commits += 1;
+        }
+    }
+
+    /// Removes keys. A pinned block leaves the index now and its slot is freed
+    /// by the last unpin.
+    pub fn remove(&mut self, ns: u32, keys: &[Key]) -> Result<Vec<bool>, Error> {
+        self.namespace(ns)?;
+        self.check_batch(keys.len())?;
+        let mut out = Vec::with_capacity(keys.len());
+        for &key in keys {
+            let Some((p, s)) = self.valid_slot(ns, key) else {
+                out.push(false);
+                continue;
+            };
+            self.index.remove(&(ns, key));
+            let pool = &mut self.pools[p as usize];
+            let slot = &mut pool.slots[s as usize];
+            match slot.queue {
+                Queue::Small => pool.small_live -= 1,
+                Queue::Main => pool.main_live -= 1,
+                Queue::None => {}
+            }
+            slot.queue = Queue::None;
+            pool.valid -= 1;
+            if slot.pins > 0 {
+                slot.state = State::Zombie;
+                pool.pinned -= 1;
+                pool.zombie += 1;
+            } else {
+                self.free_slot(p, s);
+            }
+            self.counters.removes += 1;
+            out.push(true);
+        }
+        Ok(out)
+    }
+
+    /// Releases everything `session` holds (its connection closed).
+    pub fn release_session(&mut self, session: SessionId) -> (u64, u64) {
+        let Some(sess) = self.sessions.remove(&session) else { return (0, 0) };
+        let (mut pins, mut allocs) = (0u64, 0u64);
+        for (r, (count, lk)) in sess.pins {
+            self.leases.remove(&lk);
+            for _ in 0..count {
+                self.drop_pin(r);
+                pins += 1;
+            }
+        }
+        for (r, lk) in sess.allocs {
+            self.leases.remove(&lk);
+            self.drop_pending(r);
+            allocs += 1;
+        }
+        self.counters.session_releases += pins + allocs;
+        (pins, allocs)
+    }
+
+    /// Reclaims pins and allocations whose lease has passed.
+    pub fn expire(&mut self, now: Instant) -> u64 {
+        let mut n = 0;
+        while let Some((&lk, &(session, r, kind))) = self.leases.first_key_value() {
+            if lk.0 > now {
+                break;
+            }
+            self.leases.remove(&lk);
+            let Some(sess) = self.sessions.get_mut(&session) else { continue };
+            match kind {
+                LeaseKind::Pin => {
+                    if let Some((count, _)) = sess.pins.remove(&r) {
+                        for _ in 0..count {
+                            self.drop_pin(r);
+                        }
+                        n += 1;
+                    }
+                }
+                LeaseKind::Alloc => {
+                    if sess.allocs.remove(&r).is_some() {
+                        self.drop_pending(r);
+                        n += 1;
+                    }
+                }
+            }
+        }
+        self.counters.lease_expirations += n;
+        n
+    }
+
+    /// Registers a session (a new engine connection), if under the limit.
+    pub fn open_session(&mut self, session: SessionId) -> Result<(), Error> {
+        if self.sessions.len() >= self.cfg.limits.sessions_max as usize {
+            self.counters.resource_exhausted += 1;
+            return Err(Error::ResourceExhausted(format!(
+                "{} sessions open, limits.sessions_max reached",
+                self.sessions.len()
+            )));
+        }
+        self.sessions.entry(session).or_default();
+        Ok(())
+    }
+
+    /// Figures for `Stats`.
+    pub fn stats(&self) -> StoreStats {
+        StoreStats {
+            pools: self
+                .pools
+                .iter()
+                .map(|p| PoolStats {
+                    name: p.name.clone(),
+                    device: p.device.clone(),
+                    bytes: p.mapping.len(),
+                    slot_payload_bytes: p.slot_payload_bytes,
+                    slots: p.slot_count(),
+                    free: p.free.len() as u32,
+                    valid: p.valid,
+                    pending: p.pending,
+                    pinned: p.pinned,
+                    zombie: p.zombie,
+                    mlocked: p.mapping.mlocked(),
+                })
+                .collect(),
+            namespaces: self.namespaces.len() as u32,
+            sessions: self.sessions.len() as u32,
+            pins_outstanding: self.pins_outstanding,
+            allocations_outstanding: self.allocs_outstanding,
+            counters: self.counters.clone(),
+        }
+    }
+
+    /// Checks the store's internal accounting against a full recount.
+    /// Used by tests; cheap enough to call after every step of a test.
+    pub fn check_invariants(&self) -> Result<(), String> {
+        let mut pins_total = 0u64;
+        for p in &self.pools {
+            let (mut valid, mut pending, mut pinned, mut zombie, mut small, mut main) = (0, 0, 0, 0, 0, 0);
+            for (i, s) in p.slots.iter().enumerate() {
+                pins_total += s.pins as u64;
+                match s.state {
+                    State::Free => {
+                        if s.pins != 0 {
+                            return Err(format!("pool {} slot {i}: free with {} pins", p.name, s.pins));
+                        }
+                    }
+                    State::Pending { .. } | State::Committing => pending += 1,
+                    State::Valid => {
+                        valid += 1;
+                        if s.pins > 0 {
+                            pinned += 1;
+                        }
+                        if self.index.get(&(s.ns, s.key)) != Some(&(p.index, i as u32)) {
+                            return Err(format!("pool {} slot {i}: valid but not indexed", p.name));
+                        }
+                    }
+                    State::Zombie => {
+                        zombie += 1;
+                        if s.pins == 0 {
+                            return Err(format!("pool {} slot {i}: zombie without pins", p.name));
+                        }
+                    }
+                }
+                match s.queue {
+                    Queue::Small => small += 1,
+                    Queue::Main => main += 1,
+                    Queue::None => {}
+                }
+            }
+            let free = p.free.len() as u32;
+            if (valid, pending, pinned, zombie) != (p.valid, p.pending, p.pinned, p.zombie)
+                || valid + pending + zombie + free != p.slot_count()
+                || small != p.small_live
+                || main != p.main_live
+            {
+                return Err(format!(
+                    "pool {}: counts drifted: recount valid {valid} pending {pending} pinned {pinned} zombie {zombie} \
+                     small {small} main {main}, kept {} {} {} {} {} {}, free {free} of {}",
+                    p.name, p.valid, p.pending, p.pinned, p.zombie, p.small_live, p.main_live, p.slot_count()
+                ));
+            }
+        }
+        if pins_total != self.pins_outstanding {
+            return Err(format!("pins: slots hold {pins_total}, counter says {}", self.pins_outstanding));
+        }
+        let session_pins: u64 = self.sessions.values().flat_map(|s| s.pins.values()).map(|(c, _)| *c as u64).sum();
+        if session_pins != pins_total {
+            return Err(format!("pins: sessions hold {session_pins}, slots hold {pins_total}"));
+        }
+        let session_allocs: usize = self.sessions.values().map(|s| s.allocs.len()).sum();
+        let lease_count = self.sessions.values().map(|s| s.allocs.len() + s.pins.len()).sum::<usize>();
+        if lease_count != self.leases.len() {
+            return Err(format!("leases: {} recorded, sessions hold {lease_count}", self.leases.len()));
+        }
+        if (session_allocs as u64) > self.allocs_outstanding {
+            return Err("allocations: sessions hold more than the counter".into());
+        }
+        Ok(())
+    }
+}

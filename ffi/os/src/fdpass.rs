@@ -1,0 +1,86 @@
+//! Passing file descriptors over Unix sockets (SCM_RIGHTS) and peeking at a
+//! socket's first bytes without consuming them.
+
+use std::io::{IoSlice, IoSliceMut};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recv, recvmsg, sendmsg};
+
+/// Sends `payload` with `fds` attached, in one message.
+pub fn send_fds(sock: BorrowedFd<'_>, payload: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
+    let raw: Vec<RawFd> = fds.iter().map(|f| f.as_raw_fd()).collect();
+    let cmsgs = [ControlMessage::ScmRights(&raw)];
+    let iov = [IoSlice::new(payload)];
+    let n = sendmsg::<()>(sock.as_raw_fd(), &iov, &cmsgs, MsgFlags::MSG_NOSIGNAL, None)?;
+    if n != payload.len() {
+        return Err(std::io::Error::other(format!("short send of fd message: {n} of {}", payload.len())));
+    }
+    Ok(())
+}
+
+/// Receives one message into `buf` with at most `fds_max` fds attached.
+/// Returns the payload length and the fds, each owned (closed on drop).
+pub fn recv_fds(sock: BorrowedFd<'_>, buf: &mut [u8], fds_max: usize) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+    let mut cmsg = vec![0u8; nix::sys::socket::cmsg_space::<RawFd>() * fds_max.max(1)];
+    let mut iov = [IoSliceMut::new(buf)];
+    let msg = recvmsg::<()>(sock.as_raw_fd(), &mut iov, Some(&mut cmsg), MsgFlags::MSG_CMSG_CLOEXEC)?;
+    let mut fds = Vec::new();
+    for c in msg.cmsgs()? {
+        if let ControlMessageOwned::ScmRights(raw) = c {
+            for fd in raw {
+                // SAFETY: the kernel just installed `fd` in this process for
+                // us (SCM_RIGHTS); nothing else owns it.
+                fds.push(unsafe { OwnedFd::from_raw_fd(fd) });
+            }
+        }
+    }
+    let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC) || msg.flags.contains(MsgFlags::MSG_TRUNC);
+    let n = msg.bytes;
+    if truncated {
+        return Err(std::io::Error::other("fd message truncated (more fds or bytes than expected)"));
+    }
+    Ok((n, fds))
+}
+
+/// Reads up to `buf.len()` bytes without consuming them (MSG_PEEK,
+/// non-blocking). `WouldBlock` when nothing is there yet.
+pub fn peek(sock: BorrowedFd<'_>, buf: &mut [u8]) -> std::io::Result<usize> {
+    Ok(recv(sock.as_raw_fd(), buf, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+    use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn fds_travel_and_stay_usable() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let (mut p1, p2) = UnixStream::pair().unwrap();
+        send_fds(a.as_fd(), b"table", &[p2.as_fd()]).unwrap();
+        drop(p2);
+        let mut buf = [0u8; 16];
+        let (n, fds) = recv_fds(b.as_fd(), &mut buf, 4).unwrap();
+        assert_eq!(&buf[..n], b"table");
+        assert_eq!(fds.len(), 1);
+        let mut p2 = UnixStream::from(fds.into_iter().next().unwrap());
+        p2.write_all(b"x").unwrap();
+        let mut got = [0u8; 1];
+        p1.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"x");
+    }
+
+    #[test]
+    fn peek_does_not_consume() {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        let mut buf = [0u8; 4];
+        assert_eq!(peek(b.as_fd(), &mut buf).unwrap_err().kind(), std::io::ErrorKind::WouldBlock);
+        a.write_all(b"abcd").unwrap();
+        assert_eq!(peek(b.as_fd(), &mut buf).unwrap(), 4);
+        let mut all = [0u8; 4];
+        b.read_exact(&mut all).unwrap();
+        assert_eq!(&all, b"abcd");
+    }
+}

@@ -1,0 +1,340 @@
+//! Shared memory mappings of block pools.
+//!
+//! A pool is one memfd, mapped `MAP_SHARED` by the daemon and by each engine
+//! that connects. Two kinds of aliasing matter:
+//! - inside one process, Rust references into the mapping must follow the
+//!   borrow rules. [`SharedMapping`] enforces them at run time with a claim
+//!   table: any number of [`ReadRegion`]s may overlap each other, a
+//!   [`WriteRegion`] overlaps nothing. A conflicting claim is an error, never
+//!   an aliased `&mut`.
+//! - across processes, who may write which bytes when is the kvmesh pin
+//!   protocol: the daemon never hands out a slot for writing while anyone
+//!   holds a pin on it, and never reuses a pinned or allocated slot (see
+//!   docs/ARCHITECTURE.md). The `// SAFETY:` comments below rely on it.
+
+use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
+use std::ops::{Deref, DerefMut};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+use std::sync::Arc;
+
+use nix::sys::memfd::{MFdFlags, memfd_create};
+use nix::sys::mman::{MapFlags, ProtFlags, mmap, munmap};
+use parking_lot::Mutex;
+
+/// Errors of shared-memory operations.
+#[derive(Debug, thiserror::Error)]
+pub enum ShmError {
+    /// A system call failed.
+    #[error("{call} failed: {errno}")]
+    Sys {
+        /// The call.
+        call: &'static str,
+        /// Its errno.
+        errno: nix::errno::Errno,
+    },
+    /// A mapping of size zero was asked for.
+    #[error("cannot map 0 bytes")]
+    Empty,
+    /// A region lies (partly) outside the mapping.
+    #[error("region {offset}+{len} lies outside the {size}-byte mapping")]
+    OutOfBounds {
+        /// Start of the region.
+        offset: u64,
+        /// Length of the region.
+        len: u64,
+        /// Size of the mapping.
+        size: u64,
+    },
+    /// A region overlaps a region already claimed in a conflicting mode.
+    #[error("region {offset}+{len} is already claimed ({mode}) in this process")]
+    Conflict {
+        /// Start of the region.
+        offset: u64,
+        /// Length of the region.
+        len: u64,
+        /// Mode of the existing claim.
+        mode: &'static str,
+    },
+}
+
+fn sys(call: &'static str) -> impl FnOnce(nix::errno::Errno) -> ShmError {
+    move |errno| ShmError::Sys { call, errno }
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Read,
+    Write,
+}
+
+/// Claimed ranges, keyed by (start, end) with a count for identical read
+/// claims.
+#[derive(Default)]
+struct Claims {
+    ranges: BTreeMap<(u64, u64), (Mode, u32)>,
+    longest: u64,
+}
+
+impl Claims {
+    fn claim(&mut self, start: u64, end: u64, mode: Mode) -> Result<(), ShmError> {
+        // Any overlapping range starts before `end` and after `start - longest`.
+        let lo = start.saturating_sub(self.longest);
+        for (&(s, e), &(m, _)) in self.ranges.range((lo, 0)..(end, 0)) {
+            if s < end && start < e && (mode == Mode::Write || m == Mode::Write) {
+                return Err(ShmError::Conflict {
+                    offset: start,
+                    len: end - start,
+                    mode: if m == Mode::Write { "write" } else { "read" },
+                });
+            }
+        }
+        self.ranges.entry((start, end)).or_insert((mode, 0)).1 += 1;
+        self.longest = self.longest.max(end - start);
+        Ok(())
+    }
+
+    fn release(&mut self, start: u64, end: u64) {
+        if let Some(entry) = self.ranges.get_mut(&(start, end)) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                self.ranges.remove(&(start, end));
+            }
+        }
+    }
+}
+
+/// A `MAP_SHARED` read-write mapping of a whole memfd.
+pub struct SharedMapping {
+    ptr: NonNull<u8>,
+    len: usize,
+    fd: OwnedFd,
+    mlocked: bool,
+    claims: Mutex<Claims>,
+}
+
+// SAFETY: the mapping is plain memory valid for the life of the value; every
+// reference into it is handed out through the claim table (which is behind a
+// mutex), so sharing the handle between threads cannot create aliased
+// mutable references.
+unsafe impl Send for SharedMapping {}
+// SAFETY: as for Send: all access goes through `&self` methods that lock the
+// claim table or copy through raw pointers to claimed ranges.
+unsafe impl Sync for SharedMapping {}
+
+impl SharedMapping {
+    /// Creates a memfd of `bytes` bytes and maps it, prefaulted. When
+    /// `lock` is set, tries to `mlock` it; failure to lock is reported by
+    /// [`SharedMapping::mlocked`], not an error.
+    pub fn create(name: &str, bytes: u64, lock: bool) -> Result<Self, ShmError> {
+        let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC).map_err(sys("memfd_create"))?;
+        nix::unistd::ftruncate(&fd, bytes as i64).map_err(sys("ftruncate"))?;
+        let mut m = Self::map(fd, bytes)?;
+        if lock {
+            // SAFETY: ptr/len describe exactly the mapping this value owns.
+            m.mlocked = unsafe { nix::sys::mman::mlock(m.ptr.cast(), m.len) }.is_ok();
+        }
+        Ok(m)
+    }
+
+    /// Maps an existing memfd (received from the daemon) of `bytes` bytes,
+    /// read-write and prefaulted.
+    pub fn map(fd: OwnedFd, bytes: u64) -> Result<Self, ShmError> {
+        let len = NonZeroUsize::new(bytes as usize).ok_or(ShmError::Empty)?;
+        // SAFETY: a fresh mapping at an address of the kernel's choosing
+        // cannot overlap any Rust object; the fd stays open in `self` for the
+        // life of the mapping; the mapping is unmapped only in Drop.
+        let ptr = unsafe {
+            mmap(
+                None,
+                len,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
+                &fd,
+                0,
+            )
+        }
+        .map_err(sys("mmap"))?;
+        Ok(SharedMapping {
+            ptr: ptr.cast(),
+            len: len.get(),
+            fd,
+            mlocked: false,
+            claims: Mutex::new(Claims::default()),
+        })
+    }
+
+    /// The memfd (to send to engines).
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Size of the mapping in bytes.
+    pub fn len(&self) -> u64 {
+        self.len as u64
+    }
+
+    /// Always false: mappings are never empty.
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Whether `mlock` succeeded at creation.
+    pub fn mlocked(&self) -> bool {
+        self.mlocked
+    }
+
+    /// Address of the first byte (for registering the memory with a NIC).
+    pub fn base_addr(&self) -> usize {
+        self.ptr.as_ptr() as usize
+    }
+
+    fn check(&self, offset: u64, len: u64) -> Result<(), ShmError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len as u64 => Ok(()),
+            _ => Err(ShmError::OutOfBounds { offset, len, size: self.len as u64 }),
+        }
+    }
+
+    /// Claims `offset..offset+len` for reading.
+    pub fn read(self: &Arc<Self>, offset: u64, len: u64) -> Result<ReadRegion, ShmError> {
+        self.check(offset, len)?;
+        self.claims.lock().claim(offset, offset + len, Mode::Read)?;
+        Ok(ReadRegion { map: Arc::clone(self), offset, len })
+    }
+
+    /// Claims `offset..offset+len` for writing, exclusively in this process.
+    pub fn write(self: &Arc<Self>, offset: u64, len: u64) -> Result<WriteRegion, ShmError> {
+        self.check(offset, len)?;
+        self.claims.lock().claim(offset, offset + len, Mode::Write)?;
+        Ok(WriteRegion { map: Arc::clone(self), offset, len })
+    }
+
+    /// Copies `src` into the mapping at `offset` (claims it for the copy).
+    pub fn copy_in(self: &Arc<Self>, offset: u64, src: &[u8]) -> Result<(), ShmError> {
+        let mut w = self.write(offset, src.len() as u64)?;
+        w.copy_from_slice(src);
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes at `offset` out of the mapping.
+    pub fn copy_out(self: &Arc<Self>, offset: u64, dst: &mut [u8]) -> Result<(), ShmError> {
+        let r = self.read(offset, dst.len() as u64)?;
+        dst.copy_from_slice(&r);
+        Ok(())
+    }
+}
+
+impl Drop for SharedMapping {
+    fn drop(&mut self) {
+        // SAFETY: no region outlives the mapping (each holds an Arc to it),
+        // so nothing references these bytes any more.
+        let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+    }
+}
+
+/// A claimed, readable range of a mapping; derefs to its bytes.
+pub struct ReadRegion {
+    map: Arc<SharedMapping>,
+    offset: u64,
+    len: u64,
+}
+
+impl Deref for ReadRegion {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range was bounds-checked and claimed for reading, so no
+        // `&mut` to it exists in this process while `self` lives; the pin
+        // protocol keeps other processes from writing a pinned range.
+        unsafe {
+            std::slice::from_raw_parts(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize)
+        }
+    }
+}
+
+impl Drop for ReadRegion {
+    fn drop(&mut self) {
+        self.map.claims.lock().release(self.offset, self.offset + self.len);
+    }
+}
+
+/// A claimed range of a mapping, exclusive in this process; derefs mutably.
+pub struct WriteRegion {
+    map: Arc<SharedMapping>,
+    offset: u64,
+    len: u64,
+}
+
+impl WriteRegion {
+    /// Offset of the region in the mapping.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+}
+
+impl Deref for WriteRegion {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: the range was bounds-checked and claimed exclusively; the
+        // only references to it derive from `self`.
+        unsafe {
+            std::slice::from_raw_parts(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize)
+        }
+    }
+}
+
+impl DerefMut for WriteRegion {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this the only live
+        // reference derived from the claim. Other processes do not touch a
+        // range allocated to this writer (pin protocol).
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.map.ptr.as_ptr().add(self.offset as usize),
+                self.len as usize,
+            )
+        }
+    }
+}
+
+impl Drop for WriteRegion {
+    fn drop(&mut self) {
+        self.map.claims.lock().release(self.offset, self.offset + self.len);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn two_mappings_of_one_memfd_share_bytes() {
+        let a = Arc::new(SharedMapping::create("kvmesh-test", 1 << 20, false).unwrap());
+        let fd = a.fd().try_clone_to_owned().unwrap();
+        let b = Arc::new(SharedMapping::map(fd, 1 << 20).unwrap());
+        a.copy_in(4096, b"hello").unwrap();
+        let mut out = [0u8; 5];
+        b.copy_out(4096, &mut out).unwrap();
+        assert_eq!(&out, b"hello");
+    }
+
+    #[test]
+    fn claims_forbid_aliasing() {
+        let m = Arc::new(SharedMapping::create("kvmesh-test", 8192, false).unwrap());
+        let r1 = m.read(0, 100).unwrap();
+        let r2 = m.read(50, 100).unwrap();
+        assert!(matches!(m.write(99, 10), Err(ShmError::Conflict { .. })));
+        drop(r1);
+        assert!(matches!(m.write(99, 10), Err(ShmError::Conflict { .. })));
+        drop(r2);
+        let w = m.write(99, 10).unwrap();
+        assert!(m.read(108, 4).is_err());
+        assert!(m.read(109, 4).is_ok());
+        assert!(m.write(0, 99).is_ok());
+        drop(w);
+        assert!(m.write(0, 8192).is_ok());
+        assert!(matches!(m.read(8000, 193), Err(ShmError::OutOfBounds { .. })));
+        assert!(matches!(m.read(u64::MAX, 2), Err(ShmError::OutOfBounds { .. })));
+    }
+}
