@@ -750,3 +750,30 @@ async fn release_loop(mut rpc: EngineClient<Channel>, mut rx: mpsc::UnboundedRec
         }
     }
 }
+
+impl std::fmt::Debug for PinnedBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PinnedBlock")
+            .field("key", &self.key)
+            .field("slot", &self.slot)
+            .field("version", &self.version)
+            .field("len", &self.region.len())
+            .finish()
+    }
+}
+
+impl std::fmt::Debug for WritableBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WritableBlock").field("key", &self.key).field("slot", &self.slot).finish()
+    }
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Allocation::Allocated(w) => w.fmt(f),
+            Allocation::Exists => f.write_str("Exists"),
+            Allocation::InProgress => f.write_str("InProgress"),
+        }
+    }
+}

@@ -1,0 +1,450 @@
+//! Integration tests: a real kvmeshd process, the real client library, the
+//! real CLI.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Daemon, block_bytes, pool, run_cli};
+use kvmesh_client::{Allocation, Client, CommitOutcome, Key, PinOptions};
+use rand::{Rng, SeedableRng};
+
+fn rng() -> rand::rngs::SmallRng {
+    rand::rngs::SmallRng::seed_from_u64(0x6b766d65)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_blocks_round_trip_byte_for_byte() {
+    let d = Daemon::start("roundtrip", &pool("p64k", "32MiB", "64KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("model-a", 65536, "bf16/tp1").await.unwrap();
+    let mut r = rng();
+    let keys: Vec<Key> = (0..200).map(|_| Key(r.random())).collect();
+    let blocks: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 65536)).collect();
+    for chunk in keys.chunks(50).zip(blocks.chunks(50)) {
+        let items: Vec<(Key, &[u8])> = chunk.0.iter().copied().zip(chunk.1.iter().map(|b| &b[..])).collect();
+        let s = c.put(&ns, &items).await.unwrap();
+        assert_eq!(s.stored, 50);
+    }
+    // Putting again finds them all.
+    let s = c.put(&ns, &[(keys[0], &blocks[0][..])]).await.unwrap();
+    assert_eq!(s.existed, 1);
+
+    let l = c.lookup(&ns, &keys).await.unwrap();
+    assert!(l.present.iter().all(|&p| p));
+    assert_eq!(l.prefix_len, 200);
+
+    // Zero-copy pin: bytes equal and the slot verifies.
+    let pinned = c.pin(&ns, &keys).await.unwrap();
+    for ((b, k), want) in pinned.iter().zip(&keys).zip(&blocks) {
+        let b = b.as_ref().expect("hit");
+        assert_eq!(b.key(), *k);
+        assert_eq!(&b[..], &want[..]);
+        b.verify().unwrap();
+    }
+    drop(pinned);
+    c.flush_releases().await;
+    assert_eq!(c.stats().await.unwrap().pins_outstanding, 0);
+
+    // Copy path into a caller buffer.
+    let mut buf = vec![0u8; 10 * 65536];
+    let hits = c.get_into(&ns, &keys[..10], &mut buf).await.unwrap();
+    assert!(hits.iter().all(|&h| h));
+    for (i, want) in blocks[..10].iter().enumerate() {
+        assert_eq!(&buf[i * 65536..(i + 1) * 65536], &want[..]);
+    }
+
+    // Prefix semantics with a missing key in the middle.
+    let mut mixed = keys[..5].to_vec();
+    mixed.push(Key(1));
+    mixed.extend_from_slice(&keys[5..8]);
+    let l = c.lookup(&ns, &mixed).await.unwrap();
+    assert_eq!(l.prefix_len, 5);
+    assert_eq!(l.present.iter().filter(|&&p| p).count(), 8);
+    let p = c.pin_with(&ns, &mixed, PinOptions { stop_at_first_miss: true, ..Default::default() }).await.unwrap();
+    assert_eq!(p.len(), 6);
+    assert!(p[5].is_none());
+
+    // Remove.
+    let removed = c.remove(&ns, &[keys[0], Key(1)]).await.unwrap();
+    assert_eq!(removed, vec![true, false]);
+    assert!(!c.lookup(&ns, &keys[..1]).await.unwrap().present[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_clients_share_blocks_concurrently() {
+    let d = Daemon::start("twoclients", &pool("p", "64MiB", "16KiB"));
+    let a = d.client().await;
+    let b = d.client().await;
+    let ns_a = a.register_namespace("shared", 16384, "x").await.unwrap();
+    let ns_b = b.register_namespace("shared", 16384, "x").await.unwrap();
+    assert_eq!(ns_a, ns_b);
+    let writer = |c: Client, ns: kvmesh_client::Namespace, base: u128| async move {
+        for round in 0..20u128 {
+            let keys: Vec<Key> = (0..32u128).map(|i| Key(base + round * 32 + i)).collect();
+            let data: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 16384)).collect();
+            let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+            c.put(&ns, &items).await.unwrap();
+            // Read what the other client wrote so far; every hit must be exact.
+            let other: Vec<Key> = (0..32u128).map(|i| Key((base ^ (1 << 100)) + round * 32 + i)).collect();
+            for (blk, k) in c.pin(&ns, &other).await.unwrap().into_iter().zip(&other) {
+                if let Some(blk) = blk {
+                    assert_eq!(&blk[..], &block_bytes(*k, 16384)[..]);
+                }
+            }
+        }
+    };
+    let ta = tokio::spawn(writer(a.clone(), ns_a.clone(), 0));
+    let tb = tokio::spawn(writer(b.clone(), ns_b.clone(), 1 << 100));
+    ta.await.unwrap();
+    tb.await.unwrap();
+    let all: Vec<Key> = (0..640u128).flat_map(|i| [Key(i), Key((1 << 100) + i)]).collect();
+    for chunk in all.chunks(256) {
+        for (blk, k) in a.pin(&ns_a, chunk).await.unwrap().into_iter().zip(chunk) {
+            let blk = blk.expect("every block of both writers is cached");
+            assert_eq!(&blk[..], &block_bytes(*k, 16384)[..]);
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_never_takes_pinned_blocks_and_full_pins_exhaust() {
+    // 40 slots of 64 KiB.
+    let stride = 65536 + 128;
+    let d = Daemon::start("evict", &pool("small", &(40 * stride).to_string(), "64KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("m", 65536, "").await.unwrap();
+    let hot: Vec<Key> = (0..8u128).map(|i| Key(1000 + i)).collect();
+    let hot_data: Vec<Vec<u8>> = hot.iter().map(|&k| block_bytes(k, 65536)).collect();
+    let items: Vec<(Key, &[u8])> = hot.iter().copied().zip(hot_data.iter().map(|d| &d[..])).collect();
+    assert_eq!(c.put(&ns, &items).await.unwrap().stored, 8);
+    let pinned = c.pin(&ns, &hot).await.unwrap();
+
+    // Churn through 10x the pool with another client.
+    let w = d.client().await;
+    for round in 0..50u128 {
+        let keys: Vec<Key> = (0..8u128).map(|i| Key(round * 8 + i)).collect();
+        let data: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 65536)).collect();
+        let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+        let s = w.put(&ns, &items).await.unwrap();
+        assert_eq!(s.stored, 8);
+        // Whatever is still cached verifies.
+        for blk in w.pin(&ns, &keys).await.unwrap().into_iter().flatten() {
+            blk.verify().unwrap();
+            assert_eq!(&blk[..], &block_bytes(blk.key(), 65536)[..]);
+        }
+    }
+    let st = c.stats().await.unwrap();
+    assert!(st.evictions >= 300, "expected heavy eviction, got {}", st.evictions);
+    for (p, want) in pinned.iter().zip(&hot_data) {
+        let p = p.as_ref().unwrap();
+        p.verify().expect("pinned block survived eviction intact");
+        assert_eq!(&p[..], &want[..]);
+    }
+
+    // Pin everything that is cached, plus hold allocations, until nothing is
+    // evictable: allocation must fail with RESOURCE_EXHAUSTED.
+    let mut held = Vec::new();
+    let mut writes = Vec::new();
+    let mut next = 10_000u128;
+    let err = loop {
+        let keys: Vec<Key> = (0..4u128).map(|i| Key(next + i)).collect();
+        next += 4;
+        match w.allocate(&ns, &keys).await {
+            Ok(allocs) => {
+                for a in allocs {
+                    if let Allocation::Allocated(b) = a {
+                        writes.push(b);
+                    }
+                }
+                // also pin everything present to block eviction
+                let all: Vec<Key> = (0..400u128).map(Key).collect();
+                for chunk in all.chunks(100) {
+                    held.extend(w.pin(&ns, chunk).await.unwrap().into_iter().flatten());
+                }
+            }
+            Err(e) => break e,
+        }
+        assert!(next < 20_000, "allocation never ran out");
+    };
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
+    assert!(err.to_string().contains("pinned or being written"), "{err}");
+    // Hot blocks still intact.
+    for p in pinned.iter().flatten() {
+        p.verify().unwrap();
+    }
+    drop(held);
+    drop(writes);
+    w.flush_releases().await;
+    let st = c.stats().await.unwrap();
+    assert_eq!(st.allocations_outstanding, 0);
+    assert_eq!(st.pins_outstanding, 8, "only the hot pins remain");
+}
+
+/// Run as a child process by `killed_client_leaves_nothing_behind`: holds
+/// pins and allocations, says READY, and waits to be killed.
+#[tokio::test]
+#[ignore = "child process of killed_client_leaves_nothing_behind"]
+async fn child_holder() {
+    let socket = std::env::var("KVMESH_CHILD_SOCKET").expect("run by the parent test");
+    let c = Client::connect(socket).await.unwrap();
+    let ns = c.namespace("kill").await.unwrap();
+    let keys: Vec<Key> = (0..16u128).map(Key).collect();
+    let pins = c.pin(&ns, &keys).await.unwrap();
+    assert_eq!(pins.iter().flatten().count(), 16);
+    let allocs = c.allocate(&ns, &(100..110u128).map(Key).collect::<Vec<_>>()).await.unwrap();
+    assert_eq!(allocs.len(), 10);
+    println!("READY");
+    use std::io::Write;
+    std::io::stdout().flush().unwrap();
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    drop((pins, allocs));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_client_leaves_nothing_behind() {
+    use std::io::BufRead;
+    let d = Daemon::start("kill", &pool("p", "16MiB", "4KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("kill", 4096, "").await.unwrap();
+    let keys: Vec<Key> = (0..16u128).map(Key).collect();
+    let data: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 4096)).collect();
+    let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+    c.put(&ns, &items).await.unwrap();
+    let before = c.stats().await.unwrap();
+
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_holder", "--nocapture", "--test-threads=1"])
+        .env("KVMESH_CHILD_SOCKET", &d.socket)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let ready = lines.find(|l| l.as_ref().map(|l| l.contains("READY")).unwrap_or(false));
+    assert!(ready.is_some(), "child never got ready");
+    let mid = c.stats().await.unwrap();
+    assert_eq!(mid.pins_outstanding, 16);
+    assert_eq!(mid.allocations_outstanding, 10);
+    assert_eq!(mid.pools[0].pending, 10);
+    assert_eq!(mid.sessions, before.sessions + 1);
+
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let t0 = Instant::now();
+    let after = loop {
+        let s = c.stats().await.unwrap();
+        if s.pins_outstanding == 0 && s.allocations_outstanding == 0 {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(2), "pins of a dead client not released: {s:?}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(after.pools[0].pending, 0);
+    assert_eq!(after.pools[0].pinned, 0);
+    assert_eq!(after.pools[0].free, before.pools[0].free);
+    assert_eq!(after.sessions, before.sessions);
+    assert_eq!(after.session_releases, 26);
+    assert_eq!(after.lease_expirations, 0, "released by disconnect, not by lease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn leases_expire_and_late_commits_are_lost() {
+    let d = Daemon::start("lease", &format!("[limits]\nreaper_interval_ms = 10\n{}", pool("p", "8MiB", "4KiB")));
+    let c = d.client().await;
+    let ns = c.register_namespace("l", 4096, "").await.unwrap();
+    c.put(&ns, &[(Key(7), &[1u8; 4096][..])]).await.unwrap();
+    let p = c.pin_with(&ns, &[Key(7)], PinOptions { lease_ms: 50, ..Default::default() }).await.unwrap();
+    assert!(p[0].as_ref().unwrap().lease_remaining() <= Duration::from_millis(50));
+    let allocs = c.allocate_with_lease(&ns, &[Key(8)], 50).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.pins_outstanding, 0);
+    assert_eq!(s.allocations_outstanding, 0);
+    assert_eq!(s.lease_expirations, 2);
+    assert!(p[0].as_ref().unwrap().lease_remaining().is_zero());
+    let w: Vec<_> = allocs
+        .into_iter()
+        .map(|a| match a {
+            Allocation::Allocated(w) => w,
+            _ => panic!("expected allocation"),
+        })
+        .collect();
+    assert_eq!(c.commit(w).await.unwrap(), vec![CommitOutcome::Lost]);
+    assert!(!c.lookup(&ns, &[Key(8)]).await.unwrap().present[0]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn removed_pinned_block_stays_readable_until_unpinned() {
+    let d = Daemon::start("zombie", &pool("p", "8MiB", "4KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("z", 4096, "").await.unwrap();
+    let data = block_bytes(Key(5), 4096);
+    c.put(&ns, &[(Key(5), &data[..])]).await.unwrap();
+    let p = c.pin(&ns, &[Key(5)]).await.unwrap();
+    assert_eq!(c.remove(&ns, &[Key(5)]).await.unwrap(), vec![true]);
+    assert!(c.pin(&ns, &[Key(5)]).await.unwrap()[0].is_none(), "removed key is invisible at once");
+    // A new put of the key gets a different slot; the pinned bytes stay intact.
+    let other = block_bytes(Key(6), 4096);
+    c.put(&ns, &[(Key(5), &other[..])]).await.unwrap();
+    let blk = p[0].as_ref().unwrap();
+    assert_eq!(&blk[..], &data[..]);
+    blk.verify().unwrap();
+    assert_eq!(c.stats().await.unwrap().pools[0].zombie, 1);
+    c.unpin(p.into_iter().flatten().collect()).await.unwrap();
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.pools[0].zombie, 0);
+    assert_eq!(s.pools[0].valid, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_clear_errors() {
+    let d = Daemon::start("bad", &format!("[limits]\nbatch_keys_max = 64\n{}", pool("p", "8MiB", "64KiB")));
+    let c = d.client().await;
+    let ns = c.register_namespace("n", 4096, "lay").await.unwrap();
+    // Contradicting registration.
+    let e = c.register_namespace("n", 8192, "lay").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(e.to_string(), "block size 8192 does not match namespace n (4096)");
+    let e = c.register_namespace("n", 4096, "other").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    // Too big for any slot.
+    let e = c.register_namespace("huge", 1 << 20, "").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    assert!(e.to_string().contains("exceeds the largest slot"), "{e}");
+    let e = c.register_namespace("", 4096, "").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    let e = c.register_namespace("zero", 0, "").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+    // Unknown namespace.
+    let e = c.namespace("nope").await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    let bogus = kvmesh_client::Namespace { id: 99, ..ns.clone() };
+    let e = c.lookup(&bogus, &[Key(1)]).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+    // Batch over the limit (client-side check and daemon-side check).
+    let many: Vec<Key> = (0..65u128).map(Key).collect();
+    assert_eq!(c.pin(&ns, &many).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // Wrong block length for put and wrong destination for get_into.
+    let e = c.put(&ns, &[(Key(1), &[0u8; 100][..])]).await.unwrap_err();
+    assert!(e.to_string().contains("is 100 bytes"), "{e}");
+    let mut small = vec![0u8; 10];
+    assert_eq!(c.get_into(&ns, &[Key(1)], &mut small).await.unwrap_err().code(), tonic::Code::InvalidArgument);
+    // Unpin/abort/commit of things never held are counted, not errors.
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.pins_outstanding, 0);
+    // The daemon is still healthy.
+    c.put(&ns, &[(Key(1), &[3u8; 4096][..])]).await.unwrap();
+}
+
+#[test]
+fn cli_put_get_and_errors() {
+    let d = Daemon::start("cli", &pool("p", "8MiB", "64KiB"));
+    let s = &d.socket;
+    let f = d.dir.0.join("block");
+    let data = block_bytes(Key(42), 8192);
+    std::fs::write(&f, &data).unwrap();
+    let out = d.dir.0.join("out");
+    let key = "000000000000000000000000000000aa";
+    let fs = f.to_str().unwrap();
+    let os = out.to_str().unwrap();
+
+    let (rc, _, err) = run_cli(s, &["put", "--namespace", "ns", "--block-size", "8192", key, fs]);
+    assert_eq!(rc, 0, "{err}");
+    let (rc, _, err) = run_cli(s, &["get", "--namespace", "ns", key, os]);
+    assert_eq!(rc, 0, "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), data);
+
+    let cases: &[(&[&str], i32, &str)] = &[
+        (&["get", "--namespace", "ns", "000000000000000000000000000000ab", os], 3, "not cached"),
+        (&["get", "--namespace", "nope", key, os], 1, "not registered"),
+        (&["get", "--namespace", "ns", "xyz", os], 1, "not 32 hex digits"),
+        (&["put", "--namespace", "ns", "--block-size", "4096", key, fs], 1, "expected exactly one block of 4096"),
+        (&["put", "--namespace", "ns", "--block-size", "8192", "zz", fs], 1, "not 32 hex digits"),
+        (&["put", "--namespace", "ns", "--block-size", "8192", key, "/nonexistent/file"], 1, "cannot read"),
+        (&["put", "--namespace", "big", "--block-size", "1048576", key, fs], 1, "expected exactly one block"),
+    ];
+    for (args, want_rc, want_msg) in cases {
+        let (rc, _, err) = run_cli(s, args);
+        assert_eq!(rc, *want_rc, "{args:?}: {err}");
+        assert!(err.contains(want_msg), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "one-line error for {args:?}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // A size that contradicts the existing namespace.
+    let f2 = d.dir.0.join("block2");
+    std::fs::write(&f2, vec![0u8; 4096]).unwrap();
+    let (rc, _, err) = run_cli(s, &["put", "--namespace", "ns", "--block-size", "4096", key, f2.to_str().unwrap()]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("does not match namespace ns (8192)"), "{err}");
+
+    let (rc, json, err) = run_cli(s, &["stats", "--json"]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(json.trim().starts_with('{') && json.contains("\"commits\":1"), "{json}");
+
+    // Missing daemon.
+    let (rc, _, err) = run_cli(&d.dir.0.join("absent.sock"), &["stats"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("cannot connect to kvmeshd"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+}
+
+#[test]
+fn socket_of_live_daemon_is_not_stolen_and_stale_socket_is_reclaimed() {
+    let d = Daemon::start("sock", &pool("p", "4MiB", "4KiB"));
+    let cfg = d.dir.0.join("kvmeshd.toml");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd")).arg("--config").arg(&cfg).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("held by a live daemon"), "{err}");
+    // The first daemon still serves.
+    assert!(std::os::unix::net::UnixStream::connect(&d.socket).is_ok());
+
+    // Stale: a socket file with nobody behind it.
+    let dir = common::TempDir::new("stale");
+    let sock = dir.0.join("kvmeshd.sock");
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    assert!(sock.exists());
+    let cfg2 = dir.0.join("c.toml");
+    std::fs::write(&cfg2, format!("[server]\nsocket = {:?}\n{}", sock.display().to_string(), pool("p", "4MiB", "4KiB")))
+        .unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+        .arg("--config")
+        .arg(&cfg2)
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&sock).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "daemon did not reclaim the stale socket");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mode = std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&sock).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+#[test]
+fn bad_config_names_the_field() {
+    let dir = common::TempDir::new("badcfg");
+    let cases = [
+        ("[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\n", "slot_payload_bytes"),
+        ("[[pools]]\nname = \"p\"\nbytes = \"ten\"\nslot_payload_bytes = 4096\n", "bytes"),
+        ("[limits]\nlease_ms_max = 0\n[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n", "limits.lease_ms_max"),
+    ];
+    for (text, field) in cases {
+        let f = dir.0.join("c.toml");
+        std::fs::write(&f, text).unwrap();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd")).arg("--config").arg(&f).output().unwrap();
+        assert_eq!(out.status.code(), Some(2));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(field), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+        .args(["--config", "/nonexistent.toml"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config /nonexistent.toml"));
+}
