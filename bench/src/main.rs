@@ -1,1 +1,393 @@
-fn main() {}
+//! kvmesh benchmarks. Every figure is reported next to a baseline measured
+//! in the same run on the same machine (see docs/BENCHMARKS.md).
+//!
+//! `kvmesh-bench local [--json]` starts a kvmeshd (a child process running
+//! this binary's hidden `daemon` subcommand) with one pool per block size,
+//! each larger than the L3 cache, and measures pin + in-place read, copy-get
+//! into a caller buffer, and put through the mapping, against a cold
+//! single-thread `memcpy` of the same bytes in the same order.
+#![forbid(unsafe_code)]
+
+use std::hint::black_box;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use clap::{Parser, Subcommand};
+use hdrhistogram::Histogram;
+use kvmesh_client::{Allocation, Client, Key, Namespace};
+
+#[derive(Parser)]
+#[command(about = "kvmesh benchmarks")]
+struct Args {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Local pool access through the client library vs a cold memcpy.
+    Local {
+        /// Print only the final JSON line on stdout (tables go to stderr).
+        #[arg(long)]
+        json: bool,
+        /// Size of each pool (one per block size), in MiB. At least 256.
+        #[arg(long, default_value_t = 512)]
+        pool_mib: u64,
+        /// Block sizes in KiB.
+        #[arg(long, value_delimiter = ',', default_value = "64,256,1024,4096")]
+        block_kib: Vec<u64>,
+        /// Blocks per batch.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Bytes to move per measurement, in MiB (several passes over the pool).
+        #[arg(long, default_value_t = 2048)]
+        bytes_mib: u64,
+    },
+    /// Latency of single engine calls (lookup, pin, unpin) by batch size.
+    Rpc {
+        /// Calls per measurement.
+        #[arg(long, default_value_t = 2000)]
+        calls: usize,
+    },
+    /// Runs a daemon in this process (used by `local`).
+    #[command(hide = true)]
+    Daemon {
+        #[arg(long)]
+        config: PathBuf,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    match Args::parse().cmd {
+        Cmd::Daemon { config } => {
+            let text = std::fs::read_to_string(&config)?;
+            let cfg = kvmeshd::Config::parse(&text, &config.display().to_string()).map_err(anyhow::Error::msg)?;
+            let rt = if std::env::var("KVMESH_BENCH_DAEMON_CT").is_ok() {
+                tokio::runtime::Builder::new_current_thread().enable_all().build()?
+            } else {
+                tokio::runtime::Builder::new_multi_thread().enable_all().build()?
+            };
+            rt.block_on(kvmeshd::server::run(cfg, std::future::pending(), true))
+        }
+        Cmd::Rpc { calls } => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(rpc(calls))
+        }
+        Cmd::Local { json, pool_mib, block_kib, batch, bytes_mib } => {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+            rt.block_on(local(json, pool_mib, &block_kib, batch, bytes_mib))
+        }
+    }
+}
+
+struct DaemonProc {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Drop for DaemonProc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start_daemon(pools: &str) -> anyhow::Result<(DaemonProc, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("kvmesh-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let socket = dir.join("kvmeshd.sock");
+    let cfg = format!(
+        "[server]\nsocket = {:?}\n[limits]\nbatch_keys_max = 4096\n[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n{pools}",
+        socket.display().to_string()
+    );
+    let cfg_path = dir.join("kvmeshd.toml");
+    std::fs::write(&cfg_path, cfg)?;
+    let child = Command::new(std::env::current_exe()?)
+        .args(["daemon", "--config"])
+        .arg(&cfg_path)
+        .env("KVMESH_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .context("start daemon")?;
+    let d = DaemonProc { child, dir };
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+        if t0.elapsed() > Duration::from_secs(60) {
+            bail!("daemon did not start");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((d, socket))
+}
+
+/// Touches every byte (8 at a time) so an in-place read really reads.
+fn fold(bytes: &[u8]) -> u64 {
+    let mut acc = 0u64;
+    for c in bytes.chunks_exact(64) {
+        let mut x = 0u64;
+        for w in c.chunks_exact(8) {
+            x ^= u64::from_le_bytes(w.try_into().expect("8 bytes"));
+        }
+        acc = acc.wrapping_add(x);
+    }
+    acc
+}
+
+struct Row {
+    block_bytes: u64,
+    blocks: usize,
+    copy_gbps: f64,
+    memcpy_gbps: f64,
+    pin_read_gbps: f64,
+    pin_p50_us: f64,
+    pin_p99_us: f64,
+    pin_max_us: f64,
+    puts_per_s: f64,
+    put_gbps: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+    v[v.len() / 2]
+}
+
+async fn bench_size(
+    client: &Client,
+    ns: &Namespace,
+    blocks: usize,
+    batch: usize,
+    bytes_target: u64,
+) -> anyhow::Result<Row> {
+    let bs = ns.block_bytes as usize;
+    let keys: Vec<Key> = (0..blocks as u128).map(|i| Key((ns.block_bytes as u128) << 64 | i)).collect();
+
+    // Source data for puts, and the memcpy baseline's source: memory of the
+    // same kind as the pool (a memfd mapping: shmem, same page size), laid
+    // out like the pool (same stride, payloads at the same offsets), every
+    // page written first, so both copies see the same alignment, TLB and
+    // cache behaviour.
+    let stride = client.hello().pools[ns.pool as usize].slot_stride_bytes as usize;
+    let base = client.hello().pools[ns.pool as usize].payload_offset_bytes as usize;
+    let src_map = std::sync::Arc::new(kvmesh_ffi_os::SharedMapping::create("bench-src", (blocks * stride) as u64, false)?);
+    {
+        let mut all = src_map.write(0, src_map.len())?;
+        for (i, chunk) in all.chunks_mut(4096).enumerate() {
+            chunk.fill((i % 251) as u8);
+        }
+    }
+    let src_region = src_map.read(0, src_map.len())?;
+    let src_buf: &[u8] = &src_region;
+    let src_at = |i: usize| base + i * stride;
+
+    // (c) put through the mapping: allocate, write in place, commit.
+    let t0 = Instant::now();
+    for (bi, chunk) in keys.chunks(batch).enumerate() {
+        let allocs = client.allocate(ns, chunk).await?;
+        let mut writes = Vec::with_capacity(chunk.len());
+        for (j, a) in allocs.into_iter().enumerate() {
+            match a {
+                Allocation::Allocated(mut w) => {
+                    let i = bi * batch + j;
+                    w.copy_from_slice(&src_buf[src_at(i)..src_at(i) + bs]);
+                    writes.push(w);
+                }
+                other => bail!("fresh key not allocated: {other:?}"),
+            }
+        }
+        client.commit(writes).await?;
+    }
+    let put_s = t0.elapsed().as_secs_f64();
+    let puts_per_s = blocks as f64 / put_s;
+    let put_gbps = (blocks * bs) as f64 / put_s / 1e9;
+
+    let rounds = ((bytes_target / (batch * bs) as u64).max(4)) as usize;
+    let batches: Vec<&[Key]> = keys.chunks(batch).filter(|c| c.len() == batch).collect();
+    // Destination: one batch, page aligned (as engines' KV buffers are).
+    let mut dst_buf = vec![1u8; batch * bs + 4096];
+    let d0 = align_offset(&dst_buf, 4096);
+    let dst = &mut dst_buf[d0..d0 + batch * bs];
+
+    let (mut copy, mut memcpy, mut pin_read) = (Vec::new(), Vec::new(), Vec::new());
+    let mut hist = Histogram::<u64>::new_with_bounds(1, 60_000_000, 3)?;
+    for _rep in 0..3 {
+        // Baseline: cold single-thread memcpy, same bytes, same order, same destination.
+        let t = Instant::now();
+        for r in 0..rounds {
+            let b = r % batches.len();
+            for j in 0..batch {
+                let i = b * batch + j;
+                dst[j * bs..(j + 1) * bs].copy_from_slice(&src_buf[src_at(i)..src_at(i) + bs]);
+            }
+            black_box(&dst);
+        }
+        memcpy.push((rounds * batch * bs) as f64 / t.elapsed().as_secs_f64() / 1e9);
+
+        // (b) copy-get into the caller buffer.
+        let t = Instant::now();
+        for r in 0..rounds {
+            let hits = client.get_into(ns, batches[r % batches.len()], dst).await?;
+            if hits.iter().any(|h| !h) {
+                bail!("copy-get missed a block that was put");
+            }
+            black_box(&dst);
+        }
+        copy.push((rounds * batch * bs) as f64 / t.elapsed().as_secs_f64() / 1e9);
+
+        // (a) pin a batch, read it in place, unpin. At least 200 batches per
+        // repetition so the P99 of the pin latency rests on enough samples.
+        let rounds_a = rounds.max(200);
+        let t = Instant::now();
+        let mut acc = 0u64;
+        for r in 0..rounds_a {
+            let tp = Instant::now();
+            let pinned = client.pin(ns, batches[r % batches.len()]).await?;
+            hist.record(tp.elapsed().as_micros().max(1) as u64)?;
+            let mut held = Vec::with_capacity(batch);
+            for p in pinned {
+                let p = p.context("pin missed a block that was put")?;
+                acc = acc.wrapping_add(fold(&p));
+                held.push(p);
+            }
+            client.unpin(held).await?;
+        }
+        black_box(acc);
+        pin_read.push((rounds_a * batch * bs) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    // Content check: the bytes read back are the bytes put.
+    let check = client.pin(ns, &keys[..batch.min(keys.len())]).await?;
+    for (i, p) in check.iter().enumerate() {
+        let p = p.as_ref().context("block vanished")?;
+        if p[..] != src_buf[src_at(i)..src_at(i) + bs] {
+            bail!("block {i} differs from what was put");
+        }
+        p.verify().map_err(|e| anyhow::anyhow!("block {i} does not verify: {e}"))?;
+    }
+    drop(check);
+    Ok(Row {
+        block_bytes: ns.block_bytes,
+        blocks,
+        copy_gbps: median(copy),
+        memcpy_gbps: median(memcpy),
+        pin_read_gbps: median(pin_read),
+        pin_p50_us: hist.value_at_quantile(0.5) as f64,
+        pin_p99_us: hist.value_at_quantile(0.99) as f64,
+        pin_max_us: hist.max() as f64,
+        puts_per_s,
+        put_gbps,
+    })
+}
+
+async fn local(json: bool, pool_mib: u64, block_kib: &[u64], batch: usize, bytes_mib: u64) -> anyhow::Result<()> {
+    if pool_mib < 256 {
+        eprintln!("warning: pools under 256 MiB fit in caches on many machines; numbers will flatter");
+    }
+    let mut pools = String::new();
+    for kib in block_kib {
+        pools.push_str(&format!(
+            "[[pools]]\nname = \"p{kib}k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"{kib}KiB\"\n"
+        ));
+    }
+    let (_daemon, socket) = start_daemon(&pools)?;
+    let client = Client::connect(&socket).await?;
+    let mut rows = Vec::new();
+    for (i, kib) in block_kib.iter().enumerate() {
+        let bs = kib * 1024;
+        let ns = client.register_namespace(&format!("bench-{kib}k"), bs, "bench").await?;
+        let slots = client.hello().pools[i].slots as usize;
+        if slots < batch {
+            bail!("pool of {pool_mib} MiB holds {slots} blocks of {kib} KiB, fewer than one batch of {batch}");
+        }
+        let blocks = slots - slots % batch;
+        let row = bench_size(&client, &ns, blocks, batch, bytes_mib << 20).await?;
+        eprintln!(
+            "{:>5} KiB x{:<5} copy {:6.2} GB/s  memcpy {:6.2} GB/s  ratio {:.2}  pin+read {:6.2} GB/s  \
+             pin64 p50 {:>5} us p99 {:>5} us max {:>6} us  puts {:>8.0}/s ({:.2} GB/s)",
+            kib,
+            row.blocks,
+            row.copy_gbps,
+            row.memcpy_gbps,
+            row.copy_gbps / row.memcpy_gbps,
+            row.pin_read_gbps,
+            row.pin_p50_us,
+            row.pin_p99_us,
+            row.pin_max_us,
+            row.puts_per_s,
+            row.put_gbps
+        );
+        rows.push(row);
+    }
+    let rows_json: Vec<serde_json::Value> = rows
+        .iter()
+        .map(|r| {
+            serde_json::json!({
+                "block_bytes": r.block_bytes,
+                "blocks": r.blocks,
+                "copy_gbps": round(r.copy_gbps),
+                "memcpy_gbps": round(r.memcpy_gbps),
+                "copy_ratio": round(r.copy_gbps / r.memcpy_gbps),
+                "pin_read_gbps": round(r.pin_read_gbps),
+                "pin_batch_p50_us": r.pin_p50_us,
+                "pin_batch_p99_us": r.pin_p99_us,
+                "pin_batch_max_us": r.pin_max_us,
+                "puts_per_s": r.puts_per_s.round(),
+                "put_gbps": round(r.put_gbps),
+            })
+        })
+        .collect();
+    let out = serde_json::json!({ "bench": "local", "batch": batch, "pool_mib": pool_mib, "rows": rows_json });
+    if !json {
+        println!("batch {batch}, pools of {pool_mib} MiB; copy_ratio = copy-get / cold memcpy of the same bytes");
+    }
+    println!("{out}");
+    Ok(())
+}
+
+/// Offset of the first `align`-aligned byte of `buf`.
+fn align_offset(buf: &[u8], align: usize) -> usize {
+    buf.as_ptr().align_offset(align)
+}
+
+fn round(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+async fn rpc(calls: usize) -> anyhow::Result<()> {
+    let (_daemon, socket) =
+        start_daemon("[[pools]]\nname = \"p\"\nbytes = \"64MiB\"\nslot_payload_bytes = \"16KiB\"\n")?;
+    let client = Client::connect(&socket).await?;
+    let ns = client.register_namespace("rpc", 16384, "").await?;
+    let keys: Vec<Key> = (0..1024u128).map(Key).collect();
+    let data = vec![5u8; 16384];
+    for chunk in keys.chunks(256) {
+        let items: Vec<(Key, &[u8])> = chunk.iter().map(|&k| (k, &data[..])).collect();
+        client.put(&ns, &items).await?;
+    }
+    for n in [1usize, 64, 512] {
+        let mut hl = Histogram::<u64>::new(3)?;
+        let mut hp = Histogram::<u64>::new(3)?;
+        let mut hu = Histogram::<u64>::new(3)?;
+        for i in 0..calls {
+            let ks = &keys[(i * n) % 512..(i * n) % 512 + n];
+            let t = Instant::now();
+            client.lookup(&ns, ks).await?;
+            hl.record(t.elapsed().as_nanos() as u64)?;
+            let t = Instant::now();
+            let p = client.pin(&ns, ks).await?;
+            hp.record(t.elapsed().as_nanos() as u64)?;
+            let t = Instant::now();
+            client.unpin(p.into_iter().flatten().collect()).await?;
+            hu.record(t.elapsed().as_nanos() as u64)?;
+        }
+        for (name, h) in [("lookup", &hl), ("pin", &hp), ("unpin", &hu)] {
+            println!(
+                "{name:>6} x{n:<4} p50 {:>7.1} us  p99 {:>7.1} us",
+                h.value_at_quantile(0.5) as f64 / 1e3,
+                h.value_at_quantile(0.99) as f64 / 1e3
+            );
+        }
+    }
+    Ok(())
+}

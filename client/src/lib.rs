@@ -141,9 +141,37 @@ impl From<SlotRef> for pb::SlotRef {
 }
 
 enum Release {
-    Unpin(SlotRef),
+    /// Unpins are waiting in `Releases::unpins`.
+    Wake,
     Abort(SlotRef),
     Flush(oneshot::Sender<()>),
+}
+
+/// How long dropped pins wait for the next `pin` call to carry their
+/// release before the background task sends an `Unpin` of its own.
+const UNPIN_PIGGYBACK_WAIT: Duration = Duration::from_millis(1);
+
+/// Releases queued by dropped guards. Unpins ride on the next `Pin` request
+/// when one comes soon, else the background task sends them.
+struct Releases {
+    unpins: std::sync::Mutex<Vec<pb::SlotRef>>,
+    tx: mpsc::UnboundedSender<Release>,
+}
+
+impl Releases {
+    fn unpin(&self, r: SlotRef) {
+        let mut q = self.unpins.lock().unwrap_or_else(|e| e.into_inner());
+        q.push(r.into());
+        if q.len() == 1 {
+            let _ = self.tx.send(Release::Wake);
+        }
+    }
+    fn abort(&self, r: SlotRef) {
+        let _ = self.tx.send(Release::Abort(r));
+    }
+    fn take_unpins(&self) -> Vec<pb::SlotRef> {
+        std::mem::take(&mut *self.unpins.lock().unwrap_or_else(|e| e.into_inner()))
+    }
 }
 
 struct PoolMap {
@@ -155,7 +183,7 @@ struct Inner {
     rpc: EngineClient<Channel>,
     pools: Vec<PoolMap>,
     hello: pb::HelloResponse,
-    release_tx: mpsc::UnboundedSender<Release>,
+    releases: Arc<Releases>,
     path: PathBuf,
 }
 
@@ -197,7 +225,7 @@ pub struct PinnedBlock {
     pool: Arc<SharedMapping>,
     stride: u64,
     payload_capacity: u64,
-    release: Option<mpsc::UnboundedSender<Release>>,
+    release: Option<Arc<Releases>>,
 }
 
 impl PinnedBlock {
@@ -252,8 +280,8 @@ impl Deref for PinnedBlock {
 
 impl Drop for PinnedBlock {
     fn drop(&mut self) {
-        if let Some(tx) = self.release.take() {
-            let _ = tx.send(Release::Unpin(self.slot));
+        if let Some(r) = self.release.take() {
+            r.unpin(self.slot);
         }
     }
 }
@@ -265,7 +293,7 @@ pub struct WritableBlock {
     region: WriteRegion,
     key: Key,
     slot: SlotRef,
-    release: Option<mpsc::UnboundedSender<Release>>,
+    release: Option<Arc<Releases>>,
 }
 
 impl WritableBlock {
@@ -294,8 +322,8 @@ impl DerefMut for WritableBlock {
 
 impl Drop for WritableBlock {
     fn drop(&mut self) {
-        if let Some(tx) = self.release.take() {
-            let _ = tx.send(Release::Abort(self.slot));
+        if let Some(r) = self.release.take() {
+            r.abort(self.slot);
         }
     }
 }
@@ -418,9 +446,15 @@ impl Client {
             let map = Arc::new(SharedMapping::map(fd, info.bytes)?);
             pools.push(PoolMap { map, info: full.clone() });
         }
-        let (release_tx, release_rx) = mpsc::unbounded_channel();
-        tokio::spawn(release_loop(rpc.clone(), release_rx, hello.batch_keys_max.max(1) as usize));
-        Ok(Client { inner: Arc::new(Inner { rpc, pools, hello, release_tx, path }) })
+        let (tx, rx) = mpsc::unbounded_channel();
+        let releases = Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx });
+        tokio::spawn(release_loop(
+            rpc.clone(),
+            rx,
+            Arc::downgrade(&releases),
+            hello.batch_keys_max.max(1) as usize,
+        ));
+        Ok(Client { inner: Arc::new(Inner { rpc, pools, hello, releases, path }) })
     }
 
     fn rpc(&self) -> EngineClient<Channel> {
@@ -478,11 +512,19 @@ impl Client {
     /// `stop_at_first_miss`, entries end at the first miss.
     pub async fn pin_with(&self, ns: &Namespace, keys: &[Key], opts: PinOptions) -> Result<Vec<Option<PinnedBlock>>> {
         self.check_batch(keys.len())?;
+        let mut release = self.inner.releases.take_unpins();
+        let max = self.inner.hello.batch_keys_max as usize;
+        if release.len() > max {
+            // More than one request can carry: send the excess on its own.
+            let rest = release.split_off(max);
+            self.rpc().unpin(pb::UnpinRequest { slots: rest }).await?;
+        }
         let r = pb::PinRequest {
             namespace_id: ns.id,
             keys: pb_keys(keys),
             lease_ms: opts.lease_ms,
             stop_at_first_miss: opts.stop_at_first_miss,
+            release,
         };
         let resp = self.rpc().pin(r).await?.into_inner();
         if resp.blocks.len() > keys.len() {
@@ -503,11 +545,11 @@ impl Client {
             }
             let s = b.slot.ok_or_else(|| ClientError::Protocol("hit without slot".into()))?;
             let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
-            let release = Some(self.inner.release_tx.clone());
+            let release = Some(Arc::clone(&self.inner.releases));
             let region = match pool.map.read(b.payload_offset, b.payload_bytes) {
                 Ok(r) => r,
                 Err(e) => {
-                    let _ = self.inner.release_tx.send(Release::Unpin(slot));
+                    self.inner.releases.unpin(slot);
                     return Err(e.into());
                 }
             };
@@ -547,7 +589,7 @@ impl Client {
     /// reached the daemon.
     pub async fn flush_releases(&self) {
         let (tx, rx) = oneshot::channel();
-        if self.inner.release_tx.send(Release::Flush(tx)).is_ok() {
+        if self.inner.releases.tx.send(Release::Flush(tx)).is_ok() {
             let _ = rx.await;
         }
     }
@@ -577,12 +619,10 @@ impl Client {
         }
         // A copy that outlived its lease may have raced a reuse of the slot.
         if held.iter().any(|b| b.lease_remaining().is_zero()) {
-            drop(held);
             return Err(ClientError::Protocol("copy finished after the pin lease expired; retry".into()));
         }
-        if !held.is_empty() {
-            self.unpin(held).await?;
-        }
+        // Unpins ride on the next pin (or leave within a millisecond).
+        drop(held);
         Ok(hits)
     }
 
@@ -613,7 +653,7 @@ impl Client {
                     let region = match pool.map.write(a.payload_offset, ns.block_bytes) {
                         Ok(r) => r,
                         Err(e) => {
-                            let _ = self.inner.release_tx.send(Release::Abort(slot));
+                            self.inner.releases.abort(slot);
                             return Err(e.into());
                         }
                     };
@@ -621,7 +661,7 @@ impl Client {
                         region,
                         key,
                         slot,
-                        release: Some(self.inner.release_tx.clone()),
+                        release: Some(Arc::clone(&self.inner.releases)),
                     })
                 }
                 Ok(pb::AllocateStatus::Exists) => Allocation::Exists,
@@ -718,32 +758,42 @@ fn pb_keys(keys: &[Key]) -> Vec<pb::Key> {
     keys.iter().map(|k| pb::Key { hi: k.hi(), lo: k.lo() }).collect()
 }
 
-async fn release_loop(mut rpc: EngineClient<Channel>, mut rx: mpsc::UnboundedReceiver<Release>, batch_max: usize) {
+async fn release_loop(
+    mut rpc: EngineClient<Channel>,
+    mut rx: mpsc::UnboundedReceiver<Release>,
+    releases: std::sync::Weak<Releases>,
+    batch_max: usize,
+) {
     while let Some(first) = rx.recv().await {
-        let mut unpins = Vec::new();
         let mut aborts = Vec::new();
         let mut flushes = Vec::new();
+        let mut wake = false;
         let mut next = Some(first);
         while let Some(r) = next {
             match r {
-                Release::Unpin(s) => unpins.push(pb::SlotRef::from(s)),
+                Release::Wake => wake = true,
                 Release::Abort(s) => aborts.push(pb::SlotRef::from(s)),
                 Release::Flush(tx) => flushes.push(tx),
             }
-            if unpins.len() >= batch_max || aborts.len() >= batch_max || !flushes.is_empty() {
+            if aborts.len() >= batch_max || !flushes.is_empty() {
                 break;
             }
             next = rx.try_recv().ok();
         }
-        if !unpins.is_empty()
-            && let Err(e) = rpc.unpin(pb::UnpinRequest { slots: unpins }).await
-        {
-            tracing::debug!("background unpin failed (the daemon releases pins of closed connections): {e}");
+        if wake && flushes.is_empty() {
+            // Give the next pin a chance to carry these unpins.
+            tokio::time::sleep(UNPIN_PIGGYBACK_WAIT).await;
         }
-        if !aborts.is_empty()
-            && let Err(e) = rpc.abort(pb::AbortRequest { slots: aborts }).await
-        {
-            tracing::debug!("background abort failed: {e}");
+        let unpins = releases.upgrade().map(|r| r.take_unpins()).unwrap_or_default();
+        for chunk in unpins.chunks(batch_max) {
+            if let Err(e) = rpc.unpin(pb::UnpinRequest { slots: chunk.to_vec() }).await {
+                tracing::debug!("background unpin failed (the daemon releases pins of closed connections): {e}");
+            }
+        }
+        for chunk in aborts.chunks(batch_max) {
+            if let Err(e) = rpc.abort(pb::AbortRequest { slots: chunk.to_vec() }).await {
+                tracing::debug!("background abort failed: {e}");
+            }
         }
         for f in flushes {
             let _ = f.send(());

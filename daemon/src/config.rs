@@ -34,6 +34,10 @@ pub struct ServerConfig {
     /// Path of the engine socket. Default: `$XDG_RUNTIME_DIR/kvmesh/kvmeshd.sock`,
     /// else `/tmp/kvmesh-<uid>/kvmeshd.sock`.
     pub socket: Option<PathBuf>,
+    /// Threads of the async runtime (engine RPCs, timers). 0: one per core,
+    /// at most 4.
+    #[serde(default)]
+    pub worker_threads: u32,
 }
 
 /// `[limits]`
@@ -217,6 +221,9 @@ impl Config {
                     POOL_SLOTS_MAX
                 ));
             }
+        }
+        if self.server.worker_threads > 64 {
+            return Err(format!("server.worker_threads: {} exceeds 64", self.server.worker_threads));
         }
         let l = &self.limits;
         for (name, v) in [

@@ -59,7 +59,16 @@ fn main() -> std::process::ExitCode {
         println!("configuration ok");
         return std::process::ExitCode::SUCCESS;
     }
-    let rt = match tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kvmeshd").build() {
+    let workers = match cfg.server.worker_threads {
+        0 => std::thread::available_parallelism().map_or(2, |n| n.get()).min(4),
+        n => n as usize,
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .thread_name("kvmeshd")
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kvmeshd: cannot start runtime: {e}");

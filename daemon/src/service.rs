@@ -137,12 +137,17 @@ impl pb::engine_server::Engine for EngineService {
 
     async fn pin(&self, req: Request<pb::PinRequest>) -> Result<Response<pb::PinResponse>, Status> {
         let session = session_of(&req)?;
-        self.admitted(session)?;
         let r = req.into_inner();
         let ks = keys(&r.keys);
         let now = Instant::now();
-        let (out, deadline) =
-            self.store.lock().pin(session, r.namespace_id, &ks, r.lease_ms, r.stop_at_first_miss, now)?;
+        let (out, deadline) = {
+            let mut st = self.store.lock();
+            if !r.release.is_empty() {
+                st.unpin(session, &refs(&r.release))?;
+            }
+            st.open_session(session)?;
+            st.pin(session, r.namespace_id, &ks, r.lease_ms, r.stop_at_first_miss, now)?
+        };
         let prefix_len = out.iter().take_while(|o| o.is_some()).count() as u32;
         let blocks = out
             .into_iter()

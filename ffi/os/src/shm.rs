@@ -156,6 +156,13 @@ impl SharedMapping {
             )
         }
         .map_err(sys("mmap"))?;
+        // Ask for transparent huge pages: honoured for shmem only when the
+        // operator sets /sys/kernel/mm/transparent_hugepage/shmem_enabled to
+        // `advise` (or `always`); harmless otherwise. Fewer TLB misses make
+        // block copies markedly faster (see docs/BENCHMARKS.md).
+        // SAFETY: ptr/len describe the mapping just created; MADV_HUGEPAGE
+        // does not change its contents or validity.
+        let _ = unsafe { nix::sys::mman::madvise(ptr, len.get(), nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
         Ok(SharedMapping {
             ptr: ptr.cast(),
             len: len.get(),
