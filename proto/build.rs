@@ -7,9 +7,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={p}");
     }
     let fds = protox::compile(protos, ["."])?;
-    tonic_prost_build::configure()
-        .build_client(true)
-        .build_server(true)
-        .compile_fds(fds)?;
+    tonic_prost_build::configure().build_client(true).build_server(true).compile_fds(fds)?;
     Ok(())
 }

@@ -44,6 +44,10 @@ enum Cmd {
         /// Bytes to move per measurement, in MiB (several passes over the pool).
         #[arg(long, default_value_t = 2048)]
         bytes_mib: u64,
+        /// Fewest pin batches per repetition of the pin + read measurement
+        /// (the P99 needs samples).
+        #[arg(long, default_value_t = 200)]
+        pin_batches_min: usize,
     },
     /// Latency of single engine calls (lookup, pin, unpin) by batch size.
     Rpc {
@@ -75,9 +79,9 @@ fn main() -> anyhow::Result<()> {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(rpc(calls))
         }
-        Cmd::Local { json, pool_mib, block_kib, batch, bytes_mib } => {
+        Cmd::Local { json, pool_mib, block_kib, batch, bytes_mib, pin_batches_min } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            rt.block_on(local(json, pool_mib, &block_kib, batch, bytes_mib))
+            rt.block_on(local(json, pool_mib, &block_kib, batch, bytes_mib, pin_batches_min))
         }
     }
 }
@@ -160,6 +164,7 @@ async fn bench_size(
     blocks: usize,
     batch: usize,
     bytes_target: u64,
+    pin_batches_min: usize,
 ) -> anyhow::Result<Row> {
     let bs = ns.block_bytes as usize;
     let keys: Vec<Key> = (0..blocks as u128).map(|i| Key((ns.block_bytes as u128) << 64 | i)).collect();
@@ -171,7 +176,8 @@ async fn bench_size(
     // cache behaviour.
     let stride = client.hello().pools[ns.pool as usize].slot_stride_bytes as usize;
     let base = client.hello().pools[ns.pool as usize].payload_offset_bytes as usize;
-    let src_map = std::sync::Arc::new(kvmesh_ffi_os::SharedMapping::create("bench-src", (blocks * stride) as u64, false)?);
+    let src_map =
+        std::sync::Arc::new(kvmesh_ffi_os::SharedMapping::create("bench-src", (blocks * stride) as u64, false)?);
     {
         let mut all = src_map.write(0, src_map.len())?;
         for (i, chunk) in all.chunks_mut(4096).enumerate() {
@@ -236,9 +242,9 @@ async fn bench_size(
         }
         copy.push((rounds * batch * bs) as f64 / t.elapsed().as_secs_f64() / 1e9);
 
-        // (a) pin a batch, read it in place, unpin. At least 200 batches per
+        // (a) pin a batch, read it in place, unpin. At least `pin_batches_min` per
         // repetition so the P99 of the pin latency rests on enough samples.
-        let rounds_a = rounds.max(200);
+        let rounds_a = rounds.max(pin_batches_min);
         let t = Instant::now();
         let mut acc = 0u64;
         for r in 0..rounds_a {
@@ -280,7 +286,14 @@ async fn bench_size(
     })
 }
 
-async fn local(json: bool, pool_mib: u64, block_kib: &[u64], batch: usize, bytes_mib: u64) -> anyhow::Result<()> {
+async fn local(
+    json: bool,
+    pool_mib: u64,
+    block_kib: &[u64],
+    batch: usize,
+    bytes_mib: u64,
+    pin_batches_min: usize,
+) -> anyhow::Result<()> {
     if pool_mib < 256 {
         eprintln!("warning: pools under 256 MiB fit in caches on many machines; numbers will flatter");
     }
@@ -301,7 +314,7 @@ async fn local(json: bool, pool_mib: u64, block_kib: &[u64], batch: usize, bytes
             bail!("pool of {pool_mib} MiB holds {slots} blocks of {kib} KiB, fewer than one batch of {batch}");
         }
         let blocks = slots - slots % batch;
-        let row = bench_size(&client, &ns, blocks, batch, bytes_mib << 20).await?;
+        let row = bench_size(&client, &ns, blocks, batch, bytes_mib << 20, pin_batches_min).await?;
         eprintln!(
             "{:>5} KiB x{:<5} copy {:6.2} GB/s  memcpy {:6.2} GB/s  ratio {:.2}  pin+read {:6.2} GB/s  \
              pin64 p50 {:>5} us p99 {:>5} us max {:>6} us  puts {:>8.0}/s ({:.2} GB/s)",

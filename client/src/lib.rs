@@ -34,9 +34,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-pub use kvmesh_common::{Key, ValidationError};
 use kvmesh_common::handshake::FD_HANDSHAKE_MAGIC;
 use kvmesh_common::slot::{SlotMeta, SlotState, validate_slot};
+pub use kvmesh_common::{Key, ValidationError};
 use kvmesh_ffi_os::{ReadRegion, SharedMapping, ShmError, WriteRegion};
 use kvmesh_proto::engine::v1 as pb;
 pub use kvmesh_proto::engine::v1::StatsResponse as Stats;
@@ -254,10 +254,8 @@ impl PinnedBlock {
     /// still holds this block with a matching checksum.
     pub fn verify(&self) -> std::result::Result<(), ValidationError> {
         let base = self.slot.slot as u64 * self.stride;
-        let whole = self.pool.read(base, self.stride).map_err(|_| ValidationError::Size {
-            expected: self.stride,
-            found: 0,
-        })?;
+        let whole =
+            self.pool.read(base, self.stride).map_err(|_| ValidationError::Size { expected: self.stride, found: 0 })?;
         let expected = SlotMeta {
             state: SlotState::Valid,
             namespace: self.fingerprint,
@@ -422,7 +420,8 @@ impl Client {
             }))
             .await
             .map_err(|e| ClientError::Connect { path: path.clone(), source: std::io::Error::other(e) })?;
-        let mut rpc = EngineClient::new(channel).max_decoding_message_size(16 << 20).max_encoding_message_size(16 << 20);
+        let mut rpc =
+            EngineClient::new(channel).max_decoding_message_size(16 << 20).max_encoding_message_size(16 << 20);
         let hello = rpc.hello(pb::HelloRequest {}).await?.into_inner();
         let bad = |reason: String| ClientError::Handshake { path: path.clone(), reason };
         if hello.instance_id != instance {
@@ -448,12 +447,7 @@ impl Client {
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let releases = Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx });
-        tokio::spawn(release_loop(
-            rpc.clone(),
-            rx,
-            Arc::downgrade(&releases),
-            hello.batch_keys_max.max(1) as usize,
-        ));
+        tokio::spawn(release_loop(rpc.clone(), rx, Arc::downgrade(&releases), hello.batch_keys_max.max(1) as usize));
         Ok(Client { inner: Arc::new(Inner { rpc, pools, hello, releases, path }) })
     }
 
@@ -498,7 +492,11 @@ impl Client {
         let r = pb::LookupRequest { namespace_id: ns.id, keys: pb_keys(keys) };
         let resp = self.rpc().lookup(r).await?.into_inner();
         if resp.present.len() != keys.len() {
-            return Err(ClientError::Protocol(format!("lookup answered {} of {} keys", resp.present.len(), keys.len())));
+            return Err(ClientError::Protocol(format!(
+                "lookup answered {} of {} keys",
+                resp.present.len(),
+                keys.len()
+            )));
         }
         Ok(LookupResult { present: resp.present, prefix_len: resp.prefix_len })
     }
@@ -666,7 +664,9 @@ impl Client {
                 }
                 Ok(pb::AllocateStatus::Exists) => Allocation::Exists,
                 Ok(pb::AllocateStatus::InProgress) => Allocation::InProgress,
-                _ => return Err(ClientError::Protocol(format!("unknown allocation status {}", a.status))),
+                _ => {
+                    return Err(ClientError::Protocol(format!("unknown allocation status {}", a.status)));
+                }
             });
         }
         Ok(out)

@@ -44,20 +44,20 @@ pub fn decode(buf: &[u8], fds: usize) -> Result<(u64, Vec<PoolFd>), String> {
     let n = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
     let instance = u64::from_le_bytes(buf[4..12].try_into().expect("8 bytes"));
     if n > POOLS_MAX || buf.len() != HEAD + 12 * n || n != fds {
-        return Err(format!(
-            "handshake reply names {n} pools in {} bytes with {fds} fds attached",
-            buf.len()
-        ));
+        return Err(format!("handshake reply names {n} pools in {} bytes with {fds} fds attached", buf.len()));
     }
-    Ok((instance, (0..n)
-        .map(|i| {
-            let b = &buf[HEAD + 12 * i..HEAD + 12 * (i + 1)];
-            PoolFd {
-                pool: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
-                bytes: u64::from_le_bytes(b[4..].try_into().expect("8 bytes")),
-            }
-        })
-        .collect()))
+    Ok((
+        instance,
+        (0..n)
+            .map(|i| {
+                let b = &buf[HEAD + 12 * i..HEAD + 12 * (i + 1)];
+                PoolFd {
+                    pool: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
+                    bytes: u64::from_le_bytes(b[4..].try_into().expect("8 bytes")),
+                }
+            })
+            .collect(),
+    ))
 }
 
 #[cfg(test)]

@@ -151,8 +151,7 @@ impl SlotMeta {
         {
             return Err(ValidationError::Magic { which });
         }
-        let state = SlotState::from_u16(u16::from_le_bytes([b[6], b[7]]))
-            .ok_or(ValidationError::Magic { which })?;
+        let state = SlotState::from_u16(u16::from_le_bytes([b[6], b[7]])).ok_or(ValidationError::Magic { which })?;
         Ok(SlotMeta {
             state,
             namespace: u64_at(8),
@@ -194,10 +193,7 @@ pub fn validate_slot<'a>(
         return Err(ValidationError::Torn { header: Box::new(header), trailer: Box::new(trailer) });
     }
     if header != *expected || header.payload_len > payload_capacity {
-        return Err(ValidationError::Mismatch {
-            expected: Box::new(*expected),
-            found: Box::new(header),
-        });
+        return Err(ValidationError::Mismatch { expected: Box::new(*expected), found: Box::new(header) });
     }
     let payload = &slot[HEADER_BYTES..HEADER_BYTES + header.payload_len as usize];
     let found = crate::checksum(payload);

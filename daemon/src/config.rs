@@ -133,7 +133,9 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
         "MiB" => 1 << 20,
         "GiB" => 1 << 30,
         "TiB" => 1 << 40,
-        u => return Err(format!("unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB or TiB)")),
+        u => {
+            return Err(format!("unknown size unit {u:?} in {s:?} (use B, KiB, MiB, GiB or TiB)"));
+        }
     };
     n.checked_mul(mult).ok_or_else(|| format!("size {s:?} overflows 64 bits"))
 }
@@ -290,7 +292,10 @@ mod tests {
             ("[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\n", "slot_payload_bytes"),
             ("[[pools]]\nname = \"p\"\nbytes = \"1XB\"\nslot_payload_bytes = 4096\n", "unknown size unit"),
             ("[[pools]]\nname = \"p\"\nbytes = 100\nslot_payload_bytes = 4096\n", "pools[0] (p).bytes"),
-            ("[[pools]]\nname = \"p\"\ndevice = \"cuda:0\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n", "not implemented yet"),
+            (
+                "[[pools]]\nname = \"p\"\ndevice = \"cuda:0\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n",
+                "not implemented yet",
+            ),
             ("[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\nbogus = 1\n", "bogus"),
             (&format!("{pool}{pool}"), "duplicate pool name"),
             (&format!("[limits]\nbatch_keys_max = 0\n{pool}"), "limits.batch_keys_max"),

@@ -119,7 +119,12 @@ impl Drop for SessionGuard {
     fn drop(&mut self) {
         let (pins, allocs) = self.store.lock().release_session(self.session);
         if pins + allocs > 0 {
-            tracing::info!(session = self.session, pins, allocs, "connection closed: released its pins and allocations");
+            tracing::info!(
+                session = self.session,
+                pins,
+                allocs,
+                "connection closed: released its pins and allocations"
+            );
         } else {
             tracing::debug!(session = self.session, "connection closed");
         }
@@ -238,7 +243,9 @@ async fn classify(
 
 /// Tells systemd (when started with `Type=notify`) that the daemon is ready.
 fn sd_notify(state: &str) {
-    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
+        return;
+    };
     let sock = match std::os::unix::net::UnixDatagram::unbound() {
         Ok(s) => s,
         Err(e) => {
@@ -322,21 +329,20 @@ pub async fn run(
         .max_encoding_message_size(16 << 20);
     let mut stop_grpc = stop_rx.clone();
     let incoming = tokio_stream::wrappers::ReceiverStream::new(rx);
-    let grpc = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming_shutdown(incoming, async move {
-                let _ = stop_grpc.changed().await;
-            }),
-    );
+    let grpc = tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
+        incoming,
+        async move {
+            let _ = stop_grpc.changed().await;
+        },
+    ));
 
     sd_notify("READY=1");
     let signals = async move {
         if !handle_signals {
             return std::future::pending::<&'static str>().await;
         }
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("install SIGTERM handler");
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("install SIGTERM handler");
         tokio::select! {
             _ = term.recv() => "SIGTERM",
             _ = tokio::signal::ctrl_c() => "SIGINT",

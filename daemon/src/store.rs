@@ -45,7 +45,9 @@ pub struct SlotRef {
 enum State {
     Free,
     /// Allocated to `session` for a put, not yet committed.
-    Pending { session: SessionId },
+    Pending {
+        session: SessionId,
+    },
     /// Commit in progress (checksumming): owned by the commit task.
     Committing,
     Valid,
@@ -426,10 +428,7 @@ impl Store {
     /// Registers a namespace or returns the matching existing one.
     pub fn register_namespace(&mut self, name: &str, block_bytes: u64, layout: &str) -> Result<Namespace, Error> {
         if name.is_empty() || name.len() > 256 {
-            return Err(Error::InvalidArgument(format!(
-                "namespace name must be 1 to 256 bytes, got {}",
-                name.len()
-            )));
+            return Err(Error::InvalidArgument(format!("namespace name must be 1 to 256 bytes, got {}", name.len())));
         }
         if layout.len() > 4096 {
             return Err(Error::InvalidArgument(format!("layout is {} bytes, at most 4096", layout.len())));
@@ -494,9 +493,7 @@ impl Store {
     }
 
     fn namespace(&self, id: u32) -> Result<&Namespace, Error> {
-        self.namespaces
-            .get(id as usize)
-            .ok_or_else(|| Error::NotFound(format!("namespace id {id} is not registered")))
+        self.namespaces.get(id as usize).ok_or_else(|| Error::NotFound(format!("namespace id {id} is not registered")))
     }
 
     fn check_batch(&self, n: usize) -> Result<(), Error> {
@@ -706,7 +703,11 @@ impl Store {
                 pinned_seen += 1;
                 if pinned_seen > live {
                     // every live slot is pinned
-                    if from_small { pool.small.push_back((s, gen_)) } else { pool.main.push_back((s, gen_)) }
+                    if from_small {
+                        pool.small.push_back((s, gen_))
+                    } else {
+                        pool.main.push_back((s, gen_))
+                    }
                     return false;
                 }
                 if from_small {
@@ -942,7 +943,10 @@ impl Store {
             let fingerprint = self.namespaces[ns_of as usize].fingerprint;
             let pool = &mut self.pools[r.pool as usize];
             let slot = &mut pool.slots[r.slot as usize];
-            assert!(slot.state == State::Committing && slot.generation == r.generation, "commit of {r:?} lost its slot");
+            assert!(
+                slot.state == State::Committing && slot.generation == r.generation,
+                "commit of {r:?} lost its slot"
+            );
             slot.checksum = checksum;
             slot.state = State::Valid;
             let h = ghost_hash(slot.ns, slot.key);
@@ -1001,7 +1005,9 @@ impl Store {
 
     /// Releases everything `session` holds (its connection closed).
     pub fn release_session(&mut self, session: SessionId) -> (u64, u64) {
-        let Some(sess) = self.sessions.remove(&session) else { return (0, 0) };
+        let Some(sess) = self.sessions.remove(&session) else {
+            return (0, 0);
+        };
         let (mut pins, mut allocs) = (0u64, 0u64);
         for (r, (count, lease)) in sess.pins {
             self.lease_unref(lease);
@@ -1028,7 +1034,9 @@ impl Store {
             }
             self.deadlines.pop_first();
             let lease = self.leases.remove(&id).expect("deadline of a known lease");
-            let Some(mut sess) = self.sessions.remove(&lease.session) else { continue };
+            let Some(mut sess) = self.sessions.remove(&lease.session) else {
+                continue;
+            };
             for r in lease.refs {
                 match lease.kind {
                     LeaseKind::Pin => {
@@ -1147,7 +1155,14 @@ impl Store {
                 return Err(format!(
                     "pool {}: counts drifted: recount valid {valid} pending {pending} pinned {pinned} zombie {zombie} \
                      small {small} main {main}, kept {} {} {} {} {} {}, free {free} of {}",
-                    p.name, p.valid, p.pending, p.pinned, p.zombie, p.small_live, p.main_live, p.slot_count()
+                    p.name,
+                    p.valid,
+                    p.pending,
+                    p.pinned,
+                    p.zombie,
+                    p.small_live,
+                    p.main_live,
+                    p.slot_count()
                 ));
             }
         }
@@ -1173,7 +1188,9 @@ impl Store {
             for id in ids {
                 match self.leases.get(&id) {
                     Some(l) if l.session == *sid => {}
-                    _ => return Err(format!("session {sid}: record points at a missing or foreign lease {id}")),
+                    _ => {
+                        return Err(format!("session {sid}: record points at a missing or foreign lease {id}"));
+                    }
                 }
             }
         }
@@ -1200,7 +1217,9 @@ mod tests {
 
     fn put(st: &mut Store, session: SessionId, ns: u32, key: Key, now: Instant) -> Option<SlotRef> {
         let (out, _) = st.allocate(session, ns, &[key], 0, now).ok()?;
-        let AllocOutcome::Allocated { slot, payload_offset } = out[0] else { return None };
+        let AllocOutcome::Allocated { slot, payload_offset } = out[0] else {
+            return None;
+        };
         let data = vec![(key.0 & 0xff) as u8; 4096];
         st.pools[0].mapping.copy_in(payload_offset, &data).unwrap();
         let jobs = st.begin_commit(session, &[slot]).unwrap();
@@ -1277,7 +1296,11 @@ mod tests {
             for ((_, r), (key, _)) in &pins {
                 let slot = &st.pools[0].slots[r.slot as usize];
                 assert_eq!(slot.generation, r.generation, "step {step}: pinned slot reused");
-                assert!(matches!(slot.state, State::Valid | State::Zombie), "step {step}: pinned slot {:?}", slot.state);
+                assert!(
+                    matches!(slot.state, State::Valid | State::Zombie),
+                    "step {step}: pinned slot {:?}",
+                    slot.state
+                );
                 assert_eq!(slot.key, *key);
                 let mut b = [0u8; 1];
                 st.pools[0].mapping.copy_out(st.pools[0].payload_offset(r.slot), &mut b).unwrap();

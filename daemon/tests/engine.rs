@@ -405,8 +405,11 @@ fn socket_of_live_daemon_is_not_stolen_and_stale_socket_is_reclaimed() {
     drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
     assert!(sock.exists());
     let cfg2 = dir.0.join("c.toml");
-    std::fs::write(&cfg2, format!("[server]\nsocket = {:?}\n{}", sock.display().to_string(), pool("p", "4MiB", "4KiB")))
-        .unwrap();
+    std::fs::write(
+        &cfg2,
+        format!("[server]\nsocket = {:?}\n{}", sock.display().to_string(), pool("p", "4MiB", "4KiB")),
+    )
+    .unwrap();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
         .arg("--config")
         .arg(&cfg2)
@@ -430,7 +433,10 @@ fn bad_config_names_the_field() {
     let cases = [
         ("[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\n", "slot_payload_bytes"),
         ("[[pools]]\nname = \"p\"\nbytes = \"ten\"\nslot_payload_bytes = 4096\n", "bytes"),
-        ("[limits]\nlease_ms_max = 0\n[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n", "limits.lease_ms_max"),
+        (
+            "[limits]\nlease_ms_max = 0\n[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n",
+            "limits.lease_ms_max",
+        ),
     ];
     for (text, field) in cases {
         let f = dir.0.join("c.toml");

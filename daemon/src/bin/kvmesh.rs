@@ -90,7 +90,8 @@ async fn run(args: Args) -> Result<(), Failure> {
             if block_size == 0 {
                 return Err(Failure::Error("--block-size must be greater than 0".into()));
             }
-            let meta = std::fs::metadata(&file).map_err(|e| Failure::Error(format!("cannot read {}: {e}", file.display())))?;
+            let meta =
+                std::fs::metadata(&file).map_err(|e| Failure::Error(format!("cannot read {}: {e}", file.display())))?;
             if meta.len() != block_size {
                 return Err(Failure::Error(format!(
                     "{} is {} bytes, expected exactly one block of {block_size}",
@@ -98,7 +99,8 @@ async fn run(args: Args) -> Result<(), Failure> {
                     meta.len()
                 )));
             }
-            let data = std::fs::read(&file).map_err(|e| Failure::Error(format!("cannot read {}: {e}", file.display())))?;
+            let data =
+                std::fs::read(&file).map_err(|e| Failure::Error(format!("cannot read {}: {e}", file.display())))?;
             let client = connect(args.socket).await?;
             let ns = match client.namespace(&namespace).await {
                 Ok(ns) if ns.block_bytes != block_size => {
@@ -108,7 +110,9 @@ async fn run(args: Args) -> Result<(), Failure> {
                     )));
                 }
                 Ok(ns) => ns,
-                Err(e) if e.code() == tonic::Code::NotFound => client.register_namespace(&namespace, block_size, "").await?,
+                Err(e) if e.code() == tonic::Code::NotFound => {
+                    client.register_namespace(&namespace, block_size, "").await?
+                }
                 Err(e) => return Err(e.into()),
             };
             let s = client.put(&ns, &[(key, &data)]).await?;
@@ -131,7 +135,8 @@ async fn run(args: Args) -> Result<(), Failure> {
             if !hit[0] {
                 return Err(Failure::Miss(format!("{key} is not cached in {namespace}")));
             }
-            std::fs::write(&outfile, &buf).map_err(|e| Failure::Error(format!("cannot write {}: {e}", outfile.display())))?;
+            std::fs::write(&outfile, &buf)
+                .map_err(|e| Failure::Error(format!("cannot write {}: {e}", outfile.display())))?;
             println!("wrote {key} ({} bytes) to {}", buf.len(), outfile.display());
         }
     }
@@ -146,8 +151,17 @@ fn stats_json(s: &kvmesh_client::Stats) -> String {
             format!(
                 "{{\"name\":{:?},\"device\":{:?},\"bytes\":{},\"slot_payload_bytes\":{},\"slots\":{},\"free\":{},\
                  \"valid\":{},\"pending\":{},\"pinned\":{},\"zombie\":{},\"mlocked\":{}}}",
-                p.name, p.device, p.bytes, p.slot_payload_bytes, p.slots, p.free, p.valid, p.pending, p.pinned,
-                p.zombie, p.mlocked
+                p.name,
+                p.device,
+                p.bytes,
+                p.slot_payload_bytes,
+                p.slots,
+                p.free,
+                p.valid,
+                p.pending,
+                p.pinned,
+                p.zombie,
+                p.mlocked
             )
         })
         .collect();

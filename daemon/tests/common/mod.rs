@@ -100,12 +100,8 @@ pub fn block_bytes(key: kvmesh_client::Key, len: usize) -> Vec<u8> {
 }
 
 pub fn run_cli(socket: &Path, args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-        .arg("--socket")
-        .arg(socket)
-        .args(args)
-        .output()
-        .expect("run kvmesh");
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_kvmesh")).arg("--socket").arg(socket).args(args).output().expect("run kvmesh");
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),

@@ -163,13 +163,7 @@ impl SharedMapping {
         // SAFETY: ptr/len describe the mapping just created; MADV_HUGEPAGE
         // does not change its contents or validity.
         let _ = unsafe { nix::sys::mman::madvise(ptr, len.get(), nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
-        Ok(SharedMapping {
-            ptr: ptr.cast(),
-            len: len.get(),
-            fd,
-            mlocked: false,
-            claims: Mutex::new(Claims::default()),
-        })
+        Ok(SharedMapping { ptr: ptr.cast(), len: len.get(), fd, mlocked: false, claims: Mutex::new(Claims::default()) })
     }
 
     /// The memfd (to send to engines).
@@ -254,9 +248,7 @@ impl Deref for ReadRegion {
         // SAFETY: the range was bounds-checked and claimed for reading, so no
         // `&mut` to it exists in this process while `self` lives; the pin
         // protocol keeps other processes from writing a pinned range.
-        unsafe {
-            std::slice::from_raw_parts(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize)
-        }
+        unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
     }
 }
 
@@ -285,9 +277,7 @@ impl Deref for WriteRegion {
     fn deref(&self) -> &[u8] {
         // SAFETY: the range was bounds-checked and claimed exclusively; the
         // only references to it derive from `self`.
-        unsafe {
-            std::slice::from_raw_parts(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize)
-        }
+        unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
     }
 }
 
@@ -296,12 +286,7 @@ impl DerefMut for WriteRegion {
         // SAFETY: as in `deref`; `&mut self` makes this the only live
         // reference derived from the claim. Other processes do not touch a
         // range allocated to this writer (pin protocol).
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                self.map.ptr.as_ptr().add(self.offset as usize),
-                self.len as usize,
-            )
-        }
+        unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
     }
 }
 

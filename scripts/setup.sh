@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Installs what building and testing kvmesh needs on a Debian machine, only
+# where it is missing. Idempotent; safe to run on every build.
+set -euo pipefail
+
+# Debian packages: a C toolchain (linker for Rust, cc for -sys crates) and
+# pkg-config. Later parts of the data plane add UCX/RDMA packages here.
+PACKAGES=(gcc libc6-dev pkg-config)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+        missing+=("$p")
+    fi
+done
+if ((${#missing[@]})); then
+    echo "setup: installing ${missing[*]}" >&2
+    SUDO=""
+    if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+    export DEBIAN_FRONTEND=noninteractive
+    $SUDO apt-get update -qq
+    $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# Rust: edition 2024 and File::try_lock need rustc >= 1.89.
+if ! command -v cargo >/dev/null 2>&1 && [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+if ! command -v cargo >/dev/null 2>&1; then
+    echo "setup: no cargo found; installing the stable Rust toolchain with rustup" >&2
+    if ! command -v curl >/dev/null 2>&1; then
+        SUDO=""; if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+        $SUDO apt-get install -y -qq --no-install-recommends curl ca-certificates
+    fi
+    curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component clippy,rustfmt
+    export PATH="$HOME/.cargo/bin:$PATH"
+fi
+ver=$(rustc --version | awk '{print $2}')
+if [[ "$(printf '%s\n1.89.0\n' "$ver" | sort -V | head -1)" != "1.89.0" ]]; then
+    echo "setup: rustc $ver is too old; kvmesh needs 1.89 or newer (rustup update stable)" >&2
+    exit 1
+fi
