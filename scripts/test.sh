@@ -23,6 +23,18 @@ else
 fi
 echo "== tests" >&2
 cargo test --workspace --locked
+echo "== coherence simulator: 1000 seeds, then each planted bug must be caught" >&2
+cargo build --locked --release -q -p kvmesh-cluster-tests --bin kvmesh-sim
+target/release/kvmesh-sim --seeds 1000 | tail -1
+for bug in skip-ack-wait skip-validation reuse-granted-slot ack-without-invalidate; do
+    rc=0
+    out=$(target/release/kvmesh-sim --seeds 1000 --inject-bug "$bug") || rc=$?
+    if [[ $rc -ne 1 ]]; then
+        echo "planted bug $bug was NOT caught (kvmesh-sim exit $rc)" >&2
+        exit 1
+    fi
+    echo "$out" | grep -m1 '^seed=' >&2
+done
 echo "== benchmark smoke run (small pools; verifies content, ignores timing)" >&2
 cargo run --locked -q -p kvmesh-bench -- local --json --pool-mib 32 --block-kib 64,256 --bytes-mib 64 --pin-batches-min 4 >/dev/null
 echo "== all tests passed" >&2

@@ -1,8 +1,10 @@
-//! Multi-daemon tests of kvmesh. This crate will hold the tests that start
-//! several `kvmeshd` processes (on loopback or in network namespaces the
-//! test creates), inject faults (kill -9, partitions, restarts), and the
-//! deterministic simulator of the coherence core.
+//! Multi-node tests of kvmesh.
 //!
-//! Nothing lives here yet: the single-daemon integration tests are in
-//! `daemon/tests/`; multi-daemon tests arrive with the peer data plane.
+//! Today: the deterministic simulator of the coherence core ([`sim`], run
+//! by the `kvmesh-sim` binary and by `tests/sim.rs`). Later: tests that start
+//! several `kvmeshd` processes (on loopback or in network namespaces the
+//! test creates), inject faults (kill -9, partitions, restarts) and check
+//! that no engine ever reads a wrong or stale block.
 #![forbid(unsafe_code)]
+
+pub mod sim;

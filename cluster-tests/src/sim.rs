@@ -1,0 +1,905 @@
+//! Deterministic simulation of the coherence core.
+//!
+//! A seeded world drives N `kvmesh_coherence::Node`s: random client calls on
+//! random nodes; batches dropped, duplicated, delayed and reordered;
+//! partitions that heal; crashes and restarts (new incarnation, empty pool);
+//! clocks whose rates drift within the configured bound; a membership
+//! service with leases (the role etcd plays in the daemon); and a model of
+//! each node's pool memory in which one-sided reads can return torn images
+//! or images of a reused slot. After every step it checks the invariants
+//! (see `docs/COHERENCE.md`); after the faults stop and the network heals it
+//! checks liveness. Everything is a function of the seed.
+
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+
+use kvmesh_coherence::{
+    Action, Batch, BlockKey, Bug, Config, Event, Member, Node, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef,
+    Trace, TransferError, View,
+};
+
+/// Settings of one simulation run.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Nodes.
+    pub nodes: usize,
+    /// Distinct keys (few, so that operations collide).
+    pub keys: usize,
+    /// Slots in each node's pool.
+    pub slots: usize,
+    /// Events processed while faults are injected.
+    pub steps: u64,
+    /// Planted bug.
+    pub bug: Option<Bug>,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { nodes: 4, keys: 6, slots: 8, steps: 4000, bug: None }
+    }
+}
+
+/// An invariant that failed.
+#[derive(Clone, Debug)]
+pub struct Violation {
+    /// Seed that reproduces it.
+    pub seed: u64,
+    /// Invariant name (S1..S5, L1..L3, DATA).
+    pub invariant: &'static str,
+    /// What was seen.
+    pub detail: String,
+    /// The last events before the violation.
+    pub trace: Vec<String>,
+}
+
+/// Figures of a passing run.
+#[derive(Clone, Debug, Default)]
+pub struct RunStats {
+    /// Events processed (fault phase and healing).
+    pub events: u64,
+    /// Client calls issued.
+    pub ops: u64,
+    /// Gets answered with data.
+    pub hits: u64,
+    /// Puts stored.
+    pub stored: u64,
+    /// Invalidations completed.
+    pub invalidated: u64,
+    /// Validation failures caught by the core.
+    pub validation_failures: u64,
+    /// Membership epochs.
+    pub epochs: u64,
+    /// Crashes injected.
+    pub crashes: u64,
+}
+
+/// Small fast deterministic RNG (xorshift64*).
+#[derive(Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    /// Seeded generator.
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
+    }
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next_u64() % n
+    }
+    /// True with probability `p`.
+    pub fn chance(&mut self, p: f64) -> bool {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p
+    }
+    /// Uniform in `lo..=hi`.
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        lo + self.below(hi - lo + 1)
+    }
+}
+
+#[derive(Clone, Copy)]
+struct Clock {
+    offset: u64,
+    rate_ppm: i64,
+}
+
+impl Clock {
+    fn local(&self, real: u64) -> u64 {
+        let skew = (real as i128 * self.rate_ppm as i128 / 1_000_000) as i64;
+        (self.offset as i64 + real as i64 + skew) as u64
+    }
+    fn real(&self, local: u64) -> u64 {
+        let x = local as i128 - self.offset as i128;
+        let r = x * 1_000_000 / (1_000_000 + self.rate_ppm as i128);
+        r.max(0) as u64
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum CellState {
+    Free,
+    Used,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Cell {
+    state: CellState,
+    generation: u64,
+    header: SlotMeta,
+    trailer: SlotMeta,
+    content: u64,
+}
+
+struct SimNode {
+    core: Option<Node>,
+    incarnation: u64,
+    clock: Clock,
+    mem: Vec<Cell>,
+    tick_at: Option<u64>,
+    isolated_until: u64,
+    down_until: u64,
+}
+
+#[derive(Debug)]
+enum Ev {
+    Deliver {
+        to: NodeId,
+        from: NodeId,
+        batch: Batch,
+    },
+    Tick {
+        node: NodeId,
+    },
+    ClientOp,
+    ReadExec {
+        reader: NodeId,
+        reader_inc: u64,
+        op: OpId,
+        holder: NodeId,
+        holder_inc: u64,
+        remote: SlotRef,
+        deadline_real: u64,
+    },
+    TransferDone {
+        reader: NodeId,
+        reader_inc: u64,
+        op: OpId,
+        result: Result<Cell, TransferError>,
+    },
+    KeepAlive {
+        node: NodeId,
+        inc: u64,
+        sent_at: u64,
+    },
+    KeepAliveAck {
+        node: NodeId,
+        inc: u64,
+        sent_at: u64,
+        view: View,
+    },
+    OracleCheck,
+    Unpin {
+        node: NodeId,
+        inc: u64,
+        slot: SlotRef,
+    },
+    Crash {
+        node: NodeId,
+    },
+    Restart {
+        node: NodeId,
+    },
+    Isolate {
+        node: NodeId,
+        until: u64,
+    },
+}
+
+struct Queued {
+    at: u64,
+    seq: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.at, o.seq).cmp(&(self.at, self.seq)) // min-heap
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+enum OpInfo {
+    Get { key: BlockKey, start: u64 },
+    Put,
+    Invalidate,
+}
+
+/// The simulated cluster.
+pub struct World {
+    cfg: SimConfig,
+    core_cfg: Config,
+    seed: u64,
+    rng: Rng,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Queued>,
+    nodes: Vec<SimNode>,
+    // membership service
+    epoch: u64,
+    members: BTreeMap<NodeId, u64>,
+    last_seen: BTreeMap<NodeId, u64>,
+    // checker state
+    ops: HashMap<(NodeId, u64, OpId), OpInfo>,
+    next_op: OpId,
+    truth: HashMap<(BlockKey, u64), u64>,
+    max_committed: HashMap<BlockKey, u64>,
+    completed: HashMap<BlockKey, Vec<(u64, u64)>>,
+    pending_fail: Option<(&'static str, String)>,
+    pending_s3: Vec<(BlockKey, u64)>,
+    /// Incarnation of the holder that granted each slot use (a grant, like
+    /// an rkey, dies with its process).
+    granted_by: HashMap<(NodeId, SlotRef), u64>,
+    faults: bool,
+    log: VecDeque<String>,
+    stats: RunStats,
+    trace_log: bool,
+}
+
+const KEEPALIVE_DELAY_MAX: u64 = 2_000;
+
+impl World {
+    /// A world for `seed`.
+    pub fn new(seed: u64, cfg: SimConfig) -> World {
+        let mut rng = Rng::new(seed);
+        let core_cfg = Config { bug: cfg.bug, trace: true, ..Config::default() };
+        let nodes = (0..cfg.nodes)
+            .map(|_| SimNode {
+                core: None,
+                incarnation: 0,
+                clock: Clock {
+                    offset: rng.range(0, 1_000_000),
+                    rate_ppm: rng.range(0, 2 * core_cfg.drift_ppm) as i64 - core_cfg.drift_ppm as i64,
+                },
+                mem: vec![
+                    Cell {
+                        state: CellState::Free,
+                        generation: 0,
+                        header: blank_meta(),
+                        trailer: blank_meta(),
+                        content: 0
+                    };
+                    cfg.slots
+                ],
+                tick_at: None,
+                isolated_until: 0,
+                down_until: 0,
+            })
+            .collect();
+        let mut w = World {
+            cfg,
+            core_cfg,
+            seed,
+            rng,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            nodes,
+            epoch: 0,
+            members: BTreeMap::new(),
+            last_seen: BTreeMap::new(),
+            ops: HashMap::new(),
+            next_op: 0,
+            truth: HashMap::new(),
+            max_committed: HashMap::new(),
+            completed: HashMap::new(),
+            pending_fail: None,
+            pending_s3: Vec::new(),
+            granted_by: HashMap::new(),
+            faults: true,
+            log: VecDeque::new(),
+            stats: RunStats::default(),
+            trace_log: false,
+        };
+        for n in 0..w.cfg.nodes as NodeId {
+            w.boot(n);
+        }
+        w.push(1_000, Ev::ClientOp);
+        w.push(10_000, Ev::OracleCheck);
+        w
+    }
+
+    /// Log every event to stderr (for debugging one seed).
+    pub fn verbose(&mut self) {
+        self.trace_log = true;
+    }
+
+    fn push(&mut self, delay: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Queued { at: self.now + delay, seq: self.seq, ev });
+    }
+
+    fn note(&mut self, s: String) {
+        if self.trace_log {
+            eprintln!("{s}");
+        }
+        if self.log.len() >= 40 {
+            self.log.pop_front();
+        }
+        self.log.push_back(s);
+    }
+
+    fn violation(&self, invariant: &'static str, detail: String) -> Violation {
+        Violation { seed: self.seed, invariant, detail, trace: self.log.iter().cloned().collect() }
+    }
+
+    fn boot(&mut self, n: NodeId) {
+        let sn = &mut self.nodes[n as usize];
+        sn.incarnation += 1;
+        sn.core = Some(Node::new(n, sn.incarnation, self.core_cfg.clone()));
+        for c in sn.mem.iter_mut() {
+            c.state = CellState::Free;
+        }
+        sn.tick_at = None;
+        self.drive(n, Event::Tick);
+    }
+
+    fn up(&self, n: NodeId) -> bool {
+        self.nodes[n as usize].core.is_some()
+    }
+
+    fn reachable(&self, n: NodeId) -> bool {
+        self.up(n) && self.nodes[n as usize].isolated_until <= self.now
+    }
+
+    fn local_now(&self, n: NodeId) -> u64 {
+        self.nodes[n as usize].clock.local(self.now)
+    }
+
+    /// Feeds an event to a node and carries out its actions.
+    fn drive(&mut self, n: NodeId, ev: Event) {
+        let local = self.local_now(n);
+        let Some(core) = self.nodes[n as usize].core.as_mut() else { return };
+        let actions = core.handle(local, ev);
+        let traces = core.take_trace();
+        let next = core.next_timeout();
+        let inc = core.incarnation();
+        for t in traces {
+            if let Trace::ChangeCompleted { key, old_version, .. } = t {
+                self.completed.entry(key).or_default().push((old_version, self.now));
+                self.pending_s3.push((key, old_version));
+            }
+        }
+        for a in actions {
+            self.act(n, inc, a);
+        }
+        if let Some(t) = next {
+            let real = self.nodes[n as usize].clock.real(t).max(self.now + 1);
+            let sn = &mut self.nodes[n as usize];
+            if sn.tick_at.is_none_or(|cur| real < cur || cur <= self.now) {
+                sn.tick_at = Some(real);
+                let d = real - self.now;
+                self.push(d, Ev::Tick { node: n });
+            }
+        }
+    }
+}
+
+fn blank_meta() -> SlotMeta {
+    SlotMeta { key: BlockKey { ns: 0, key: 0 }, version: 0, generation: 0, checksum: 0 }
+}
+
+impl World {
+    fn alloc(&mut self, n: NodeId) -> Option<SlotRef> {
+        let sn = &mut self.nodes[n as usize];
+        let i = sn.mem.iter().position(|c| c.state == CellState::Free)?;
+        let c = &mut sn.mem[i];
+        c.state = CellState::Used;
+        c.generation += 1;
+        Some(SlotRef { slot: i as u32, generation: c.generation })
+    }
+
+    fn act(&mut self, n: NodeId, inc: u64, a: Action) {
+        match a {
+            Action::Send { to, batch } => {
+                for m in &batch.msgs {
+                    if let kvmesh_coherence::Msg::GrantResp {
+                        result: kvmesh_coherence::GrantResult::Granted { slot, .. },
+                        ..
+                    } = m
+                    {
+                        self.granted_by.insert((n, *slot), inc);
+                    }
+                }
+                if !self.faults || (self.rng.chance(0.97) && self.reachable(n)) {
+                    let copies = if self.faults && self.rng.chance(0.03) { 2 } else { 1 };
+                    for _ in 0..copies {
+                        let d =
+                            if self.rng.chance(0.05) { self.rng.range(2_000, 8_000) } else { self.rng.range(20, 600) };
+                        self.push(d, Ev::Deliver { to, from: n, batch: batch.clone() });
+                    }
+                }
+            }
+            Action::StartRead { op, from, remote, expect: _, deadline } => {
+                let deadline_real = self.nodes[n as usize].clock.real(deadline);
+                let d = if self.rng.chance(0.01) {
+                    self.rng.range(20_000, 80_000) // a read slower than the grant
+                } else {
+                    self.rng.range(5, 2_000)
+                };
+                let holder_inc = self.granted_by.get(&(from, remote)).copied().unwrap_or(0);
+                self.push(
+                    d,
+                    Ev::ReadExec { reader: n, reader_inc: inc, op, holder: from, holder_inc, remote, deadline_real },
+                );
+            }
+            Action::CommitSlot { slot, meta } => {
+                let c = &mut self.nodes[n as usize].mem[slot.slot as usize];
+                c.header = meta;
+                c.trailer = meta;
+                let content = c.content;
+                self.commit_check(n, meta, content);
+            }
+            Action::FreeSlot { slot } => {
+                let c = &mut self.nodes[n as usize].mem[slot.slot as usize];
+                if c.state == CellState::Used && c.generation == slot.generation {
+                    c.state = CellState::Free;
+                }
+            }
+            Action::KeepAlive { sent_at } => {
+                if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
+                    let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
+                    self.push(d, Ev::KeepAlive { node: n, inc, sent_at });
+                }
+            }
+            Action::ClientDone { op, outcome } => self.client_done(n, inc, op, outcome),
+        }
+    }
+
+    fn commit_check(&mut self, n: NodeId, meta: SlotMeta, content: u64) {
+        if let Some(&max) = self.max_committed.get(&meta.key)
+            && meta.version <= max
+        {
+            self.pending_fail.get_or_insert_with(|| {
+                ("S5", format!("node {n} committed {:?} v{:#x}, not above v{max:#x}", meta.key.key, meta.version))
+            });
+        }
+        self.max_committed.insert(meta.key, meta.version);
+        if let Some(&c) = self.truth.get(&(meta.key, meta.version))
+            && c != content
+        {
+            self.pending_fail
+                .get_or_insert_with(|| ("S5", format!("two contents for one version {:#x}", meta.version)));
+        }
+        self.truth.insert((meta.key, meta.version), content);
+        self.stats.stored += 1;
+    }
+
+    fn client_done(&mut self, n: NodeId, inc: u64, op: OpId, outcome: Outcome) {
+        let Some(info) = self.ops.remove(&(n, inc, op)) else {
+            self.pending_fail.get_or_insert_with(|| ("L2", format!("node {n} answered unknown op {op}")));
+            return;
+        };
+        self.note(format!("t={} n{n} op{op} {info:?} -> {outcome:?}", self.now));
+        if let (OpInfo::Get { key, start }, Outcome::Hit { version, slot }) = (info, outcome) {
+            self.stats.hits += 1;
+            let cell = self.nodes[n as usize].mem[slot.slot as usize];
+            let want = self.truth.get(&(key, version)).copied();
+            if cell.state != CellState::Used
+                || cell.generation != slot.generation
+                || cell.header.key != key
+                || cell.header.version != version
+                || Some(cell.content) != want
+            {
+                self.pending_fail.get_or_insert_with(|| {
+                    (
+                        "DATA",
+                        format!(
+                            "node {n} served {:?} v{version:#x} from slot {slot:?} holding {cell:?}, truth {want:?}",
+                            key.key
+                        ),
+                    )
+                });
+            }
+            if let Some(&(old, at)) =
+                self.completed.get(&key).and_then(|l| l.iter().find(|(old, at)| version <= *old && *at < start))
+            {
+                self.pending_fail.get_or_insert_with(|| {
+                    ("S2", format!("change of {:?} away from v{old:#x} completed at {at}; a read started at {start} on node {n} returned v{version:#x}", key.key))
+                });
+            }
+            // Engines read for a while, then unpin.
+            let d = self.rng.range(10, 5_000);
+            self.push(d, Ev::Unpin { node: n, inc, slot });
+        }
+        if outcome == Outcome::Invalidated {
+            self.stats.invalidated += 1;
+        }
+    }
+
+    fn client_op(&mut self) {
+        let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
+        if !self.up(n) {
+            return;
+        }
+        let key = BlockKey { ns: 7, key: self.rng.below(self.cfg.keys as u64) as u128 };
+        self.next_op += 1;
+        let op = self.next_op;
+        let inc = self.nodes[n as usize].incarnation;
+        self.stats.ops += 1;
+        let roll = self.rng.below(100);
+        if roll < 55 {
+            self.ops.insert((n, inc, op), OpInfo::Get { key, start: self.now });
+            self.drive(n, Event::ClientGet { op, key });
+        } else if roll < 80 {
+            // The engine writes the block into a free slot first.
+            let slot = match self.alloc(n) {
+                Some(s) => Some(s),
+                None => {
+                    let keys: Vec<BlockKey> = self.nodes[n as usize]
+                        .core
+                        .as_ref()
+                        .map(|c| c.copies().map(|(k, _, _)| k).collect())
+                        .unwrap_or_default();
+                    for k in keys {
+                        self.drive(n, Event::Evict { key: k });
+                    }
+                    self.alloc(n)
+                }
+            };
+            let Some(slot) = slot else { return };
+            let content = self.rng.next_u64();
+            let c = &mut self.nodes[n as usize].mem[slot.slot as usize];
+            c.content = content;
+            c.header = SlotMeta { key, version: 0, generation: slot.generation, checksum: content };
+            c.trailer = c.header;
+            self.ops.insert((n, inc, op), OpInfo::Put);
+            self.drive(n, Event::ClientPut { op, key, slot, checksum: content });
+        } else if roll < 88 {
+            self.ops.insert((n, inc, op), OpInfo::Invalidate);
+            self.drive(n, Event::ClientInvalidate { op, key });
+        } else {
+            self.drive(n, Event::Evict { key });
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_exec(
+        &mut self,
+        reader: NodeId,
+        reader_inc: u64,
+        op: OpId,
+        holder: NodeId,
+        holder_inc: u64,
+        remote: SlotRef,
+        deadline_real: u64,
+    ) {
+        let ok = self.reachable(holder)
+            && self.nodes[holder as usize].incarnation == holder_inc
+            && self.reachable(reader)
+            && (!self.faults || self.rng.chance(0.98));
+        let result = if !ok {
+            Err(TransferError::PeerGone)
+        } else {
+            let cell = self.nodes[holder as usize].mem[remote.slot as usize];
+            // S4: the slot must still hold the granted use while the reader
+            // can trust its grant.
+            if (cell.state != CellState::Used || cell.generation != remote.generation) && self.now < deadline_real {
+                self.pending_fail.get_or_insert_with(|| {
+                    ("S4", format!("node {holder} reused slot {remote:?} (now gen {}) while node {reader}'s grant was usable until {deadline_real}", cell.generation))
+                });
+            }
+            let mut img = cell;
+            if self.faults && self.rng.chance(0.05) {
+                match self.rng.below(3) {
+                    0 => img.trailer.generation += 1,            // torn: reused during the read
+                    1 => img.content ^= 1 << self.rng.below(64), // torn payload
+                    _ => {
+                        img.header.generation += 1; // another occupant, consistent image
+                        img.trailer.generation += 1;
+                        img.content = self.rng.next_u64();
+                        img.header.checksum = img.content;
+                        img.trailer.checksum = img.content;
+                    }
+                }
+            }
+            Ok(img)
+        };
+        let d = self.rng.range(5, 500);
+        self.push(d, Ev::TransferDone { reader, reader_inc, op, result });
+    }
+
+    fn transfer_done(&mut self, reader: NodeId, reader_inc: u64, op: OpId, result: Result<Cell, TransferError>) {
+        if self.nodes[reader as usize].incarnation != reader_inc || !self.up(reader) {
+            return;
+        }
+        let (dest, res) = match result {
+            Err(e) => (None, Err(e)),
+            Ok(img) => match self.alloc(reader) {
+                None => (None, Err(TransferError::NoSpace)),
+                Some(dest) => {
+                    let c = &mut self.nodes[reader as usize].mem[dest.slot as usize];
+                    c.content = img.content;
+                    // The copy lands in a slot of our own generation; header
+                    // and trailer say what was read.
+                    c.header = SlotMeta { generation: dest.generation, ..img.header };
+                    c.trailer = SlotMeta { generation: dest.generation, ..img.trailer };
+                    (
+                        Some(dest),
+                        Ok(SlotImage { header: img.header, trailer: img.trailer, payload_checksum: img.content }),
+                    )
+                }
+            },
+        };
+        self.drive(reader, Event::TransferDone { op, dest, result: res });
+    }
+
+    // ----- membership service -----
+
+    fn publish_view(&mut self) {
+        self.epoch += 1;
+        self.stats.epochs += 1;
+        let view = self.view();
+        self.note(format!("t={} view e{} {:?}", self.now, view.epoch, self.members));
+        let ids: Vec<NodeId> = self.members.keys().copied().collect();
+        for id in ids {
+            if self.reachable(id) {
+                let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
+                let inc = self.nodes[id as usize].incarnation;
+                self.push(d, Ev::KeepAliveAck { node: id, inc, sent_at: u64::MAX, view: view.clone() });
+            }
+        }
+    }
+
+    fn view(&self) -> View {
+        View {
+            epoch: self.epoch,
+            members: self.members.iter().map(|(&id, &inc)| Member { id, incarnation: inc, capacity: 1 }).collect(),
+        }
+    }
+
+    fn keepalive(&mut self, node: NodeId, inc: u64, sent_at: u64) {
+        self.last_seen.insert(node, self.now);
+        if self.members.get(&node) != Some(&inc) {
+            self.members.insert(node, inc);
+            self.publish_view();
+        }
+        if self.reachable(node) {
+            let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
+            let view = self.view();
+            self.push(d, Ev::KeepAliveAck { node, inc, sent_at, view });
+        }
+    }
+
+    fn oracle_check(&mut self) {
+        let lease = self.core_cfg.membership_lease_us + self.core_cfg.drift_margin_us * 2;
+        let dead: Vec<NodeId> = self
+            .members
+            .keys()
+            .copied()
+            .filter(|id| self.last_seen.get(id).is_none_or(|&t| t + lease < self.now))
+            .collect();
+        if !dead.is_empty() {
+            for d in dead {
+                self.members.remove(&d);
+            }
+            self.publish_view();
+        }
+        self.push(5_000, Ev::OracleCheck);
+    }
+
+    // ----- faults -----
+
+    fn maybe_fault(&mut self) {
+        if !self.faults {
+            return;
+        }
+        let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
+        if self.rng.chance(0.0015) && self.up(n) {
+            self.push(0, Ev::Crash { node: n });
+        } else if self.rng.chance(0.002) && self.up(n) {
+            let until = self.now + self.rng.range(5_000, 400_000);
+            self.push(0, Ev::Isolate { node: n, until });
+        }
+    }
+
+    fn check_invariants(&mut self) -> Result<(), Violation> {
+        if let Some((inv, detail)) = self.pending_fail.take() {
+            return Err(self.violation(inv, detail));
+        }
+        // S1: the servable copies of a key all have one version.
+        let mut seen: HashMap<BlockKey, (u64, NodeId)> = HashMap::new();
+        for (i, sn) in self.nodes.iter().enumerate() {
+            let Some(core) = &sn.core else { continue };
+            if !core.serving_at(sn.clock.local(self.now)) {
+                continue;
+            }
+            for (k, v, _) in core.copies() {
+                if let Some(&(v0, n0)) = seen.get(&k) {
+                    if v0 != v {
+                        return Err(self.violation(
+                            "S1",
+                            format!("{:?} Valid at v{v0:#x} on node {n0} and v{v:#x} on node {i}", k.key),
+                        ));
+                    }
+                } else {
+                    seen.insert(k, (v, i as NodeId));
+                }
+            }
+        }
+        // S3: when a change completes, no node serves the retired version.
+        for (k, old) in std::mem::take(&mut self.pending_s3) {
+            if let Some(&(v, n)) = seen.get(&k)
+                && v <= old
+                && old != 0
+            {
+                return Err(self.violation(
+                    "S3",
+                    format!("change of {:?} away from v{old:#x} completed while node {n} serves v{v:#x}", k.key),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Processes one event. `Ok(false)` when the queue is empty.
+    fn step(&mut self) -> Result<bool, Violation> {
+        let Some(q) = self.queue.pop() else { return Ok(false) };
+        self.now = q.at;
+        self.stats.events += 1;
+        match q.ev {
+            Ev::Deliver { to, from, batch } => {
+                if self.reachable(to) {
+                    if self.trace_log {
+                        self.note(format!("t={} n{from}->n{to} e{} {:?}", self.now, batch.epoch, batch.msgs));
+                    }
+                    self.drive(to, Event::Receive { from, batch });
+                }
+            }
+            Ev::Tick { node } => {
+                if self.nodes[node as usize].tick_at == Some(self.now) {
+                    self.nodes[node as usize].tick_at = None;
+                    self.drive(node, Event::Tick);
+                }
+            }
+            Ev::ClientOp => {
+                if self.faults {
+                    self.client_op();
+                    self.maybe_fault();
+                    let d = self.rng.range(1, 400);
+                    self.push(d, Ev::ClientOp);
+                }
+            }
+            Ev::ReadExec { reader, reader_inc, op, holder, holder_inc, remote, deadline_real } => {
+                self.read_exec(reader, reader_inc, op, holder, holder_inc, remote, deadline_real)
+            }
+            Ev::TransferDone { reader, reader_inc, op, result } => self.transfer_done(reader, reader_inc, op, result),
+            Ev::KeepAlive { node, inc, sent_at } => self.keepalive(node, inc, sent_at),
+            Ev::KeepAliveAck { node, inc, sent_at, view } => {
+                if self.nodes[node as usize].incarnation == inc && self.reachable(node) {
+                    self.drive(node, Event::View(view));
+                    if sent_at != u64::MAX {
+                        self.drive(node, Event::KeepAliveAck { sent_at });
+                    }
+                }
+            }
+            Ev::OracleCheck => self.oracle_check(),
+            Ev::Unpin { node, inc, slot } => {
+                if self.nodes[node as usize].incarnation == inc {
+                    self.drive(node, Event::Unpin { slot });
+                }
+            }
+            Ev::Crash { node } => {
+                self.note(format!("t={} CRASH n{node}", self.now));
+                self.stats.crashes += 1;
+                let inc = self.nodes[node as usize].incarnation;
+                self.nodes[node as usize].core = None;
+                self.ops.retain(|(n, i, _), _| !(*n == node && *i == inc));
+                let down = self.rng.range(1_000, 300_000);
+                self.nodes[node as usize].down_until = self.now + down;
+                self.push(down, Ev::Restart { node });
+            }
+            Ev::Restart { node } => {
+                if !self.up(node) {
+                    self.note(format!("t={} RESTART n{node}", self.now));
+                    self.boot(node);
+                }
+            }
+            Ev::Isolate { node, until } => {
+                self.note(format!("t={} ISOLATE n{node} until {until}", self.now));
+                self.nodes[node as usize].isolated_until = until;
+            }
+        }
+        self.check_invariants()?;
+        Ok(true)
+    }
+
+    /// Runs the fault phase, heals, and checks liveness.
+    pub fn run(mut self) -> Result<RunStats, Violation> {
+        let mut steps = 0;
+        while steps < self.cfg.steps {
+            if !self.step()? {
+                break;
+            }
+            steps += 1;
+        }
+        // Heal: no more faults or client calls; crashed nodes restart.
+        self.faults = false;
+        self.note(format!("t={} HEAL", self.now));
+        for n in 0..self.cfg.nodes {
+            self.nodes[n].isolated_until = 0;
+            if !self.up(n as NodeId) {
+                self.boot(n as NodeId);
+            }
+        }
+        let heal_end = self.now + 3_000_000;
+        while self.queue.peek().is_some_and(|q| q.at <= heal_end) {
+            self.step()?;
+        }
+        self.check_liveness()?;
+        self.stats.validation_failures =
+            self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().validation_failures).sum();
+        Ok(self.stats)
+    }
+
+    fn check_liveness(&self) -> Result<(), Violation> {
+        if let Some(((n, _, op), info)) = self.ops.iter().next() {
+            return Err(self.violation("L2", format!("op {op} on node {n} ({info:?}) never ended")));
+        }
+        for (i, sn) in self.nodes.iter().enumerate() {
+            let core = sn.core.as_ref().expect("all up after healing");
+            if core.ops_in_flight() != 0 {
+                return Err(self.violation("L2", format!("node {i} still has {} ops in flight", core.ops_in_flight())));
+            }
+            if let Some((k, _)) = core.directory().find(|(_, d)| d.changing) {
+                return Err(self.violation("L1", format!("node {i}: change of {:?} never completed", k.key)));
+            }
+            if !core.serving() {
+                return Err(self.violation("L1", format!("node {i} is not serving after healing")));
+            }
+            // L3: nothing leaked: every used slot backs a Valid copy.
+            let used = sn.mem.iter().filter(|c| c.state == CellState::Used).count();
+            let copies = core.copies().count();
+            if used != copies || core.slots_held() != copies {
+                return Err(self.violation(
+                    "L3",
+                    format!(
+                        "node {i}: {used} slots in use, {} held by the core, {copies} valid copies",
+                        core.slots_held()
+                    ),
+                ));
+            }
+            if core.metrics().grants_outstanding != 0 {
+                return Err(
+                    self.violation("L3", format!("node {i}: {} grants outstanding", core.metrics().grants_outstanding))
+                );
+            }
+        }
+        // Every member agrees on the view and directories cover the copies.
+        let epochs: BTreeSet<u64> = self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.view().epoch).collect();
+        if epochs.len() != 1 {
+            return Err(self.violation("L1", format!("nodes disagree on the epoch after healing: {epochs:?}")));
+        }
+        Ok(())
+    }
+}
+
+/// Runs one seed.
+pub fn run_seed(seed: u64, cfg: &SimConfig) -> Result<RunStats, Violation> {
+    World::new(seed, cfg.clone()).run()
+}

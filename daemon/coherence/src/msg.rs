@@ -1,0 +1,106 @@
+//! Messages between nodes. Every batch carries the sender's membership epoch
+//! and incarnation; a receiver drops batches of another epoch or of an
+//! incarnation that is not the member's current one (counted as stale).
+
+use crate::{BlockKey, OpId, SlotMeta, SlotRef};
+
+/// Messages to one peer within a flush window, sent as one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Batch {
+    /// Sender's epoch.
+    pub epoch: u64,
+    /// Sender's incarnation.
+    pub incarnation: u64,
+    /// Entries.
+    pub msgs: Vec<Msg>,
+}
+
+/// Answer of a home to a publish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PublishResult {
+    /// Visible at this version.
+    Stored(u64),
+    /// Another change of the key is in progress, or the directory is being
+    /// rebuilt: retry later.
+    Busy,
+}
+
+/// Answer of a home to a locate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LocateResult {
+    /// `holder` has `version`.
+    Found {
+        /// Current version.
+        version: u64,
+        /// A holder of it.
+        holder: crate::NodeId,
+    },
+    /// Nobody holds the key.
+    Miss,
+    /// The key is changing or the directory is rebuilding.
+    Busy,
+}
+
+/// Answer of a holder to a grant request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GrantResult {
+    /// Read `slot` within `lease_us` of asking.
+    Granted {
+        /// Holder's slot.
+        slot: SlotRef,
+        /// What the slot holds.
+        meta: SlotMeta,
+        /// Grant lease.
+        lease_us: u64,
+        /// Grant id (for release).
+        grant: u64,
+    },
+    /// Not held (any more) at that version.
+    Refused,
+}
+
+/// One protocol message.
+#[allow(missing_docs)]
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Msg {
+    /// Writer -> home: make my pending copy (`copy`, a node-local id) the
+    /// key's next version.
+    PublishReq { op: OpId, key: BlockKey, checksum: u64, copy: u64 },
+    /// Home -> writer.
+    PublishResp { op: OpId, key: BlockKey, result: PublishResult, copy: u64 },
+    /// Writer -> home: I gave up on this publish.
+    PublishAbort { op: OpId, key: BlockKey },
+    /// Home -> holder: stop serving `version` (and anything older) and
+    /// ack. `change` names the overwrite or invalidation it belongs to.
+    Invalidate { key: BlockKey, version: u64, change: u64 },
+    /// Holder -> home: I serve no `version` of `key` any more. Counts only
+    /// for the change it names, once (duplicates and stale acks are ignored).
+    InvalidateAck { key: BlockKey, version: u64, change: u64 },
+    /// Engine's invalidation -> home.
+    InvalidateReq { op: OpId, key: BlockKey },
+    /// Home -> requester: done (`ok`) or busy.
+    InvalidateResp { op: OpId, key: BlockKey, ok: bool },
+    /// Reader -> home: who holds the key?
+    LocateReq { op: OpId, key: BlockKey },
+    /// Home -> reader.
+    LocateResp { op: OpId, key: BlockKey, result: LocateResult },
+    /// Reader -> holder: let me read your copy of `version`.
+    GrantReq { op: OpId, key: BlockKey, version: u64 },
+    /// Holder -> reader.
+    GrantResp { op: OpId, result: GrantResult },
+    /// Reader -> holder: done reading.
+    GrantRelease { slot: SlotRef, grant: u64 },
+    /// Reader -> home: I now hold a validated copy (`copy`) of `version`.
+    AddHolderReq { op: OpId, key: BlockKey, version: u64, copy: u64 },
+    /// Home -> reader: registered (`ok`) or refused (version moved on).
+    AddHolderResp { op: OpId, key: BlockKey, version: u64, copy: u64, ok: bool },
+    /// Holder -> home: I dropped copy `copy` of `version` (eviction, or a
+    /// registration I gave up on). Ignored unless that copy is registered,
+    /// so a late RemoveHolder never unregisters a newer copy.
+    RemoveHolder { key: BlockKey, version: u64, copy: u64 },
+    /// Holder -> home after a membership change: the copies I hold whose
+    /// home you now are (all of them, possibly none): key, version, copy.
+    Announce { entries: Vec<(BlockKey, u64, u64)> },
+    /// Home -> holder: announce received.
+    AnnounceAck,
+}

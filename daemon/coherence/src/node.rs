@@ -1,0 +1,1217 @@
+//! The per-node state machine: holder, reader, writer and home roles.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use crate::msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
+use crate::{
+    Action, BlockKey, Bug, Config, ErrorKind, Event, Metrics, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef,
+    Time, TransferError, View,
+};
+
+/// A Valid local copy.
+#[derive(Clone, Copy, Debug)]
+struct Copy {
+    slot: SlotRef,
+    meta: SlotMeta,
+    /// Node-local id under which the home registered this copy.
+    id: u64,
+}
+
+/// A local slot the core still cares about.
+#[derive(Debug, Default)]
+struct SlotHold {
+    /// Backs a Valid copy, a pending put or a fetched copy being registered.
+    referenced: bool,
+    /// Engine pins.
+    pins: u32,
+    /// Read grants: id -> deadline (local clock).
+    grants: BTreeMap<u64, Time>,
+}
+
+#[derive(Debug)]
+enum GetStage {
+    Locating,
+    Granting { holder: NodeId, version: u64, sent_at: Time },
+    Reading { holder: NodeId, version: u64, remote: SlotRef, expect: SlotMeta, grant: u64, read_deadline: Time },
+    Registering { version: u64, dest: SlotRef, meta: SlotMeta, copy: u64 },
+}
+
+#[derive(Debug)]
+enum OpKind {
+    Get {
+        key: BlockKey,
+        stage: GetStage,
+        waiters: Vec<OpId>,
+        doomed: bool,
+    },
+    /// Waits for another get of the same key on this node.
+    Waiting,
+    Put {
+        key: BlockKey,
+        slot: SlotRef,
+        checksum: u64,
+        copy: u64,
+        last_sent: Time,
+    },
+    Invalidate {
+        key: BlockKey,
+        last_sent: Time,
+    },
+}
+
+#[derive(Debug)]
+struct Op {
+    deadline: Time,
+    kind: OpKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChangeKind {
+    Overwrite { writer: NodeId, op: OpId, checksum: u64, copy: u64 },
+    Invalidate { requester: NodeId, op: OpId },
+}
+
+#[derive(Debug)]
+struct Change {
+    id: u64,
+    kind: ChangeKind,
+    old_version: u64,
+    /// Holders that have not acked: last time Invalidate was sent.
+    waiting: BTreeMap<NodeId, Time>,
+    started: Time,
+}
+
+/// Directory entry at the key's home.
+#[derive(Debug, Default)]
+struct DirEntry {
+    version: u64,
+    /// Registered holders and the copy id each registered.
+    holders: BTreeMap<NodeId, u64>,
+    /// Last completed publish: (writer, op, version), to answer duplicates.
+    last_publish: Option<(NodeId, OpId, u64)>,
+    change: Option<Change>,
+}
+
+#[derive(Debug, Default)]
+struct OutQueue {
+    msgs: Vec<Msg>,
+    since: Time,
+}
+
+/// Protocol facts recorded when `Config::trace` is set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trace {
+    /// This node acked an invalidation of `version` (and older) of `key`.
+    Acked {
+        /// Block.
+        key: BlockKey,
+        /// Version.
+        version: u64,
+    },
+    /// This home completed a change of `key` away from `old_version`.
+    ChangeCompleted {
+        /// Block.
+        key: BlockKey,
+        /// Version retired.
+        old_version: u64,
+        /// New version (overwrite) or `None` (invalidation).
+        new_version: Option<u64>,
+    },
+}
+
+/// Read-only view of a home's directory entry (for drivers and checkers).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DirView {
+    /// Current version.
+    pub version: u64,
+    /// Registered holders.
+    pub holders: Vec<NodeId>,
+    /// An overwrite or invalidation is waiting for acks.
+    pub changing: bool,
+}
+
+/// One node's coherence state.
+pub struct Node {
+    id: NodeId,
+    incarnation: u64,
+    cfg: Config,
+    view: View,
+    now: Time,
+    lease_until: Option<Time>,
+    last_keepalive: Option<Time>,
+    copies: BTreeMap<BlockKey, Copy>,
+    slots: BTreeMap<SlotRef, SlotHold>,
+    next_grant: u64,
+    ops: BTreeMap<OpId, Op>,
+    fetching: BTreeMap<BlockKey, OpId>,
+    writes: BTreeMap<BlockKey, OpId>,
+    dir: BTreeMap<BlockKey, DirEntry>,
+    announced: BTreeSet<NodeId>,
+    ready: bool,
+    announce_pending: BTreeMap<NodeId, Time>,
+    out: BTreeMap<NodeId, OutQueue>,
+    inbox: VecDeque<(NodeId, Msg)>,
+    actions: Vec<Action>,
+    metrics: Metrics,
+    next_change: u64,
+    trace: Vec<Trace>,
+    /// Highest version of each key this node has acked an invalidation of,
+    /// in this epoch: a late publish or registration answer for such a
+    /// version must not make a copy Valid.
+    retired: BTreeMap<BlockKey, u64>,
+    next_copy: u64,
+}
+
+impl Node {
+    /// A fresh node (empty pool) of incarnation `incarnation`.
+    pub fn new(id: NodeId, incarnation: u64, cfg: Config) -> Node {
+        Node {
+            id,
+            incarnation,
+            cfg,
+            view: View::default(),
+            now: 0,
+            lease_until: None,
+            last_keepalive: None,
+            copies: BTreeMap::new(),
+            slots: BTreeMap::new(),
+            next_grant: 0,
+            ops: BTreeMap::new(),
+            fetching: BTreeMap::new(),
+            writes: BTreeMap::new(),
+            dir: BTreeMap::new(),
+            announced: BTreeSet::new(),
+            ready: false,
+            announce_pending: BTreeMap::new(),
+            out: BTreeMap::new(),
+            inbox: VecDeque::new(),
+            actions: Vec::new(),
+            metrics: Metrics::default(),
+            next_change: 0,
+            trace: Vec::new(),
+            retired: BTreeMap::new(),
+            next_copy: 0,
+        }
+    }
+
+    /// Protocol facts recorded since the last call (empty unless
+    /// `Config::trace`).
+    pub fn take_trace(&mut self) -> Vec<Trace> {
+        std::mem::take(&mut self.trace)
+    }
+
+    /// Whether this node would serve blocks at local time `now`.
+    pub fn serving_at(&self, now: Time) -> bool {
+        self.lease_until.is_some_and(|u| now < u)
+            && self.view.member(self.id).is_some_and(|m| m.incarnation == self.incarnation)
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.id
+    }
+
+    /// This node's incarnation.
+    pub fn incarnation(&self) -> u64 {
+        self.incarnation
+    }
+
+    /// The view this node acts on.
+    pub fn view(&self) -> &View {
+        &self.view
+    }
+
+    /// Counters.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Whether this node may serve blocks now: it is a member of its view
+    /// and its membership lease has not lapsed.
+    pub fn serving(&self) -> bool {
+        self.lease_until.is_some_and(|u| self.now < u)
+            && self.view.member(self.id).is_some_and(|m| m.incarnation == self.incarnation)
+    }
+
+    /// Valid local copies: key, version, slot.
+    pub fn copies(&self) -> impl Iterator<Item = (BlockKey, u64, SlotRef)> + '_ {
+        self.copies.iter().map(|(k, c)| (*k, c.meta.version, c.slot))
+    }
+
+    /// The directory entries this node keeps as a home.
+    pub fn directory(&self) -> impl Iterator<Item = (BlockKey, DirView)> + '_ {
+        self.dir.iter().map(|(k, e)| {
+            (
+                *k,
+                DirView {
+                    version: e.version,
+                    holders: e.holders.keys().copied().collect(),
+                    changing: e.change.is_some(),
+                },
+            )
+        })
+    }
+
+    /// Client operations not yet answered.
+    pub fn ops_in_flight(&self) -> usize {
+        self.ops.len()
+    }
+
+    /// Slots the core still holds (referenced, pinned or granted).
+    pub fn slots_held(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Whether a copy of `key` could be evicted now (no pins, no grants).
+    pub fn can_evict(&self, key: &BlockKey) -> bool {
+        self.copies.get(key).is_some_and(|c| self.slots.get(&c.slot).is_none_or(|h| h.pins == 0 && h.grants.is_empty()))
+    }
+
+    /// When the node next needs a `Tick` (local clock), if ever.
+    pub fn next_timeout(&self) -> Option<Time> {
+        let mut t = Time::MAX;
+        let ka = self.last_keepalive.map_or(self.now, |l| l + self.cfg.keepalive_us);
+        t = t.min(ka);
+        if let Some(u) = self.lease_until
+            && !self.copies.is_empty()
+        {
+            t = t.min(u);
+        }
+        for op in self.ops.values() {
+            t = t.min(op.deadline);
+            match op.kind {
+                OpKind::Put { last_sent, .. } | OpKind::Invalidate { last_sent, .. } => {
+                    t = t.min(last_sent + self.cfg.retransmit_us)
+                }
+                _ => {}
+            }
+        }
+        for e in self.dir.values() {
+            if let Some(c) = &e.change {
+                for &sent in c.waiting.values() {
+                    t = t.min(sent + self.cfg.retransmit_us);
+                }
+            }
+        }
+        for &sent in self.announce_pending.values() {
+            t = t.min(sent + self.cfg.retransmit_us);
+        }
+        for h in self.slots.values() {
+            for &d in h.grants.values() {
+                t = t.min(d + self.cfg.drift_margin_us);
+            }
+        }
+        for q in self.out.values() {
+            if !q.msgs.is_empty() {
+                t = t.min(q.since + self.cfg.ack_flush_delay_us_max);
+            }
+        }
+        (t != Time::MAX).then_some(t.max(self.now))
+    }
+
+    /// Feeds one event at local time `now`; returns the actions to carry out.
+    pub fn handle(&mut self, now: Time, ev: Event) -> Vec<Action> {
+        self.now = self.now.max(now);
+        match ev {
+            Event::ClientGet { op, key } => self.client_get(op, key),
+            Event::ClientPut { op, key, slot, checksum } => self.client_put(op, key, slot, checksum),
+            Event::ClientInvalidate { op, key } => self.client_invalidate(op, key),
+            Event::Unpin { slot } => {
+                if let Some(h) = self.slots.get_mut(&slot) {
+                    h.pins = h.pins.saturating_sub(1);
+                }
+                self.maybe_free(slot);
+            }
+            Event::Evict { key } => self.evict(key),
+            Event::Receive { from, batch } => self.receive(from, batch),
+            Event::TransferDone { op, dest, result } => self.transfer_done(op, dest, result),
+            Event::View(v) => self.new_view(v),
+            Event::KeepAliveAck { sent_at } => {
+                let lease = self.cfg.membership_lease_us;
+                let shrink = lease * 2 * self.cfg.drift_ppm / 1_000_000 + self.cfg.drift_margin_us;
+                let until = sent_at + lease.saturating_sub(shrink);
+                self.lease_until = Some(self.lease_until.map_or(until, |u| u.max(until)));
+            }
+            Event::Tick => self.tick(),
+        }
+        self.drain_inbox();
+        self.flush(false);
+        std::mem::take(&mut self.actions)
+    }
+
+    // ----- plumbing -----
+
+    fn send(&mut self, to: NodeId, msg: Msg) {
+        if to == self.id {
+            self.inbox.push_back((to, msg));
+            return;
+        }
+        match msg {
+            Msg::InvalidateAck { .. } => self.metrics.acks_sent += 1,
+            Msg::Invalidate { .. } => self.metrics.invalidates_sent += 1,
+            _ => {}
+        }
+        let q = self.out.entry(to).or_default();
+        if q.msgs.is_empty() {
+            q.since = self.now;
+        }
+        q.msgs.push(msg);
+        if q.msgs.len() >= self.cfg.batch_entries_max {
+            self.flush_peer(to);
+        }
+    }
+
+    fn flush_peer(&mut self, to: NodeId) {
+        let Some(q) = self.out.get_mut(&to) else { return };
+        if q.msgs.is_empty() {
+            return;
+        }
+        let msgs = std::mem::take(&mut q.msgs);
+        self.metrics.batches_sent += 1;
+        self.metrics.msgs_sent += msgs.len() as u64;
+        if msgs.iter().any(|m| matches!(m, Msg::InvalidateAck { .. })) {
+            self.metrics.ack_batches_sent += 1;
+        }
+        let batch = Batch { epoch: self.view.epoch, incarnation: self.incarnation, msgs };
+        self.actions.push(Action::Send { to, batch });
+    }
+
+    fn flush(&mut self, force: bool) {
+        let due: Vec<NodeId> = self
+            .out
+            .iter()
+            .filter(|(_, q)| !q.msgs.is_empty() && (force || self.now >= q.since + self.cfg.ack_flush_delay_us_max))
+            .map(|(&to, _)| to)
+            .collect();
+        for to in due {
+            self.flush_peer(to);
+        }
+    }
+
+    fn drain_inbox(&mut self) {
+        while let Some((from, msg)) = self.inbox.pop_front() {
+            self.dispatch(from, msg);
+        }
+    }
+
+    fn done(&mut self, op: OpId, outcome: Outcome) {
+        self.actions.push(Action::ClientDone { op, outcome });
+    }
+
+    fn is_home(&self, key: &BlockKey) -> bool {
+        self.view.home_of(key) == Some(self.id)
+    }
+
+    fn pin(&mut self, slot: SlotRef) {
+        self.slots.entry(slot).or_default().pins += 1;
+    }
+
+    /// Frees a slot the core no longer needs, once pins and grants are gone.
+    fn maybe_free(&mut self, slot: SlotRef) {
+        let Some(h) = self.slots.get(&slot) else { return };
+        let grants_ok = h.grants.is_empty() || self.cfg.bug == Some(Bug::ReuseGrantedSlot);
+        if !h.referenced && h.pins == 0 && grants_ok {
+            let h = self.slots.remove(&slot).expect("present");
+            self.metrics.grants_outstanding -= h.grants.len() as u64;
+            self.actions.push(Action::FreeSlot { slot });
+        }
+    }
+
+    fn unreference(&mut self, slot: SlotRef) {
+        if let Some(h) = self.slots.get_mut(&slot) {
+            h.referenced = false;
+        }
+        self.maybe_free(slot);
+    }
+
+    /// Drops a Valid copy (it stays readable by existing pins and grants
+    /// until they drain).
+    fn drop_copy(&mut self, key: &BlockKey) -> Option<Copy> {
+        let c = self.copies.remove(key)?;
+        self.unreference(c.slot);
+        Some(c)
+    }
+
+    fn drop_all_copies(&mut self) {
+        let keys: Vec<BlockKey> = self.copies.keys().copied().collect();
+        for k in keys {
+            self.drop_copy(&k);
+        }
+        for op in self.ops.values_mut() {
+            if let OpKind::Get { doomed, .. } = &mut op.kind {
+                *doomed = true;
+            }
+        }
+    }
+
+    // ----- client calls -----
+
+    fn admit(&mut self, op: OpId) -> bool {
+        if self.ops.len() >= self.cfg.ops_max {
+            self.done(op, Outcome::Error(ErrorKind::Overloaded));
+            return false;
+        }
+        if !self.serving() {
+            self.done(op, Outcome::Error(ErrorKind::NotMember));
+            return false;
+        }
+        true
+    }
+
+    fn client_get(&mut self, op: OpId, key: BlockKey) {
+        if !self.admit(op) {
+            return;
+        }
+        if let Some(c) = self.copies.get(&key).copied() {
+            self.pin(c.slot);
+            self.done(op, Outcome::Hit { version: c.meta.version, slot: c.slot });
+            return;
+        }
+        let deadline = self.now + self.cfg.op_timeout_us;
+        if let Some(&leader) = self.fetching.get(&key)
+            && let Some(Op { kind: OpKind::Get { waiters, .. }, .. }) = self.ops.get_mut(&leader)
+        {
+            waiters.push(op);
+            self.ops.insert(op, Op { deadline, kind: OpKind::Waiting });
+            return;
+        }
+        let Some(home) = self.view.home_of(&key) else {
+            self.done(op, Outcome::Miss);
+            return;
+        };
+        self.ops.insert(
+            op,
+            Op { deadline, kind: OpKind::Get { key, stage: GetStage::Locating, waiters: Vec::new(), doomed: false } },
+        );
+        self.fetching.insert(key, op);
+        self.send(home, Msg::LocateReq { op, key });
+    }
+
+    fn client_put(&mut self, op: OpId, key: BlockKey, slot: SlotRef, checksum: u64) {
+        let refuse = |me: &mut Self, why| {
+            me.actions.push(Action::FreeSlot { slot });
+            me.done(op, Outcome::Error(why));
+        };
+        if self.ops.len() >= self.cfg.ops_max {
+            return refuse(self, ErrorKind::Overloaded);
+        }
+        if !self.serving() {
+            return refuse(self, ErrorKind::NotMember);
+        }
+        if self.writes.contains_key(&key) {
+            return refuse(self, ErrorKind::Busy);
+        }
+        let Some(home) = self.view.home_of(&key) else { return refuse(self, ErrorKind::NotMember) };
+        let deadline = self.now + self.cfg.op_timeout_us;
+        self.next_copy += 1;
+        let copy = self.next_copy;
+        self.ops.insert(op, Op { deadline, kind: OpKind::Put { key, slot, checksum, copy, last_sent: self.now } });
+        self.writes.insert(key, op);
+        self.slots.insert(slot, SlotHold { referenced: true, ..Default::default() });
+        self.send(home, Msg::PublishReq { op, key, checksum, copy });
+    }
+
+    fn client_invalidate(&mut self, op: OpId, key: BlockKey) {
+        if !self.admit(op) {
+            return;
+        }
+        let Some(home) = self.view.home_of(&key) else {
+            self.done(op, Outcome::Error(ErrorKind::NotMember));
+            return;
+        };
+        let deadline = self.now + self.cfg.op_timeout_us;
+        self.ops.insert(op, Op { deadline, kind: OpKind::Invalidate { key, last_sent: self.now } });
+        self.send(home, Msg::InvalidateReq { op, key });
+    }
+
+    fn evict(&mut self, key: BlockKey) {
+        if !self.can_evict(&key) {
+            return;
+        }
+        if let Some(c) = self.drop_copy(&key)
+            && let Some(home) = self.view.home_of(&key)
+        {
+            self.send(home, Msg::RemoveHolder { key, version: c.meta.version, copy: c.id });
+        }
+    }
+
+    /// Ends a get (and the gets waiting on it).
+    fn finish_get(&mut self, op: OpId, outcome: Outcome) {
+        let Some(o) = self.ops.remove(&op) else { return };
+        let OpKind::Get { key, waiters, .. } = o.kind else { unreachable!("finish_get on a non-get") };
+        if self.fetching.get(&key) == Some(&op) {
+            self.fetching.remove(&key);
+        }
+        self.done(op, outcome);
+        for w in waiters {
+            if self.ops.remove(&w).is_some() {
+                if let Outcome::Hit { slot, .. } = outcome {
+                    self.pin(slot);
+                }
+                self.done(w, outcome);
+            }
+        }
+    }
+
+    fn get_stage(&mut self, op: OpId) -> Option<(&mut GetStage, BlockKey, bool)> {
+        match self.ops.get_mut(&op) {
+            Some(Op { kind: OpKind::Get { stage, key, doomed, .. }, .. }) => Some((stage, *key, *doomed)),
+            _ => None,
+        }
+    }
+
+    fn transfer_done(&mut self, op: OpId, dest: Option<SlotRef>, result: Result<SlotImage, TransferError>) {
+        let free_dest = |me: &mut Self| {
+            if let Some(d) = dest {
+                me.actions.push(Action::FreeSlot { slot: d });
+            }
+        };
+        let Some((stage, key, doomed)) = self.get_stage(op) else {
+            return free_dest(self); // the get ended meanwhile
+        };
+        let GetStage::Reading { holder, version, remote, expect, grant, read_deadline } = *stage else {
+            return free_dest(self);
+        };
+        self.send(holder, Msg::GrantRelease { slot: remote, grant });
+        let image = match result {
+            Ok(image) => image,
+            Err(_) => {
+                free_dest(self);
+                return self.finish_get(op, Outcome::Miss);
+            }
+        };
+        let Some(dest) = dest else { return self.finish_get(op, Outcome::Miss) };
+        if self.now > read_deadline {
+            // The holder may have reused the slot during the read.
+            self.metrics.late_transfers += 1;
+            free_dest(self);
+            return self.finish_get(op, Outcome::Miss);
+        }
+        if self.cfg.bug != Some(Bug::SkipValidation) && !image.matches(&expect) {
+            self.metrics.validation_failures += 1;
+            free_dest(self);
+            return self.finish_get(op, Outcome::Miss);
+        }
+        if doomed {
+            free_dest(self);
+            return self.finish_get(op, Outcome::Miss);
+        }
+        let meta = SlotMeta { generation: dest.generation, ..expect };
+        self.next_copy += 1;
+        let copy = self.next_copy;
+        if let Some((stage, _, _)) = self.get_stage(op) {
+            *stage = GetStage::Registering { version, dest, meta, copy };
+        }
+        self.slots.insert(dest, SlotHold { referenced: true, ..Default::default() });
+        match self.view.home_of(&key) {
+            Some(home) => self.send(home, Msg::AddHolderReq { op, key, version, copy }),
+            None => {
+                self.unreference(dest);
+                self.finish_get(op, Outcome::Miss);
+            }
+        }
+    }
+
+    // ----- timers -----
+
+    fn tick(&mut self) {
+        let now = self.now;
+        if self.last_keepalive.is_none_or(|l| now >= l + self.cfg.keepalive_us) {
+            self.last_keepalive = Some(now);
+            self.actions.push(Action::KeepAlive { sent_at: now });
+        }
+        if !self.serving() && !self.copies.is_empty() {
+            self.drop_all_copies();
+        }
+        // Client deadlines and retransmissions.
+        let expired: Vec<OpId> = self.ops.iter().filter(|(_, o)| o.deadline <= now).map(|(&id, _)| id).collect();
+        for id in expired {
+            self.expire_op(id);
+        }
+        let mut resend = Vec::new();
+        for (&id, o) in self.ops.iter_mut() {
+            match &mut o.kind {
+                OpKind::Put { key, checksum, copy, last_sent, .. } if now >= *last_sent + self.cfg.retransmit_us => {
+                    *last_sent = now;
+                    resend.push((*key, Msg::PublishReq { op: id, key: *key, checksum: *checksum, copy: *copy }));
+                }
+                OpKind::Invalidate { key, last_sent } if now >= *last_sent + self.cfg.retransmit_us => {
+                    *last_sent = now;
+                    resend.push((*key, Msg::InvalidateReq { op: id, key: *key }));
+                }
+                _ => {}
+            }
+        }
+        for (key, m) in resend {
+            if let Some(home) = self.view.home_of(&key) {
+                self.send(home, m);
+            }
+        }
+        // Home: resend invalidations; holders that left the view count as acked.
+        let mut to_send = Vec::new();
+        let mut complete = Vec::new();
+        for (key, e) in self.dir.iter_mut() {
+            let Some(c) = &mut e.change else { continue };
+            let gone: Vec<NodeId> = c.waiting.keys().copied().filter(|h| self.view.member(*h).is_none()).collect();
+            for h in gone {
+                c.waiting.remove(&h);
+                e.holders.remove(&h);
+            }
+            for (h, sent) in c.waiting.iter_mut() {
+                if now >= *sent + self.cfg.retransmit_us {
+                    *sent = now;
+                    to_send.push((*h, Msg::Invalidate { key: *key, version: c.old_version, change: c.id }));
+                }
+            }
+            if c.waiting.is_empty() {
+                complete.push(*key);
+            }
+        }
+        for (h, m) in to_send {
+            self.send(h, m);
+        }
+        for k in complete {
+            self.complete_change(k);
+        }
+        // Announces not yet acknowledged.
+        let due: Vec<NodeId> = self
+            .announce_pending
+            .iter()
+            .filter(|(_, s)| now >= **s + self.cfg.retransmit_us)
+            .map(|(&m, _)| m)
+            .collect();
+        for m in due {
+            self.send_announce(m);
+        }
+        // Grants past their lease (plus the drift margin).
+        let mut freed = Vec::new();
+        for (slot, h) in self.slots.iter_mut() {
+            let before = h.grants.len();
+            h.grants.retain(|_, d| now < *d + self.cfg.drift_margin_us);
+            self.metrics.grants_outstanding -= (before - h.grants.len()) as u64;
+            if before != h.grants.len() {
+                freed.push(*slot);
+            }
+        }
+        for s in freed {
+            self.maybe_free(s);
+        }
+    }
+
+    fn expire_op(&mut self, id: OpId) {
+        let Some(o) = self.ops.get(&id) else { return };
+        match &o.kind {
+            OpKind::Get { stage, .. } => {
+                match *stage {
+                    GetStage::Reading { .. } => {} // TransferDone will free the slot
+                    GetStage::Registering { dest, .. } => self.unreference(dest),
+                    _ => {}
+                }
+                self.finish_get(id, Outcome::Miss);
+            }
+            OpKind::Waiting => {
+                self.ops.remove(&id);
+                self.done(id, Outcome::Miss);
+            }
+            &OpKind::Put { key, slot, .. } => {
+                self.ops.remove(&id);
+                self.writes.remove(&key);
+                if let Some(home) = self.view.home_of(&key) {
+                    self.send(home, Msg::PublishAbort { op: id, key });
+                }
+                self.unreference(slot);
+                self.done(id, Outcome::Error(ErrorKind::Timeout));
+            }
+            OpKind::Invalidate { .. } => {
+                self.ops.remove(&id);
+                self.done(id, Outcome::Error(ErrorKind::Timeout));
+            }
+        }
+    }
+
+    // ----- membership -----
+
+    fn new_view(&mut self, v: View) {
+        if v.epoch <= self.view.epoch {
+            return;
+        }
+        self.view = v;
+        // Queued messages were meant for the old epoch: drop them; whatever
+        // matters is retransmitted.
+        self.out.clear();
+        // Directories are rebuilt from scratch in every epoch; a change in
+        // progress is dropped (its writer or requester retries with the new
+        // home until its deadline).
+        self.dir.clear();
+        self.retired.clear();
+        self.announced.clear();
+        self.ready = false;
+        self.announce_pending.clear();
+        if self.view.member(self.id).is_none_or(|m| m.incarnation != self.incarnation) {
+            self.drop_all_copies();
+            return;
+        }
+        let members: Vec<NodeId> = self.view.members.iter().map(|m| m.id).collect();
+        for m in members {
+            self.send_announce(m);
+        }
+    }
+
+    fn send_announce(&mut self, to: NodeId) {
+        let entries: Vec<(BlockKey, u64, u64)> = self
+            .copies
+            .iter()
+            .filter(|(k, _)| self.view.home_of(k) == Some(to))
+            .map(|(k, c)| (*k, c.meta.version, c.id))
+            .collect();
+        self.announce_pending.insert(to, self.now);
+        self.send(to, Msg::Announce { entries });
+    }
+
+    // ----- messages -----
+
+    fn receive(&mut self, from: NodeId, batch: Batch) {
+        let known = self.view.member(from).is_some_and(|m| m.incarnation == batch.incarnation);
+        if batch.epoch != self.view.epoch || !known || self.view.member(self.id).is_none() {
+            self.metrics.stale_epoch_drops += 1;
+            return;
+        }
+        for m in batch.msgs {
+            self.dispatch(from, m);
+        }
+    }
+
+    fn dispatch(&mut self, from: NodeId, msg: Msg) {
+        match msg {
+            Msg::PublishReq { op, key, checksum, copy } => self.on_publish_req(from, op, key, checksum, copy),
+            Msg::PublishResp { op, key, result, copy } => self.on_publish_resp(from, op, key, result, copy),
+            Msg::PublishAbort { op, key } => self.on_publish_abort(from, op, key),
+            Msg::Invalidate { key, version, change } => self.on_invalidate(from, key, version, change),
+            Msg::InvalidateAck { key, version, change } => self.on_ack(from, key, version, change),
+            Msg::InvalidateReq { op, key } => self.on_invalidate_req(from, op, key),
+            Msg::InvalidateResp { op, key: _, ok } => {
+                // A busy answer is retransmitted until the deadline.
+                if let Some(Op { kind: OpKind::Invalidate { .. }, .. }) = self.ops.get(&op)
+                    && ok
+                {
+                    self.ops.remove(&op);
+                    self.done(op, Outcome::Invalidated);
+                }
+            }
+            Msg::LocateReq { op, key } => self.on_locate_req(from, op, key),
+            Msg::LocateResp { op, key, result } => self.on_locate_resp(op, key, result),
+            Msg::GrantReq { op, key, version } => self.on_grant_req(from, op, key, version),
+            Msg::GrantResp { op, result } => self.on_grant_resp(from, op, result),
+            Msg::GrantRelease { slot, grant } => {
+                if let Some(h) = self.slots.get_mut(&slot)
+                    && h.grants.remove(&grant).is_some()
+                {
+                    self.metrics.grants_outstanding -= 1;
+                    self.maybe_free(slot);
+                }
+            }
+            Msg::AddHolderReq { op, key, version, copy } => {
+                let ok = self.ready
+                    && self.is_home(&key)
+                    && self.dir.get(&key).is_some_and(|e| e.version == version && e.change.is_none());
+                if ok {
+                    self.dir.get_mut(&key).expect("checked").holders.insert(from, copy);
+                }
+                self.send(from, Msg::AddHolderResp { op, key, version, copy, ok });
+            }
+            Msg::AddHolderResp { op, key, version, copy, ok } => {
+                self.on_add_holder_resp(from, op, key, version, copy, ok)
+            }
+            Msg::RemoveHolder { key, version, copy } => {
+                if let Some(e) = self.dir.get_mut(&key)
+                    && e.version == version
+                    && e.holders.get(&from) == Some(&copy)
+                {
+                    e.holders.remove(&from);
+                    if let Some(c) = &mut e.change {
+                        c.waiting.remove(&from);
+                        if c.waiting.is_empty() {
+                            self.complete_change(key);
+                        }
+                    }
+                }
+            }
+            Msg::Announce { entries } => self.on_announce(from, entries),
+            Msg::AnnounceAck => {
+                self.announce_pending.remove(&from);
+            }
+        }
+    }
+
+    fn next_version(&self, old: u64) -> u64 {
+        let base = self.view.epoch << 32;
+        assert!(old & 0xffff_ffff != 0xffff_ffff, "version counter exhausted in one epoch");
+        (old + 1).max(base | 1)
+    }
+
+    fn on_publish_req(&mut self, w: NodeId, op: OpId, key: BlockKey, checksum: u64, copy: u64) {
+        if !self.ready || !self.is_home(&key) {
+            return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Busy, copy });
+        }
+        let e = self.dir.entry(key).or_default();
+        if let Some((pw, pop, v)) = e.last_publish
+            && pw == w
+            && pop == op
+        {
+            return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Stored(v), copy });
+        }
+        if let Some(c) = &e.change {
+            if c.kind == (ChangeKind::Overwrite { writer: w, op, checksum, copy }) {
+                return; // duplicate of the change in progress
+            }
+            return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Busy, copy });
+        }
+        let old_version = e.version;
+        let holders: Vec<NodeId> = e.holders.keys().copied().collect();
+        let now = self.now;
+        self.next_change += 1;
+        let id = self.next_change;
+        e.change = Some(Change {
+            id,
+            kind: ChangeKind::Overwrite { writer: w, op, checksum, copy },
+            old_version,
+            waiting: holders.iter().map(|&h| (h, now)).collect(),
+            started: now,
+        });
+        for h in &holders {
+            self.send(*h, Msg::Invalidate { key, version: old_version, change: id });
+        }
+        if holders.is_empty() || self.cfg.bug == Some(Bug::SkipAckWait) {
+            self.complete_change(key);
+        }
+    }
+
+    fn complete_change(&mut self, key: BlockKey) {
+        let next = {
+            let e = self.dir.get(&key).expect("entry of a change");
+            self.next_version(e.version)
+        };
+        let e = self.dir.get_mut(&key).expect("entry of a change");
+        let Some(c) = e.change.take() else { return };
+        self.metrics.changes_completed += 1;
+        if self.cfg.trace {
+            let new_version = matches!(c.kind, ChangeKind::Overwrite { .. }).then_some(next);
+            self.trace.push(Trace::ChangeCompleted { key, old_version: c.old_version, new_version });
+        }
+        match c.kind {
+            ChangeKind::Overwrite { writer, op, copy, .. } => {
+                e.version = next;
+                e.holders = BTreeMap::from([(writer, copy)]);
+                e.last_publish = Some((writer, op, next));
+                self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Stored(next), copy });
+            }
+            ChangeKind::Invalidate { requester, op } => {
+                // The key moves to a tombstone version with no holders, so a
+                // reader that fetched the old version under an earlier grant
+                // can no longer register it, and the next put is newer.
+                e.version = next;
+                e.holders.clear();
+                self.send(requester, Msg::InvalidateResp { op, key, ok: true });
+            }
+        }
+    }
+
+    fn on_publish_resp(&mut self, home: NodeId, op: OpId, key: BlockKey, result: PublishResult, copy: u64) {
+        let Some(Op { kind: OpKind::Put { key: k, slot, checksum, copy: c, .. }, .. }) = self.ops.get(&op) else {
+            if let PublishResult::Stored(v) = result
+                && self.copies.get(&key).is_none_or(|c| c.id != copy)
+            {
+                // We gave up on this put (or this is a duplicate answer for a
+                // copy we dropped since): tell the home we hold nothing.
+                self.send(home, Msg::RemoveHolder { key, version: v, copy });
+            }
+            return;
+        };
+        let (k, slot, checksum) = (*k, *slot, *checksum);
+        if k != key || *c != copy {
+            return;
+        }
+        self.ops.remove(&op);
+        self.writes.remove(&key);
+        match result {
+            PublishResult::Stored(version)
+                if self.retired.get(&key).is_some_and(|&r| version <= r) || !self.serving() =>
+            {
+                // Stored, then overwritten or invalidated before the answer
+                // reached us, or this node may no longer serve: the copy
+                // must not become Valid.
+                self.unreference(slot);
+                self.done(op, Outcome::Stored { version });
+            }
+            PublishResult::Stored(version) => {
+                let meta = SlotMeta { key, version, generation: slot.generation, checksum };
+                self.actions.push(Action::CommitSlot { slot, meta });
+                self.drop_copy(&key);
+                self.copies.insert(key, Copy { slot, meta, id: copy });
+                if let Some(&f) = self.fetching.get(&key)
+                    && let Some(Op { kind: OpKind::Get { doomed, .. }, .. }) = self.ops.get_mut(&f)
+                {
+                    *doomed = true;
+                }
+                self.done(op, Outcome::Stored { version });
+            }
+            PublishResult::Busy => {
+                self.unreference(slot);
+                self.done(op, Outcome::Error(ErrorKind::Busy));
+            }
+        }
+    }
+
+    fn on_publish_abort(&mut self, w: NodeId, op: OpId, key: BlockKey) {
+        let Some(e) = self.dir.get_mut(&key) else { return };
+        if let Some(c) = &e.change
+            && matches!(c.kind, ChangeKind::Overwrite { writer, op: o, .. } if writer == w && o == op)
+        {
+            e.change = None; // holders that acked were already removed
+        }
+        if let Some((pw, pop, v)) = e.last_publish
+            && pw == w
+            && pop == op
+            && e.version == v
+            && e.holders.contains_key(&w)
+        {
+            e.holders.remove(&w);
+        }
+    }
+
+    fn on_invalidate(&mut self, home: NodeId, key: BlockKey, version: u64, change: u64) {
+        if self.cfg.bug != Some(Bug::AckWithoutInvalidate) {
+            if self.copies.get(&key).is_some_and(|c| c.meta.version <= version) {
+                self.drop_copy(&key);
+            }
+            if let Some(&f) = self.fetching.get(&key)
+                && let Some(Op { kind: OpKind::Get { doomed, .. }, .. }) = self.ops.get_mut(&f)
+            {
+                *doomed = true;
+            }
+        }
+        if self.cfg.bug != Some(Bug::AckWithoutInvalidate) {
+            let r = self.retired.entry(key).or_insert(version);
+            *r = (*r).max(version);
+        }
+        if self.cfg.trace {
+            self.trace.push(Trace::Acked { key, version });
+        }
+        self.send(home, Msg::InvalidateAck { key, version, change });
+    }
+
+    fn on_ack(&mut self, h: NodeId, key: BlockKey, version: u64, change: u64) {
+        let now = self.now;
+        let Some(e) = self.dir.get_mut(&key) else {
+            self.metrics.ignored_acks += 1;
+            return;
+        };
+        let counted = match &mut e.change {
+            Some(c) if c.id == change && c.old_version == version && c.waiting.contains_key(&h) => {
+                c.waiting.remove(&h);
+                self.metrics.inval_to_ack_us.record(now.saturating_sub(c.started));
+                e.holders.remove(&h);
+                Some(c.waiting.is_empty())
+            }
+            _ => None,
+        };
+        match counted {
+            Some(true) => self.complete_change(key),
+            Some(false) => {}
+            None => self.metrics.ignored_acks += 1,
+        }
+    }
+
+    fn on_invalidate_req(&mut self, r: NodeId, op: OpId, key: BlockKey) {
+        if !self.ready || !self.is_home(&key) {
+            return self.send(r, Msg::InvalidateResp { op, key, ok: false });
+        }
+        let Some(e) = self.dir.get_mut(&key) else {
+            return self.send(r, Msg::InvalidateResp { op, key, ok: true });
+        };
+        if let Some(c) = &e.change {
+            if c.kind == (ChangeKind::Invalidate { requester: r, op }) {
+                return;
+            }
+            return self.send(r, Msg::InvalidateResp { op, key, ok: false });
+        }
+        if e.holders.is_empty() {
+            return self.send(r, Msg::InvalidateResp { op, key, ok: true });
+        }
+        let holders: Vec<NodeId> = e.holders.keys().copied().collect();
+        let now = self.now;
+        self.next_change += 1;
+        let id = self.next_change;
+        e.change = Some(Change {
+            id,
+            kind: ChangeKind::Invalidate { requester: r, op },
+            old_version: e.version,
+            waiting: holders.iter().map(|&h| (h, now)).collect(),
+            started: now,
+        });
+        let version = e.version;
+        for h in holders {
+            self.send(h, Msg::Invalidate { key, version, change: id });
+        }
+        if self.cfg.bug == Some(Bug::SkipAckWait) {
+            self.complete_change(key);
+        }
+    }
+
+    fn on_locate_req(&mut self, r: NodeId, op: OpId, key: BlockKey) {
+        let result = if !self.ready || !self.is_home(&key) {
+            LocateResult::Busy
+        } else {
+            match self.dir.get(&key) {
+                None => LocateResult::Miss,
+                Some(e) if e.change.is_some() => LocateResult::Busy,
+                Some(e) => match e.holders.keys().find(|&&h| h != r) {
+                    Some(&holder) => LocateResult::Found { version: e.version, holder },
+                    None => LocateResult::Miss,
+                },
+            }
+        };
+        self.send(r, Msg::LocateResp { op, key, result });
+    }
+
+    fn on_locate_resp(&mut self, op: OpId, key: BlockKey, result: LocateResult) {
+        let now = self.now;
+        let me = self.id;
+        let Some((stage, k, _)) = self.get_stage(op) else { return };
+        if k != key || !matches!(stage, GetStage::Locating) {
+            return;
+        }
+        match result {
+            LocateResult::Found { version, holder } if holder != me => {
+                *stage = GetStage::Granting { holder, version, sent_at: now };
+                self.send(holder, Msg::GrantReq { op, key, version });
+            }
+            _ => self.finish_get(op, Outcome::Miss),
+        }
+    }
+
+    fn on_grant_req(&mut self, r: NodeId, op: OpId, key: BlockKey, version: u64) {
+        let result = match self.copies.get(&key) {
+            Some(c) if self.serving() && c.meta.version == version => {
+                self.next_grant += 1;
+                let grant = self.next_grant;
+                let deadline = self.now + self.cfg.grant_lease_us;
+                self.slots.entry(c.slot).or_default().grants.insert(grant, deadline);
+                self.metrics.grants_outstanding += 1;
+                GrantResult::Granted { slot: c.slot, meta: c.meta, lease_us: self.cfg.grant_lease_us, grant }
+            }
+            _ => GrantResult::Refused,
+        };
+        self.send(r, Msg::GrantResp { op, result });
+    }
+
+    fn on_grant_resp(&mut self, holder: NodeId, op: OpId, result: GrantResult) {
+        let now = self.now;
+        let drift = self.cfg.drift_ppm;
+        let margin = self.cfg.drift_margin_us;
+        let staged = match self.get_stage(op) {
+            Some((stage, key, _)) => match *stage {
+                GetStage::Granting { holder: h, version, sent_at } if h == holder => {
+                    Some((stage, key, version, sent_at))
+                }
+                _ => None,
+            },
+            None => None,
+        };
+        let Some((stage, key, version, sent_at)) = staged else {
+            // Not waiting for a grant: release it, unless it is a duplicate
+            // of the grant this get is reading under right now.
+            if let GrantResult::Granted { slot, grant, .. } = result {
+                let in_use = matches!(
+                    self.get_stage(op),
+                    Some((GetStage::Reading { remote, grant: g, holder: h, .. }, _, _))
+                        if *remote == slot && *g == grant && *h == holder
+                );
+                if !in_use {
+                    self.send(holder, Msg::GrantRelease { slot, grant });
+                }
+            }
+            return;
+        };
+        match result {
+            GrantResult::Granted { slot, meta, lease_us, grant } => {
+                // Trust the grant for its lease measured from when we asked,
+                // shortened by the worst clock drift and the margin.
+                let usable = lease_us.saturating_sub(lease_us * 2 * drift / 1_000_000 + margin);
+                let read_deadline = sent_at + usable;
+                if meta.key != key || meta.version != version || now >= read_deadline {
+                    self.send(holder, Msg::GrantRelease { slot, grant });
+                    return self.finish_get(op, Outcome::Miss);
+                }
+                *stage = GetStage::Reading { holder, version, remote: slot, expect: meta, grant, read_deadline };
+                self.actions.push(Action::StartRead {
+                    op,
+                    from: holder,
+                    remote: slot,
+                    expect: meta,
+                    deadline: read_deadline,
+                });
+            }
+            GrantResult::Refused => self.finish_get(op, Outcome::Miss),
+        }
+    }
+
+    fn on_add_holder_resp(&mut self, home: NodeId, op: OpId, key: BlockKey, version: u64, copy: u64, ok: bool) {
+        let registering = match self.get_stage(op) {
+            Some((GetStage::Registering { version: v, dest, meta, copy: c }, k, doomed))
+                if k == key && *v == version && *c == copy =>
+            {
+                Some((*dest, *meta, doomed))
+            }
+            _ => None,
+        };
+        let Some((dest, meta, doomed)) = registering else {
+            if ok && self.copies.get(&key).is_none_or(|c| c.id != copy) {
+                // The get ended meanwhile: we hold nothing, tell the home.
+                self.send(home, Msg::RemoveHolder { key, version, copy });
+            }
+            return;
+        };
+        let retired = self.retired.get(&key).is_some_and(|&r| version <= r);
+        let keep = ok && !doomed && !retired && self.serving() && !self.copies.contains_key(&key);
+        if !keep {
+            if ok {
+                self.send(home, Msg::RemoveHolder { key, version, copy });
+            }
+            self.unreference(dest);
+            return self.finish_get(op, Outcome::Miss);
+        }
+        self.copies.insert(key, Copy { slot: dest, meta, id: copy });
+        self.pin(dest);
+        self.finish_get(op, Outcome::Hit { version, slot: dest });
+    }
+
+    fn on_announce(&mut self, h: NodeId, entries: Vec<(BlockKey, u64, u64)>) {
+        for (key, version, copy) in entries {
+            if !self.is_home(&key) {
+                continue;
+            }
+            let e = self.dir.entry(key).or_default();
+            if e.holders.is_empty() && version >= e.version {
+                e.version = version;
+                e.holders.insert(h, copy);
+            } else if version == e.version {
+                e.holders.insert(h, copy);
+            } else if version > e.version {
+                // Two versions announced: keep the newer, retire the older.
+                let old: Vec<NodeId> = std::mem::take(&mut e.holders).into_keys().collect();
+                let old_version = e.version;
+                e.version = version;
+                e.holders.insert(h, copy);
+                for o in old {
+                    self.send(o, Msg::Invalidate { key, version: old_version, change: 0 });
+                }
+            } else {
+                self.send(h, Msg::Invalidate { key, version, change: 0 });
+            }
+        }
+        self.announced.insert(h);
+        self.ready = self.view.members.iter().all(|m| self.announced.contains(&m.id));
+        self.send(h, Msg::AnnounceAck);
+    }
+}

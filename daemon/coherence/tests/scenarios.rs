@@ -1,0 +1,280 @@
+//! Hand-written protocol scenarios on a tiny harness: a network that holds
+//! batches until the test delivers them, a perfect clock, pools of slots
+//! modelled as a map. Each test states one rule of the protocol.
+
+use std::collections::{BTreeMap, VecDeque};
+
+use kvmesh_coherence::{
+    Action, Batch, BlockKey, Config, Event, Member, Msg, Node, NodeId, Outcome, SlotImage, SlotMeta, SlotRef, View,
+};
+
+struct Net {
+    nodes: Vec<Node>,
+    now: u64,
+    wire: VecDeque<(NodeId, NodeId, Batch)>,
+    done: BTreeMap<(NodeId, u64), Outcome>,
+    reads: Vec<(NodeId, u64, NodeId, SlotRef, SlotMeta)>,
+    mem: BTreeMap<(NodeId, SlotRef), SlotMeta>,
+    next_slot: u32,
+    freed: Vec<(NodeId, SlotRef)>,
+}
+
+fn key(k: u128) -> BlockKey {
+    BlockKey { ns: 1, key: k }
+}
+
+impl Net {
+    fn new(n: usize, cfg: Config) -> Net {
+        let mut net = Net {
+            nodes: (0..n as NodeId).map(|i| Node::new(i, 1, cfg.clone())).collect(),
+            now: 1_000,
+            wire: VecDeque::new(),
+            done: BTreeMap::new(),
+            reads: Vec::new(),
+            mem: BTreeMap::new(),
+            next_slot: 0,
+            freed: Vec::new(),
+        };
+        let view =
+            View { epoch: 1, members: (0..n as NodeId).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
+        for i in 0..n as NodeId {
+            net.drive(i, Event::View(view.clone()));
+            let now = net.now;
+            net.drive(i, Event::KeepAliveAck { sent_at: now });
+        }
+        net.settle();
+        net
+    }
+
+    fn drive(&mut self, n: NodeId, ev: Event) {
+        let acts = self.nodes[n as usize].handle(self.now, ev);
+        for a in acts {
+            match a {
+                Action::Send { to, batch } => self.wire.push_back((n, to, batch)),
+                Action::ClientDone { op, outcome } => {
+                    self.done.insert((n, op), outcome);
+                }
+                Action::StartRead { op, from, remote, expect, .. } => self.reads.push((n, op, from, remote, expect)),
+                Action::CommitSlot { slot, meta } => {
+                    self.mem.insert((n, slot), meta);
+                }
+                Action::FreeSlot { slot } => {
+                    self.mem.remove(&(n, slot));
+                    self.freed.push((n, slot));
+                }
+                Action::KeepAlive { .. } => {}
+            }
+        }
+    }
+
+    /// Advances time past every flush window and delivers everything.
+    fn settle(&mut self) {
+        for _ in 0..100 {
+            self.now += 1_000;
+            for i in 0..self.nodes.len() as NodeId {
+                self.drive(i, Event::Tick);
+            }
+            if self.wire.is_empty() {
+                return;
+            }
+            while let Some((from, to, batch)) = self.wire.pop_front() {
+                self.drive(to, Event::Receive { from, batch });
+            }
+        }
+    }
+
+    /// Flushes queues without delivering.
+    fn flush(&mut self) {
+        self.now += 1_000;
+        for i in 0..self.nodes.len() as NodeId {
+            self.drive(i, Event::Tick);
+        }
+    }
+
+    fn slot(&mut self) -> SlotRef {
+        self.next_slot += 1;
+        SlotRef { slot: self.next_slot, generation: 1 }
+    }
+
+    fn put(&mut self, n: NodeId, op: u64, k: BlockKey, checksum: u64) {
+        let slot = self.slot();
+        self.drive(n, Event::ClientPut { op, key: k, slot, checksum });
+    }
+
+    /// Completes pending reads with the holder's true slot content.
+    fn serve_reads(&mut self, corrupt: bool) {
+        for (reader, op, holder, remote, _expect) in std::mem::take(&mut self.reads) {
+            let meta = self.mem.get(&(holder, remote)).copied();
+            let dest = self.slot();
+            let result = match meta {
+                Some(m) => {
+                    let mut img = SlotImage { header: m, trailer: m, payload_checksum: m.checksum };
+                    if corrupt {
+                        img.trailer.generation += 1;
+                    }
+                    self.mem.insert((reader, dest), m);
+                    Ok(img)
+                }
+                None => Err(kvmesh_coherence::TransferError::PeerGone),
+            };
+            self.drive(reader, Event::TransferDone { op, dest: Some(dest), result });
+        }
+    }
+
+    fn outcome(&self, n: NodeId, op: u64) -> Option<Outcome> {
+        self.done.get(&(n, op)).copied()
+    }
+}
+
+#[test]
+fn put_then_remote_get_reads_under_a_grant_and_registers() {
+    let mut net = Net::new(3, Config::default());
+    net.put(0, 1, key(7), 0xabc);
+    net.settle();
+    let Some(Outcome::Stored { version }) = net.outcome(0, 1) else { panic!("{:?}", net.outcome(0, 1)) };
+    net.drive(2, Event::ClientGet { op: 2, key: key(7) });
+    net.settle();
+    assert_eq!(net.reads.len(), 1, "one one-sided read from the holder");
+    assert_eq!(net.reads[0].2, 0);
+    net.serve_reads(false);
+    net.settle();
+    let Some(Outcome::Hit { version: v, .. }) = net.outcome(2, 2) else { panic!("{:?}", net.outcome(2, 2)) };
+    assert_eq!(v, version);
+    // Node 2 is now a registered holder: a local hit needs no message.
+    net.drive(2, Event::ClientGet { op: 3, key: key(7) });
+    assert!(matches!(net.outcome(2, 3), Some(Outcome::Hit { .. })));
+    assert_eq!(net.nodes[0].metrics().grants_outstanding, 0, "grant released after the read");
+}
+
+#[test]
+fn a_torn_transfer_is_a_miss_never_a_hit() {
+    let mut net = Net::new(2, Config::default());
+    net.put(0, 1, key(1), 5);
+    net.settle();
+    net.drive(1, Event::ClientGet { op: 2, key: key(1) });
+    net.settle();
+    net.serve_reads(true);
+    net.settle();
+    assert_eq!(net.outcome(1, 2), Some(Outcome::Miss));
+    assert_eq!(net.nodes[1].metrics().validation_failures, 1);
+    assert_eq!(net.nodes[1].copies().count(), 0);
+}
+
+#[test]
+fn overwrite_waits_for_every_ack() {
+    let mut net = Net::new(3, Config::default());
+    net.put(0, 1, key(9), 1);
+    net.settle();
+    net.drive(1, Event::ClientGet { op: 2, key: key(9) });
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    assert!(matches!(net.outcome(1, 2), Some(Outcome::Hit { .. })));
+    // Node 2 overwrites; hold node 1's ack on the wire.
+    net.put(2, 3, key(9), 2);
+    for _ in 0..10 {
+        net.flush();
+        let held: Vec<_> = net.wire.drain(..).collect();
+        for (from, to, batch) in held {
+            let is_ack_from_1 = from == 1 && batch.msgs.iter().any(|m| matches!(m, Msg::InvalidateAck { .. }));
+            if is_ack_from_1 {
+                net.wire.push_back((from, to, batch));
+                break;
+            }
+            net.drive(to, Event::Receive { from, batch });
+        }
+        if !net.wire.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(net.wire.len(), 1, "node 1's ack is held");
+    assert_eq!(net.outcome(2, 3), None, "the overwrite must not complete without node 1's ack");
+    assert!(net.nodes[1].copies().next().is_none(), "node 1 stopped serving before acking");
+    net.settle();
+    assert!(matches!(net.outcome(2, 3), Some(Outcome::Stored { .. })));
+}
+
+#[test]
+fn duplicate_and_stale_acks_do_not_count() {
+    let mut net = Net::new(3, Config::default());
+    net.put(0, 1, key(4), 1);
+    net.settle();
+    net.drive(1, Event::ClientGet { op: 2, key: key(4) });
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    let home = net.nodes[0].view().home_of(&key(4)).unwrap();
+    // Forge acks for a change that does not exist, from a holder.
+    let batch = Batch {
+        epoch: 1,
+        incarnation: 1,
+        msgs: vec![
+            Msg::InvalidateAck { key: key(4), version: 1, change: 999 },
+            Msg::InvalidateAck { key: key(4), version: 1, change: 999 },
+        ],
+    };
+    let before = net.nodes[home as usize].metrics().ignored_acks;
+    let sender = if home == 1 { 2 } else { 1 };
+    net.drive(home, Event::Receive { from: sender, batch });
+    assert_eq!(net.nodes[home as usize].metrics().ignored_acks, before + 2);
+    // The holders are still registered: an overwrite still invalidates them.
+    let d = net.nodes[home as usize].directory().find(|(k, _)| *k == key(4)).unwrap().1;
+    assert_eq!(d.holders.len(), 2);
+}
+
+#[test]
+fn batches_of_another_epoch_are_dropped_and_counted() {
+    let mut net = Net::new(2, Config::default());
+    let stale = Batch { epoch: 0, incarnation: 1, msgs: vec![Msg::LocateReq { op: 1, key: key(1) }] };
+    net.drive(0, Event::Receive { from: 1, batch: stale });
+    assert_eq!(net.nodes[0].metrics().stale_epoch_drops, 1);
+    let wrong_inc = Batch { epoch: 1, incarnation: 7, msgs: vec![Msg::LocateReq { op: 1, key: key(1) }] };
+    net.drive(0, Event::Receive { from: 1, batch: wrong_inc });
+    assert_eq!(net.nodes[0].metrics().stale_epoch_drops, 2);
+    assert!(net.wire.is_empty(), "nothing answered");
+}
+
+#[test]
+fn invalidations_to_one_peer_travel_in_one_batch() {
+    let cfg = Config { ack_flush_delay_us_max: 500, ..Config::default() };
+    let mut net = Net::new(2, cfg);
+    // Node 1 fetches 50 blocks put by node 0.
+    for i in 0..50u64 {
+        net.put(0, 100 + i, key(i as u128), i);
+    }
+    net.settle();
+    for i in 0..50u64 {
+        net.drive(1, Event::ClientGet { op: 200 + i, key: key(i as u128) });
+    }
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    assert_eq!(net.nodes[1].copies().count(), 50);
+    let batches_before = net.nodes[1].metrics().ack_batches_sent;
+    for i in 0..50u64 {
+        net.drive(0, Event::ClientInvalidate { op: 300 + i, key: key(i as u128) });
+    }
+    net.settle();
+    for i in 0..50u64 {
+        assert_eq!(net.outcome(0, 300 + i), Some(Outcome::Invalidated));
+    }
+    assert_eq!(net.nodes[1].copies().count(), 0);
+    let ack_batches = net.nodes[1].metrics().ack_batches_sent - batches_before;
+    assert!(ack_batches <= 2, "50 acks should leave in one or two batches, took {ack_batches}");
+}
+
+#[test]
+fn invalidated_key_cannot_be_registered_by_a_late_reader() {
+    let mut net = Net::new(3, Config::default());
+    net.put(0, 1, key(3), 1);
+    net.settle();
+    net.drive(1, Event::ClientGet { op: 2, key: key(3) });
+    net.settle();
+    // The read is in flight while the key is invalidated.
+    net.drive(2, Event::ClientInvalidate { op: 3, key: key(3) });
+    net.settle();
+    assert_eq!(net.outcome(2, 3), Some(Outcome::Invalidated));
+    net.serve_reads(false);
+    net.settle();
+    assert_ne!(net.outcome(1, 2).map(|o| matches!(o, Outcome::Hit { .. })), Some(true), "stale block served");
+}
