@@ -245,7 +245,7 @@ pub struct World {
     members: BTreeMap<NodeId, u64>,
     last_seen: BTreeMap<NodeId, u64>,
     // checker state
-    ops: HashMap<(NodeId, u64, OpId), OpInfo>,
+    ops: BTreeMap<(NodeId, u64, OpId), OpInfo>,
     next_op: OpId,
     truth: HashMap<(BlockKey, u64), u64>,
     max_committed: HashMap<BlockKey, u64>,
@@ -303,7 +303,7 @@ impl World {
             epoch: 0,
             members: BTreeMap::new(),
             last_seen: BTreeMap::new(),
-            ops: HashMap::new(),
+            ops: BTreeMap::new(),
             next_op: 0,
             truth: HashMap::new(),
             max_committed: HashMap::new(),

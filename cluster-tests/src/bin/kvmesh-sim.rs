@@ -59,8 +59,10 @@ fn main() -> std::process::ExitCode {
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
     let mut violations = 0u64;
+    let mut seeds_run = 0u64;
     let mut first_violation = None;
     for seed in a.first_seed..a.first_seed + a.seeds {
+        seeds_run += 1;
         let mut w = World::new(seed, cfg.clone());
         if a.verbose {
             w.verbose();
@@ -93,15 +95,14 @@ fn main() -> std::process::ExitCode {
     }
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
-        "{} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
+        "{seeds_run} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
          {vfail} bad transfers caught, {crashes} crashes, {epochs} epochs",
-        a.seeds,
         events as f64 / secs
     );
     println!(
         "{}",
         serde_json::json!({
-            "seeds": a.seeds,
+            "seeds": seeds_run,
             "steps": a.steps,
             "violations": violations,
             "first_violation_seed": first_violation,
