@@ -2,7 +2,7 @@
 //! no system `protoc`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let protos = ["kvmesh/engine/v1/engine.proto"];
+    let protos = ["kvmesh/engine/v1/engine.proto", "kvmesh/peer/v1/peer.proto"];
     for p in &protos {
         println!("cargo:rerun-if-changed={p}");
     }

@@ -3,9 +3,11 @@
 # where it is missing. Idempotent; safe to run on every build.
 set -euo pipefail
 
-# Debian packages: a C toolchain (linker for Rust, cc for -sys crates) and
-# pkg-config. Later parts of the data plane add UCX/RDMA packages here.
-PACKAGES=(gcc libc6-dev pkg-config)
+# Debian packages: a C toolchain (linker for Rust, cc for -sys crates),
+# pkg-config, UCX (libucx-dev >= 1.13; ucx-utils for ucx_perftest), libclang
+# (bindgen generates the UCX and rdma-core bindings at build time) and
+# rdma-core's headers (topology discovery).
+PACKAGES=(gcc libc6-dev pkg-config libucx-dev ucx-utils libclang-dev libibverbs-dev librdmacm-dev)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

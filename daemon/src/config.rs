@@ -25,6 +25,71 @@ pub struct Config {
     /// Memory pools (at least one).
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
+    /// This daemon in the cluster.
+    #[serde(default)]
+    pub node: NodeConfig,
+    /// Peer channel and data plane.
+    #[serde(default)]
+    pub peer: PeerConfig,
+    /// Static list of peer daemons.
+    #[serde(default)]
+    pub peers: Vec<PeerEntry>,
+}
+
+/// `[node]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NodeConfig {
+    /// Node id, unique in the cluster.
+    pub id: u32,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig { id: 1 }
+    }
+}
+
+/// `[peer]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerConfig {
+    /// Address of the peer gRPC service (`host:port`); none: no peer service.
+    pub listen: Option<String>,
+    /// UCX transports: `sm` (shared memory, one host), `tcp`, `all`.
+    pub transports: String,
+    /// Deadline of one remote fetch (query, transfer, validation).
+    pub transfer_timeout_ms: u64,
+    /// Lease of a read grant given to a peer.
+    pub grant_lease_ms: u64,
+    /// Most one-sided reads in flight.
+    pub inflight_requests_max: u32,
+    /// Most bytes in flight.
+    #[serde(deserialize_with = "de_bytes")]
+    pub inflight_bytes_max: u64,
+}
+
+impl Default for PeerConfig {
+    fn default() -> Self {
+        PeerConfig {
+            listen: None,
+            transports: "sm".into(),
+            transfer_timeout_ms: 2_000,
+            grant_lease_ms: 5_000,
+            inflight_requests_max: 4096,
+            inflight_bytes_max: 1 << 30,
+        }
+    }
+}
+
+/// `[[peers]]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PeerEntry {
+    /// The peer's node id.
+    pub id: u32,
+    /// Its peer service address (`host:port`).
+    pub addr: String,
 }
 
 /// `[server]`
@@ -223,6 +288,45 @@ impl Config {
                     POOL_SLOTS_MAX
                 ));
             }
+        }
+        match self.peer.transports.as_str() {
+            "sm" | "tcp" | "all" => {}
+            t => return Err(format!("peer.transports: {t:?} is not one of \"sm\", \"tcp\", \"all\"")),
+        }
+        if let Some(l) = &self.peer.listen
+            && l.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(format!("peer.listen: {l:?} is not host:port (e.g. \"127.0.0.1:7300\")"));
+        }
+        for (name, v) in [
+            ("transfer_timeout_ms", self.peer.transfer_timeout_ms),
+            ("grant_lease_ms", self.peer.grant_lease_ms),
+            ("inflight_requests_max", self.peer.inflight_requests_max as u64),
+            ("inflight_bytes_max", self.peer.inflight_bytes_max),
+        ] {
+            if v == 0 {
+                return Err(format!("peer.{name}: must be greater than 0"));
+            }
+        }
+        if self.peer.grant_lease_ms <= self.peer.transfer_timeout_ms {
+            return Err(format!(
+                "peer.grant_lease_ms ({}) must exceed peer.transfer_timeout_ms ({}): a grant must outlive the read",
+                self.peer.grant_lease_ms, self.peer.transfer_timeout_ms
+            ));
+        }
+        for (i, p) in self.peers.iter().enumerate() {
+            if p.id == self.node.id {
+                return Err(format!("peers[{i}].id: {} is this node's own id (node.id)", p.id));
+            }
+            if self.peers[..i].iter().any(|q| q.id == p.id) {
+                return Err(format!("peers[{i}].id: duplicate peer id {}", p.id));
+            }
+            if p.addr.parse::<std::net::SocketAddr>().is_err() {
+                return Err(format!("peers[{i}].addr: {:?} is not host:port", p.addr));
+            }
+        }
+        if self.peers.len() > 256 {
+            return Err(format!("peers: {} peers configured, at most 256", self.peers.len()));
         }
         if self.server.worker_threads > 64 {
             return Err(format!("server.worker_threads: {} exceeds 64", self.server.worker_threads));

@@ -9,7 +9,9 @@
 #![forbid(unsafe_code)]
 
 pub mod config;
+pub mod dataplane;
 pub mod error;
+pub mod peers;
 pub mod server;
 pub mod service;
 pub mod store;

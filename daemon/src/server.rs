@@ -278,8 +278,49 @@ pub async fn run(
     };
     let (listener, claim) = bind_socket(&path, default_location)?;
     let reaper_every = Duration::from_millis(cfg.limits.reaper_interval_ms);
+    let peer_cfg = cfg.peer.clone();
+    let peer_entries = cfg.peers.clone();
+    let node_id = cfg.node.id;
     let store = Arc::new(Mutex::new(Store::new(cfg).map_err(|e| anyhow!("{e}"))?));
     tracing::info!(socket = %path.display(), "kvmeshd listening");
+
+    // Data plane and peers, when this daemon is part of a cluster.
+    let mut peer_listener = None;
+    let peers = if peer_cfg.listen.is_some() || !peer_entries.is_empty() {
+        let transports = match peer_cfg.transports.as_str() {
+            "sm" => kvmesh_ucx::Transports::SharedMemory,
+            "tcp" => kvmesh_ucx::Transports::Tcp,
+            _ => kvmesh_ucx::Transports::All,
+        };
+        let (mappings, incarnation) = {
+            let st = store.lock();
+            (st.pools().iter().map(|p| Arc::clone(&p.mapping)).collect::<Vec<_>>(), st.instance_id)
+        };
+        let limits = crate::dataplane::Limits {
+            inflight_requests_max: peer_cfg.inflight_requests_max as usize,
+            inflight_bytes_max: peer_cfg.inflight_bytes_max,
+        };
+        let dp =
+            crate::dataplane::DataPlane::start(transports.clone(), &mappings, limits).map_err(|e| anyhow!("{e}"))?;
+        tracing::info!(transports = transports.tls(), "UCX data plane ready");
+        if let Some(listen) = &peer_cfg.listen {
+            let l = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("cannot bind peer.listen {listen}"))?;
+            tracing::info!(addr = %listen, node = node_id, "peer service listening");
+            peer_listener = Some(l);
+        }
+        Some(Arc::new(crate::peers::Peers::new(
+            node_id,
+            incarnation,
+            peer_cfg,
+            peer_entries,
+            Arc::new(dp),
+            Arc::clone(&store),
+        )))
+    } else {
+        None
+    };
 
     let (tx, rx) = mpsc::channel::<io::Result<TrackedStream>>(64);
     let next_session = Arc::new(AtomicU64::new(1));
@@ -324,9 +365,41 @@ pub async fn run(
         }
     });
 
-    let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(EngineService::new(Arc::clone(&store)))
-        .max_decoding_message_size(16 << 20)
-        .max_encoding_message_size(16 << 20);
+    let peer_server = match (peer_listener, &peers) {
+        (Some(l), Some(p)) => {
+            let svc = kvmesh_proto::peer::v1::peer_server::PeerServer::new(crate::peers::PeerService {
+                peers: Arc::clone(p),
+            })
+            .max_decoding_message_size(16 << 20);
+            let mut stop = stop_rx.clone();
+            Some(tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(l),
+                async move {
+                    let _ = stop.changed().await;
+                },
+            )))
+        }
+        _ => None,
+    };
+    if let Some(p) = &peers {
+        let p = Arc::clone(p);
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            loop {
+                p.connect_all().await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stop.changed() => break,
+                }
+            }
+        });
+    }
+    let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(EngineService::new(
+        Arc::clone(&store),
+        peers.clone(),
+    ))
+    .max_decoding_message_size(16 << 20)
+    .max_encoding_message_size(16 << 20);
     let mut stop_grpc = stop_rx.clone();
     let incoming = tokio_stream::wrappers::ReceiverStream::new(rx);
     let grpc = tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
@@ -362,6 +435,10 @@ pub async fn run(
         Err(_) => tracing::warn!("grpc server did not stop within 5 s"),
         _ => {}
     }
+    if let Some(ps) = peer_server {
+        let _ = tokio::time::timeout(Duration::from_secs(2), ps).await;
+    }
+    drop(peers);
     drop(claim);
     tracing::info!("kvmeshd stopped");
     Ok(())

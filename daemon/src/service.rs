@@ -29,13 +29,14 @@ const INLINE_CHECKSUM_BYTES_MAX: u64 = 256 << 10;
 #[derive(Clone)]
 pub struct EngineService {
     store: Arc<Mutex<Store>>,
+    peers: Option<Arc<crate::peers::Peers>>,
     started: Instant,
 }
 
 impl EngineService {
-    /// A service over `store`.
-    pub fn new(store: Arc<Mutex<Store>>) -> Self {
-        EngineService { store, started: Instant::now() }
+    /// A service over `store`, fetching misses from `peers` when given.
+    pub fn new(store: Arc<Mutex<Store>>, peers: Option<Arc<crate::peers::Peers>>) -> Self {
+        EngineService { store, peers, started: Instant::now() }
     }
 }
 
@@ -139,6 +140,20 @@ impl pb::engine_server::Engine for EngineService {
         let session = session_of(&req)?;
         let r = req.into_inner();
         let ks = keys(&r.keys);
+        if let Some(peers) = self.peers.as_ref().filter(|p| p.any()) {
+            // Fetch what this node misses from its peers first.
+            let (ns, missing) = {
+                let mut st = self.store.lock();
+                let ns = st.namespace_info(r.namespace_id)?;
+                let (present, _) = st.lookup(r.namespace_id, &ks)?;
+                let missing: Vec<kvmesh_common::Key> =
+                    ks.iter().zip(present).filter(|(_, p)| !p).map(|(k, _)| *k).collect();
+                (ns, missing)
+            };
+            if !missing.is_empty() {
+                peers.fetch(&ns, &missing).await;
+            }
+        }
         let now = Instant::now();
         let (out, deadline) = {
             let mut st = self.store.lock();
@@ -263,6 +278,21 @@ impl pb::engine_server::Engine for EngineService {
         let _ = session_of(&req)?;
         let s = self.store.lock().stats();
         let c = s.counters;
+        let (remote_misses, validation_failures, transfer_failures, transfer_timeouts, peers_connected) =
+            match &self.peers {
+                Some(p) => {
+                    use std::sync::atomic::Ordering::Relaxed;
+                    let k = &p.counters;
+                    (
+                        k.remote_misses.load(Relaxed),
+                        k.validation_failures.load(Relaxed),
+                        k.transfer_failures.load(Relaxed),
+                        k.transfer_timeouts.load(Relaxed),
+                        p.connected().await,
+                    )
+                }
+                None => (0, 0, 0, 0, 0),
+            };
         Ok(Response::new(pb::StatsResponse {
             pools: s
                 .pools
@@ -297,6 +327,14 @@ impl pb::engine_server::Engine for EngineService {
             session_releases: c.session_releases,
             resource_exhausted: c.resource_exhausted,
             uptime_ms: self.started.elapsed().as_millis() as u64,
+            remote_fetched: c.remote_fetched,
+            remote_validation_failures: validation_failures,
+            transfer_failures,
+            transfer_timeouts,
+            slots_quarantined: c.quarantined,
+            grants_given: c.grants_given,
+            peers_connected,
+            remote_misses,
         }))
     }
 }

@@ -30,6 +30,11 @@ use crate::error::Error;
 /// Identifies an engine connection.
 pub type SessionId = u64;
 
+/// Session of the daemon's own fetches from peers.
+pub const FETCH_SESSION: SessionId = u64::MAX - 1;
+/// Sessions of read grants to peers: this plus the peer's node id.
+pub const PEER_SESSION_BASE: SessionId = 1 << 62;
+
 /// One use of one slot: (pool, slot, generation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SlotRef {
@@ -222,6 +227,12 @@ pub struct Counters {
     pub session_releases: u64,
     /// Requests refused with RESOURCE_EXHAUSTED.
     pub resource_exhausted: u64,
+    /// Blocks fetched from peers and made Valid here.
+    pub remote_fetched: u64,
+    /// Slots held forever because a timed-out transfer may still write them.
+    pub quarantined: u64,
+    /// Read grants given to peers.
+    pub grants_given: u64,
 }
 
 /// Result of a pin of one key.
@@ -317,6 +328,7 @@ pub struct Store {
     pools: Vec<Pool>,
     namespaces: Vec<Namespace>,
     ns_by_name: HashMap<String, u32>,
+    ns_by_fingerprint: HashMap<u64, u32>,
     index: HashMap<(u32, Key), (u32, u32)>,
     sessions: HashMap<SessionId, Session>,
     leases: HashMap<u64, Lease>,
@@ -397,6 +409,7 @@ impl Store {
             pools,
             namespaces: Vec::new(),
             ns_by_name: HashMap::default(),
+            ns_by_fingerprint: HashMap::default(),
             index: HashMap::default(),
             sessions: HashMap::default(),
             leases: HashMap::default(),
@@ -480,8 +493,79 @@ impl Store {
         };
         tracing::info!(namespace = name, block_bytes, pool = %pool.name, "namespace registered");
         self.ns_by_name.insert(ns.name.clone(), ns.id);
+        self.ns_by_fingerprint.insert(ns.fingerprint, ns.id);
         self.namespaces.push(ns.clone());
         Ok(ns)
+    }
+
+    /// Finds a namespace by its fingerprint (how peers name it).
+    pub fn namespace_by_fingerprint(&self, fp: u64) -> Option<Namespace> {
+        self.ns_by_fingerprint.get(&fp).map(|&id| self.namespaces[id as usize].clone())
+    }
+
+    /// A registered namespace by id.
+    pub fn namespace_info(&self, id: u32) -> Result<Namespace, Error> {
+        self.namespace(id).cloned()
+    }
+
+    /// Grants a peer reads of the blocks it asks for: each found block is
+    /// pinned under the peer's session for `lease_ms`.
+    pub fn grant(
+        &mut self,
+        peer: u32,
+        blocks: &[(u64, Key)],
+        lease_ms: u64,
+        now: Instant,
+    ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
+        let session = PEER_SESSION_BASE + peer as u64;
+        self.sessions.entry(session).or_default();
+        let mut out = Vec::with_capacity(blocks.len());
+        let mut deadline = now;
+        for &(fp, key) in blocks {
+            match self.ns_by_fingerprint.get(&fp).copied() {
+                None => out.push(None),
+                Some(ns) => {
+                    let (mut r, d) = self.pin(session, ns, &[key], lease_ms, false, now)?;
+                    deadline = d;
+                    out.push(r.pop().flatten());
+                }
+            }
+        }
+        self.counters.grants_given += out.iter().flatten().count() as u64;
+        Ok((out, deadline))
+    }
+
+    /// Keeps a slot reserved forever: a transfer into it timed out and may
+    /// still write it.
+    pub fn quarantine(&mut self, session: SessionId, r: SlotRef) {
+        if let Some(sess) = self.sessions.get_mut(&session)
+            && let Some(lease) = sess.allocs.remove(&r)
+        {
+            self.lease_unref(lease);
+            let pool = &mut self.pools[r.pool as usize];
+            let slot = &pool.slots[r.slot as usize];
+            self.index.remove(&(slot.ns, slot.key));
+            pool.slots[r.slot as usize].state = State::Committing; // owned by nobody, never freed
+            self.allocs_outstanding -= 1;
+            self.counters.quarantined += 1;
+            tracing::warn!(?r, "slot quarantined: a timed-out transfer may still write it");
+        }
+    }
+
+    /// Test hook: makes a slot look reused (header and trailer of the next
+    /// generation), as if it had been evicted and refilled.
+    pub fn test_corrupt_header(&mut self, r: SlotRef) {
+        let ns = self.pools[r.pool as usize].slots[r.slot as usize].ns;
+        let fp = self.namespaces.get(ns as usize).map_or(0, |n| n.fingerprint);
+        let pool = &self.pools[r.pool as usize];
+        let mut meta = pool.meta_of(r.slot, SlotState::Valid, fp);
+        meta.generation += 1;
+        pool.write_meta(r.slot, &meta);
+    }
+
+    /// Geometry of a pool: (stride, payload capacity).
+    pub fn pool_geometry(&self, pool: u32) -> Option<(u64, u64)> {
+        self.pools.get(pool as usize).map(|p| (p.stride, p.slot_payload_bytes))
     }
 
     /// Finds a namespace by name.
@@ -938,7 +1022,20 @@ impl Store {
     /// Commit, step two: records the checksums, writes header and trailer,
     /// and makes the blocks visible.
     pub fn finish_commit(&mut self, done: &[(SlotRef, u64)]) {
-        for &(r, checksum) in done {
+        let with_version: Vec<(SlotRef, Option<u64>, u64)> = done.iter().map(|&(r, c)| (r, None, c)).collect();
+        self.finish_commit_versioned(&with_version);
+    }
+
+    /// Commit of blocks fetched from a peer: like `finish_commit`, with the
+    /// version the holder reported.
+    pub fn finish_fetch(&mut self, done: &[(SlotRef, u64, u64)]) {
+        let with_version: Vec<(SlotRef, Option<u64>, u64)> = done.iter().map(|&(r, v, c)| (r, Some(v), c)).collect();
+        self.finish_commit_versioned(&with_version);
+        self.counters.remote_fetched += done.len() as u64;
+    }
+
+    fn finish_commit_versioned(&mut self, done: &[(SlotRef, Option<u64>, u64)]) {
+        for &(r, version, checksum) in done {
             let ns_of = self.pools[r.pool as usize].slots[r.slot as usize].ns;
             let fingerprint = self.namespaces[ns_of as usize].fingerprint;
             let pool = &mut self.pools[r.pool as usize];
@@ -948,6 +1045,9 @@ impl Store {
                 "commit of {r:?} lost its slot"
             );
             slot.checksum = checksum;
+            if let Some(v) = version {
+                slot.version = v;
+            }
             slot.state = State::Valid;
             let h = ghost_hash(slot.ns, slot.key);
             let gen_ = slot.generation;

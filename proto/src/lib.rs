@@ -11,3 +11,11 @@ pub mod engine {
         tonic::include_proto!("kvmesh.engine.v1");
     }
 }
+
+/// Daemon-to-daemon control channel (handshake, grants).
+pub mod peer {
+    /// Version 1 of the peer API.
+    pub mod v1 {
+        tonic::include_proto!("kvmesh.peer.v1");
+    }
+}

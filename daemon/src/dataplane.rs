@@ -1,0 +1,447 @@
+//! The data plane: one thread that owns the UCX worker (UCX workers are
+//! single-threaded; the wrapper makes `Worker` `!Send`), endpoints and remote
+//! keys of every peer, and the in-flight one-sided reads.
+//!
+//! The async side sends commands over a bounded crossbeam channel and wakes
+//! the thread through an eventfd; results come back on oneshot channels.
+//! The thread sleeps in `poll` on the worker's event fd and the eventfd, so
+//! it costs nothing when idle and still progresses the reads that peers
+//! make from this daemon's pool (on tcp and on shared memory with a pool the
+//! process allocated itself, UCX emulates gets with active messages that the
+//! target must progress).
+//!
+//! Limits: at most `inflight_requests_max` reads and `inflight_bytes_max`
+//! bytes in flight (later batches wait in a queue); every batch has a
+//! deadline. A read that times out is cancelled; if UCX cannot guarantee it
+//! stopped writing (shared memory has no peer-failure mode in UCX 1.13), the
+//! result says so and the caller quarantines the destination slot.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
+use kvmesh_ffi_os::{EventFd, SharedMapping};
+use kvmesh_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Transports, Worker};
+use tokio::sync::oneshot;
+
+/// One read: `len` bytes at `remote_offset` of the peer's pool
+/// `remote_pool` into our pool `local_pool` at `local_offset`.
+#[derive(Clone, Copy, Debug)]
+pub struct TransferItem {
+    /// Peer pool index.
+    pub remote_pool: u32,
+    /// Offset in the peer's pool.
+    pub remote_offset: u64,
+    /// Bytes.
+    pub len: u64,
+    /// Local pool index.
+    pub local_pool: u32,
+    /// Offset in the local pool.
+    pub local_offset: u64,
+}
+
+/// How one read ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum TransferOutcome {
+    /// The bytes are in the local slot (still to be validated).
+    Done,
+    /// It failed; UCX no longer touches the destination.
+    Failed(String),
+    /// It passed the deadline and UCX may still write the destination:
+    /// never reuse that slot.
+    TimedOut,
+}
+
+/// A peer pool as announced in its handshake.
+#[derive(Clone, Debug)]
+pub struct RemotePool {
+    /// Pool index.
+    pub index: u32,
+    /// Base address in the peer's address space.
+    pub base: u64,
+    /// Packed remote key.
+    pub rkey: Vec<u8>,
+}
+
+/// What the data plane needs to reach a peer.
+#[derive(Clone, Debug)]
+pub struct PeerAddr {
+    /// Node id.
+    pub id: u32,
+    /// Incarnation of that node.
+    pub incarnation: u64,
+    /// UCX worker address.
+    pub worker_address: Vec<u8>,
+    /// Its pools.
+    pub pools: Vec<RemotePool>,
+}
+
+enum Cmd {
+    Connect {
+        peer: PeerAddr,
+        reply: oneshot::Sender<Result<String, String>>,
+    },
+    Transfer {
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        deadline: Instant,
+        reply: oneshot::Sender<Vec<TransferOutcome>>,
+    },
+    Shutdown,
+}
+
+/// Limits of the data plane.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Most reads in flight.
+    pub inflight_requests_max: usize,
+    /// Most bytes in flight.
+    pub inflight_bytes_max: u64,
+}
+
+/// Our pools as peers must see them.
+#[derive(Clone, Debug)]
+pub struct LocalPool {
+    /// Pool index.
+    pub index: u32,
+    /// Base address.
+    pub base: u64,
+    /// Packed remote key.
+    pub rkey: Vec<u8>,
+}
+
+/// Handle of the data-plane thread.
+pub struct DataPlane {
+    tx: Sender<Cmd>,
+    wake: Arc<EventFd>,
+    worker_address: Vec<u8>,
+    pools: Vec<LocalPool>,
+    transports: Transports,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// Queue depth of the command channel.
+const COMMANDS_MAX: usize = 4096;
+
+impl DataPlane {
+    /// Starts the thread: creates the UCX context limited to `transports`,
+    /// registers the pools and creates the worker.
+    pub fn start(transports: Transports, pools: &[Arc<SharedMapping>], limits: Limits) -> Result<DataPlane, String> {
+        let ctx = Context::new(&transports).map_err(|e| format!("UCX context ({}): {e}", transports.tls()))?;
+        let mut regions = Vec::new();
+        let mut local = Vec::new();
+        for (i, p) in pools.iter().enumerate() {
+            let mr =
+                Arc::new(MemoryRegion::register(&ctx, Arc::clone(p)).map_err(|e| format!("register pool {i}: {e}"))?);
+            local.push(LocalPool {
+                index: i as u32,
+                base: mr.base(),
+                rkey: mr.pack_rkey().map_err(|e| e.to_string())?,
+            });
+            regions.push(mr);
+        }
+        let wake = Arc::new(EventFd::new().map_err(|e| format!("eventfd: {e}"))?);
+        let (tx, rx) = bounded::<Cmd>(COMMANDS_MAX);
+        let (init_tx, init_rx) = std::sync::mpsc::channel();
+        let thread_wake = Arc::clone(&wake);
+        let peer_failure = !matches!(transports, Transports::SharedMemory);
+        let thread = std::thread::Builder::new()
+            .name("kvmesh-dataplane".into())
+            .spawn(move || {
+                let worker = match Worker::new(&ctx) {
+                    Ok(w) => w,
+                    Err(e) => {
+                        let _ = init_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                };
+                match worker.address() {
+                    Ok(a) => {
+                        let _ = init_tx.send(Ok(a));
+                    }
+                    Err(e) => {
+                        let _ = init_tx.send(Err(e.to_string()));
+                        return;
+                    }
+                }
+                run(&worker, &regions, rx, &thread_wake, limits, peer_failure);
+            })
+            .map_err(|e| format!("spawn data plane thread: {e}"))?;
+        let worker_address = init_rx.recv().map_err(|_| "data plane thread died".to_string())??;
+        Ok(DataPlane { tx, wake, worker_address, pools: local, transports, thread: Some(thread) })
+    }
+
+    /// Our worker address.
+    pub fn worker_address(&self) -> &[u8] {
+        &self.worker_address
+    }
+
+    /// Our pools' registrations.
+    pub fn pools(&self) -> &[LocalPool] {
+        &self.pools
+    }
+
+    /// The transports UCX may use.
+    pub fn transports(&self) -> &Transports {
+        &self.transports
+    }
+
+    fn send(&self, cmd: Cmd) -> Result<(), String> {
+        match self.tx.try_send(cmd) {
+            Ok(()) => {
+                self.wake.notify();
+                Ok(())
+            }
+            Err(TrySendError::Full(_)) => Err("data plane queue full".into()),
+            Err(TrySendError::Disconnected(_)) => Err("data plane stopped".into()),
+        }
+    }
+
+    /// Connects (or reconnects) to a peer; returns UCX's description of the
+    /// chosen transports.
+    pub async fn connect(&self, peer: PeerAddr) -> Result<String, String> {
+        let (reply, rx) = oneshot::channel();
+        self.send(Cmd::Connect { peer, reply })?;
+        rx.await.map_err(|_| "data plane stopped".to_string())?
+    }
+
+    /// Reads `items` from `peer`; one outcome per item, by `deadline`.
+    pub async fn transfer(
+        &self,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        deadline: Instant,
+    ) -> Vec<TransferOutcome> {
+        let n = items.len();
+        let (reply, rx) = oneshot::channel();
+        if let Err(e) = self.send(Cmd::Transfer { peer, incarnation, items, deadline, reply }) {
+            return vec![TransferOutcome::Failed(e); n];
+        }
+        match rx.await {
+            Ok(v) => v,
+            // The thread is gone; whatever it was doing stopped with it.
+            Err(_) => vec![TransferOutcome::Failed("data plane stopped".into()); n],
+        }
+    }
+}
+
+impl Drop for DataPlane {
+    fn drop(&mut self) {
+        let _ = self.tx.try_send(Cmd::Shutdown);
+        self.wake.notify();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct PeerConn<'w> {
+    // Field order matters: remote keys are dropped before the endpoint.
+    rkeys: HashMap<u32, (RemoteKey<'w>, u64)>,
+    ep: Endpoint<'w>,
+    incarnation: u64,
+}
+
+struct InFlight<'w> {
+    peer: u32,
+    reqs: Vec<Option<Request<'w>>>,
+    outcomes: Vec<Option<TransferOutcome>>,
+    bytes: u64,
+    deadline: Instant,
+    reply: Option<oneshot::Sender<Vec<TransferOutcome>>>,
+}
+
+struct Pending {
+    peer: u32,
+    incarnation: u64,
+    items: Vec<TransferItem>,
+    deadline: Instant,
+    reply: oneshot::Sender<Vec<TransferOutcome>>,
+}
+
+fn run(
+    worker: &Worker,
+    regions: &[Arc<MemoryRegion>],
+    rx: Receiver<Cmd>,
+    wake: &EventFd,
+    limits: Limits,
+    peer_failure: bool,
+) {
+    let mut peers: HashMap<u32, PeerConn<'_>> = HashMap::new();
+    let mut inflight: Vec<InFlight<'_>> = Vec::new();
+    let mut queue: VecDeque<Pending> = VecDeque::new();
+    let mut zombies: Vec<Request<'_>> = Vec::new();
+    let (mut reqs_in_flight, mut bytes_in_flight) = (0usize, 0u64);
+    let efd = match worker.event_fd() {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::error!("data plane: no UCX event fd ({e}); stopping");
+            return;
+        }
+    };
+    loop {
+        // Commands.
+        loop {
+            match rx.try_recv() {
+                Ok(Cmd::Shutdown) => return,
+                Ok(Cmd::Connect { peer, reply }) => {
+                    peers.remove(&peer.id);
+                    let r = connect(worker, &peer, peer_failure).map(|conn| {
+                        let d = conn.ep.describe();
+                        peers.insert(peer.id, conn);
+                        d
+                    });
+                    let _ = reply.send(r);
+                }
+                Ok(Cmd::Transfer { peer, incarnation, items, deadline, reply }) => {
+                    queue.push_back(Pending { peer, incarnation, items, deadline, reply });
+                }
+                Err(_) => break,
+            }
+        }
+        // Start queued batches while under the limits (a batch larger than
+        // the limits runs alone).
+        while let Some(p) = queue.front() {
+            let bytes: u64 = p.items.iter().map(|i| i.len).sum();
+            let fits = (reqs_in_flight + p.items.len() <= limits.inflight_requests_max
+                && bytes_in_flight + bytes <= limits.inflight_bytes_max)
+                || reqs_in_flight == 0;
+            if !fits {
+                break;
+            }
+            let p = queue.pop_front().expect("front exists");
+            let f = start(&peers, regions, p, bytes);
+            reqs_in_flight += f.reqs.iter().filter(|r| r.is_some()).count();
+            bytes_in_flight += f.bytes;
+            inflight.push(f);
+        }
+        while worker.progress() > 0 {}
+        // Completions and deadlines.
+        let now = Instant::now();
+        let mut failed_peers = Vec::new();
+        for f in inflight.iter_mut() {
+            for (i, slot) in f.reqs.iter_mut().enumerate() {
+                if let Some(r) = slot
+                    && let Some(res) = r.poll()
+                {
+                    f.outcomes[i] = Some(match res {
+                        Ok(()) => TransferOutcome::Done,
+                        Err(e) => TransferOutcome::Failed(e.to_string()),
+                    });
+                    *slot = None;
+                    reqs_in_flight -= 1;
+                }
+            }
+            if now >= f.deadline && f.reqs.iter().any(|r| r.is_some()) {
+                for r in f.reqs.iter_mut().flatten() {
+                    r.cancel();
+                }
+                failed_peers.push(f.peer);
+            }
+        }
+        // A peer that let a deadline pass is dropped (a forced close fails
+        // its requests where UCX supports it); the peer manager reconnects.
+        for id in failed_peers {
+            if peer_failure {
+                peers.remove(&id);
+                while worker.progress() > 0 {}
+            }
+            for f in inflight.iter_mut().filter(|f| f.peer == id) {
+                for (i, slot) in f.reqs.iter_mut().enumerate() {
+                    if let Some(mut r) = slot.take() {
+                        reqs_in_flight -= 1;
+                        f.outcomes[i] = Some(match r.poll() {
+                            Some(_) => TransferOutcome::Failed("peer timed out; connection closed".into()),
+                            None => {
+                                zombies.push(r);
+                                TransferOutcome::TimedOut
+                            }
+                        });
+                    }
+                }
+            }
+        }
+        inflight.retain_mut(|f| {
+            if f.outcomes.iter().all(|o| o.is_some()) {
+                bytes_in_flight -= f.bytes;
+                let out = f.outcomes.iter_mut().map(|o| o.take().expect("all set")).collect();
+                if let Some(reply) = f.reply.take() {
+                    let _ = reply.send(out);
+                }
+                false
+            } else {
+                true
+            }
+        });
+        zombies.retain_mut(|r| r.poll().is_none());
+        // Sleep until UCX or a command needs us (or the next deadline).
+        if !rx.is_empty() || (!queue.is_empty() && reqs_in_flight == 0) {
+            continue;
+        }
+        match worker.arm() {
+            Ok(true) => {}
+            Ok(false) => continue,
+            Err(e) => {
+                tracing::warn!("data plane: arm failed: {e}");
+            }
+        }
+        let timeout_ms: u16 = if inflight.is_empty() && zombies.is_empty() { 100 } else { 1 };
+        let _ = kvmesh_ffi_os::with_raw_fd(efd, |fd| kvmesh_ffi_os::poll_readable(&[fd, wake.fd()], timeout_ms));
+        wake.drain();
+    }
+}
+
+fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Result<PeerConn<'w>, String> {
+    let ep = worker.connect(&peer.worker_address, peer_failure).map_err(|e| e.to_string())?;
+    let mut rkeys = HashMap::new();
+    for p in &peer.pools {
+        let rk = ep.unpack_rkey(&p.rkey).map_err(|e| format!("pool {}: {e}", p.index))?;
+        rkeys.insert(p.index, (rk, p.base));
+    }
+    Ok(PeerConn { rkeys, ep, incarnation: peer.incarnation })
+}
+
+fn start<'w>(
+    peers: &HashMap<u32, PeerConn<'w>>,
+    regions: &[Arc<MemoryRegion>],
+    p: Pending,
+    bytes: u64,
+) -> InFlight<'w> {
+    let n = p.items.len();
+    let mut f = InFlight {
+        peer: p.peer,
+        reqs: (0..n).map(|_| None).collect(),
+        outcomes: vec![None; n],
+        bytes,
+        deadline: p.deadline,
+        reply: Some(p.reply),
+    };
+    let Some(conn) = peers.get(&p.peer).filter(|c| c.incarnation == p.incarnation) else {
+        for o in f.outcomes.iter_mut() {
+            *o =
+                Some(TransferOutcome::Failed(format!("peer {} (incarnation {}) not connected", p.peer, p.incarnation)));
+        }
+        return f;
+    };
+    for (i, it) in p.items.iter().enumerate() {
+        let Some((rkey, base)) = conn.rkeys.get(&it.remote_pool) else {
+            f.outcomes[i] = Some(TransferOutcome::Failed(format!("peer has no pool {}", it.remote_pool)));
+            continue;
+        };
+        let Some(dst) = regions.get(it.local_pool as usize) else {
+            f.outcomes[i] = Some(TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
+            continue;
+        };
+        match conn.ep.get(dst, it.local_offset as usize, it.len as usize, base + it.remote_offset, rkey) {
+            Ok(r) => f.reqs[i] = Some(r),
+            Err(e) => f.outcomes[i] = Some(TransferOutcome::Failed(e.to_string())),
+        }
+    }
+    f
+}
+
+/// How long to wait for a peer's handshake or query answer.
+pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);

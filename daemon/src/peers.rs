@@ -1,0 +1,561 @@
+//! Peers: the daemon-to-daemon control channel (gRPC over TCP) and remote
+//! fetches over the data plane.
+//!
+//! A remote fetch, for the keys an engine asked for and this node misses:
+//! 1. ask every connected peer which of them it holds (`Query`, batched per
+//!    peer); a holder pins each found slot for the grant lease and answers
+//!    with pool, slot, generation, version and checksum;
+//! 2. reserve local slots (as an uncommitted put of the daemon's own fetch
+//!    session);
+//! 3. read each holder slot — header, payload and trailer — straight into
+//!    the local slot with one-sided UCX gets (data plane);
+//! 4. validate what arrived against the grant: header and trailer equal,
+//!    both naming the granted key, version and generation, payload hashing
+//!    to the checksum. Only then commit it locally (the header is rewritten
+//!    with the local generation). A mismatch is a miss and a counted
+//!    validation failure, never data handed out;
+//! 5. release the grants.
+//!
+//! Membership is the static peer list of the config; the full directory and
+//! coherence protocol (`kvmesh-coherence`) take over later.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvmesh_common::Key;
+use kvmesh_common::slot::{SlotMeta as LayoutMeta, SlotState, validate_slot};
+use kvmesh_proto::peer::v1 as pb;
+use parking_lot::Mutex;
+use pb::peer_client::PeerClient;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+
+use crate::config::{PeerConfig, PeerEntry};
+use crate::dataplane::{CONTROL_TIMEOUT, DataPlane, PeerAddr, RemotePool, TransferItem, TransferOutcome};
+use crate::store::{AllocOutcome, FETCH_SESSION, Namespace, PEER_SESSION_BASE, SlotRef, Store};
+
+/// Counters of remote traffic.
+#[derive(Default)]
+pub struct PeerCounters {
+    /// Keys asked of peers and found nowhere.
+    pub remote_misses: AtomicU64,
+    /// Transferred slots that failed validation.
+    pub validation_failures: AtomicU64,
+    /// Transfers that failed.
+    pub transfer_failures: AtomicU64,
+    /// Transfers past their deadline.
+    pub transfer_timeouts: AtomicU64,
+}
+
+struct Connected {
+    client: PeerClient<Channel>,
+    incarnation: u64,
+    pools: Vec<pb::PoolDesc>,
+}
+
+struct PeerState {
+    entry: PeerEntry,
+    conn: tokio::sync::Mutex<Option<Connected>>,
+    /// Earliest time to try connecting again after a failure.
+    retry_at: Mutex<Instant>,
+}
+
+/// Test-only fault injection, from the environment (`KVMESH_TEST_HOOK`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TestHook {
+    /// After granting a slot, bump its header generation as if the slot had
+    /// been evicted and reused before the peer's read.
+    CorruptGrantedSlots,
+}
+
+/// The peer side of a daemon.
+pub struct Peers {
+    node_id: u32,
+    incarnation: u64,
+    cfg: PeerConfig,
+    dp: Arc<DataPlane>,
+    store: Arc<Mutex<Store>>,
+    peers: Vec<Arc<PeerState>>,
+    /// Remote traffic counters.
+    pub counters: PeerCounters,
+    hook: Option<TestHook>,
+}
+
+impl Peers {
+    /// Peers of this node.
+    pub fn new(
+        node_id: u32,
+        incarnation: u64,
+        cfg: PeerConfig,
+        entries: Vec<PeerEntry>,
+        dp: Arc<DataPlane>,
+        store: Arc<Mutex<Store>>,
+    ) -> Peers {
+        let hook = match std::env::var("KVMESH_TEST_HOOK").as_deref() {
+            Ok("corrupt-granted-slots") => {
+                tracing::warn!("TEST HOOK ACTIVE: granted slots are corrupted before peers read them");
+                Some(TestHook::CorruptGrantedSlots)
+            }
+            _ => None,
+        };
+        let peers = entries
+            .into_iter()
+            .map(|entry| {
+                Arc::new(PeerState { entry, conn: tokio::sync::Mutex::new(None), retry_at: Mutex::new(Instant::now()) })
+            })
+            .collect();
+        Peers { node_id, incarnation, cfg, dp, store, peers, counters: PeerCounters::default(), hook }
+    }
+
+    /// Whether any peer is configured.
+    pub fn any(&self) -> bool {
+        !self.peers.is_empty()
+    }
+
+    /// Peers with a live handshake.
+    pub async fn connected(&self) -> u32 {
+        let mut n = 0;
+        for p in &self.peers {
+            if p.conn.lock().await.is_some() {
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Connects to every configured peer that is not connected yet.
+    pub async fn connect_all(&self) {
+        let futs = self.peers.iter().map(|p| self.ensure(p));
+        futures_join_all(futs).await;
+    }
+
+    async fn ensure(&self, p: &PeerState) -> bool {
+        let mut g = p.conn.lock().await;
+        if g.is_some() {
+            return true;
+        }
+        if Instant::now() < *p.retry_at.lock() {
+            return false;
+        }
+        match self.handshake(&p.entry).await {
+            Ok(c) => {
+                *g = Some(c);
+                true
+            }
+            Err(e) => {
+                tracing::debug!(peer = p.entry.id, addr = %p.entry.addr, "peer not reachable: {e}");
+                *p.retry_at.lock() = Instant::now() + Duration::from_millis(500);
+                false
+            }
+        }
+    }
+
+    async fn handshake(&self, e: &PeerEntry) -> Result<Connected, String> {
+        let ep = Endpoint::from_shared(format!("http://{}", e.addr))
+            .map_err(|err| err.to_string())?
+            .connect_timeout(CONTROL_TIMEOUT)
+            .timeout(CONTROL_TIMEOUT);
+        let channel = ep.connect().await.map_err(|err| format!("connect: {err}"))?;
+        let mut client = PeerClient::new(channel).max_decoding_message_size(16 << 20);
+        let req = pb::HandshakeRequest {
+            node_id: self.node_id,
+            incarnation: self.incarnation,
+            worker_address: self.dp.worker_address().to_vec(),
+        };
+        let resp = client.handshake(req).await.map_err(|s| format!("handshake: {}", s.message()))?.into_inner();
+        if resp.node_id != e.id {
+            return Err(format!("peer at {} says it is node {}, config says {}", e.addr, resp.node_id, e.id));
+        }
+        if resp.transports != self.cfg.transports {
+            return Err(format!("peer uses transports {:?}, this node {:?}", resp.transports, self.cfg.transports));
+        }
+        let addr = PeerAddr {
+            id: e.id,
+            incarnation: resp.incarnation,
+            worker_address: resp.worker_address.clone(),
+            pools: resp
+                .pools
+                .iter()
+                .map(|p| RemotePool { index: p.index, base: p.base_address, rkey: p.rkey.clone() })
+                .collect(),
+        };
+        let desc = self.dp.connect(addr).await?;
+        tracing::info!(
+            peer = e.id,
+            addr = %e.addr,
+            incarnation = resp.incarnation,
+            "peer connected; UCX endpoint:\n{}",
+            desc.lines().filter(|l| l.contains("lane") || l.contains("get") || l.contains("rma")).collect::<Vec<_>>().join("\n")
+        );
+        Ok(Connected { client, incarnation: resp.incarnation, pools: resp.pools })
+    }
+
+    async fn drop_conn(&self, p: &PeerState) {
+        *p.conn.lock().await = None;
+        *p.retry_at.lock() = Instant::now();
+    }
+
+    /// Fetches `keys` of `ns` from peers into the local pool. Returns how
+    /// many blocks were fetched, validated and committed.
+    pub async fn fetch(&self, ns: &Namespace, keys: &[Key]) -> usize {
+        if keys.is_empty() || self.peers.is_empty() {
+            return 0;
+        }
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.transfer_timeout_ms);
+        let Some((stride, payload_cap)) = self.store.lock().pool_geometry(ns.pool) else { return 0 };
+        // 1. Ask every peer (concurrently).
+        let asks = self.peers.iter().map(|p| self.query(p, ns, keys, stride, payload_cap));
+        let answers = futures_join_all(asks).await;
+        // Choose one holder per key; release the other grants.
+        let mut chosen: Vec<Option<(usize, pb::Grant)>> = vec![None; keys.len()];
+        let mut extra: HashMap<usize, Vec<pb::SlotRef>> = HashMap::new();
+        for (pi, ans) in answers.into_iter().enumerate() {
+            let Some(grants) = ans else { continue };
+            for (ki, g) in grants.into_iter().enumerate() {
+                if !g.found {
+                    continue;
+                }
+                if chosen[ki].is_none() {
+                    chosen[ki] = Some((pi, g));
+                } else {
+                    extra.entry(pi).or_default().push(slot_ref(&g));
+                }
+            }
+        }
+        let missing = chosen.iter().filter(|c| c.is_none()).count();
+        self.counters.remote_misses.fetch_add(missing as u64, Ordering::Relaxed);
+        // 2. Reserve local slots.
+        let want: Vec<(usize, Key)> =
+            chosen.iter().enumerate().filter(|(_, c)| c.is_some()).map(|(i, _)| (i, keys[i])).collect();
+        let want_keys: Vec<Key> = want.iter().map(|(_, k)| *k).collect();
+        let allocs =
+            match self.store.lock().allocate(FETCH_SESSION, ns.id, &want_keys, self.cfg.grant_lease_ms, Instant::now())
+            {
+                Ok((a, _)) => a,
+                Err(e) => {
+                    tracing::debug!("remote fetch: no local slots: {e}");
+                    vec![AllocOutcome::InProgress; want.len()]
+                }
+            };
+        // 3. Transfers, grouped per holder.
+        struct Job {
+            peer: usize,
+            key: Key,
+            grant: pb::Grant,
+            local: SlotRef,
+            local_offset: u64,
+        }
+        let mut jobs: Vec<Job> = Vec::new();
+        for ((ki, key), a) in want.iter().zip(allocs) {
+            let (pi, g) = chosen[*ki].expect("wanted keys were chosen");
+            match a {
+                AllocOutcome::Allocated { slot, payload_offset } => jobs.push(Job {
+                    peer: pi,
+                    key: *key,
+                    grant: g,
+                    local: slot,
+                    local_offset: payload_offset - kvmesh_common::slot::HEADER_BYTES as u64,
+                }),
+                // Someone put it meanwhile: no transfer needed.
+                _ => extra.entry(pi).or_default().push(slot_ref(&g)),
+            }
+        }
+        let mut by_peer: HashMap<usize, Vec<usize>> = HashMap::new();
+        for (j, job) in jobs.iter().enumerate() {
+            by_peer.entry(job.peer).or_default().push(j);
+        }
+        let mut outcomes: Vec<Option<TransferOutcome>> = (0..jobs.len()).map(|_| None).collect();
+        let mut incs: HashMap<usize, u64> = HashMap::new();
+        for &pi in by_peer.keys() {
+            if let Some(c) = self.peers[pi].conn.lock().await.as_ref() {
+                incs.insert(pi, c.incarnation);
+            }
+        }
+        let transfers = by_peer.iter().map(|(&pi, js)| {
+            let items: Vec<TransferItem> = js
+                .iter()
+                .map(|&j| TransferItem {
+                    remote_pool: jobs[j].grant.pool,
+                    remote_offset: jobs[j].grant.slot as u64 * stride,
+                    len: stride,
+                    local_pool: jobs[j].local.pool,
+                    local_offset: jobs[j].local_offset,
+                })
+                .collect();
+            let inc = incs.get(&pi).copied().unwrap_or(0);
+            let id = self.peers[pi].entry.id;
+            let dp = Arc::clone(&self.dp);
+            async move { (pi, dp.transfer(id, inc, items, deadline).await) }
+        });
+        for (pi, outs) in futures_join_all(transfers).await {
+            for (&j, o) in by_peer[&pi].iter().zip(outs) {
+                outcomes[j] = Some(o);
+            }
+        }
+        // 4. Validate, then commit or discard.
+        let mappings: Vec<_> = self.store.lock().pools().iter().map(|p| Arc::clone(&p.mapping)).collect();
+        let mut ok: Vec<(SlotRef, u64, u64)> = Vec::new();
+        let mut bad: Vec<SlotRef> = Vec::new();
+        let mut stuck: Vec<SlotRef> = Vec::new();
+        let mut dead_peers: Vec<usize> = Vec::new();
+        for (j, job) in jobs.iter().enumerate() {
+            match outcomes[j].take().unwrap_or(TransferOutcome::Failed("no outcome".into())) {
+                TransferOutcome::Done => {
+                    let expected = LayoutMeta {
+                        state: SlotState::Valid,
+                        namespace: ns.fingerprint,
+                        key: job.key,
+                        version: job.grant.version,
+                        generation: job.grant.generation,
+                        payload_len: job.grant.payload_bytes,
+                        checksum: job.grant.checksum,
+                    };
+                    let valid = mappings[job.local.pool as usize]
+                        .read(job.local_offset, stride)
+                        .map_err(|e| e.to_string())
+                        .and_then(|bytes| {
+                            validate_slot(&bytes, payload_cap, &expected).map(|_| ()).map_err(|e| e.to_string())
+                        });
+                    match valid {
+                        Ok(()) if Instant::now() <= deadline => {
+                            ok.push((job.local, job.grant.version, job.grant.checksum))
+                        }
+                        Ok(()) => {
+                            self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
+                            bad.push(job.local);
+                        }
+                        Err(e) => {
+                            self.counters.validation_failures.fetch_add(1, Ordering::Relaxed);
+                            tracing::warn!(peer = self.peers[job.peer].entry.id, key = %job.key, "remote block rejected: {e}");
+                            bad.push(job.local);
+                        }
+                    }
+                }
+                TransferOutcome::Failed(e) => {
+                    self.counters.transfer_failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(peer = self.peers[job.peer].entry.id, "transfer failed: {e}");
+                    bad.push(job.local);
+                    dead_peers.push(job.peer);
+                }
+                TransferOutcome::TimedOut => {
+                    self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
+                    stuck.push(job.local);
+                    dead_peers.push(job.peer);
+                }
+            }
+            extra.entry(job.peer).or_default().push(slot_ref(&job.grant));
+        }
+        {
+            let mut st = self.store.lock();
+            let refs: Vec<SlotRef> = ok.iter().map(|(r, _, _)| *r).collect();
+            if let Ok(jobs) = st.begin_commit(FETCH_SESSION, &refs) {
+                let done: Vec<(SlotRef, u64, u64)> =
+                    ok.iter().zip(jobs).filter(|(_, j)| j.is_some()).map(|(x, _)| *x).collect();
+                st.finish_fetch(&done);
+            }
+            let _ = st.abort(FETCH_SESSION, &bad);
+            for r in stuck {
+                st.quarantine(FETCH_SESSION, r);
+            }
+        }
+        dead_peers.sort_unstable();
+        dead_peers.dedup();
+        for pi in dead_peers {
+            self.drop_conn(&self.peers[pi]).await;
+        }
+        // 5. Release grants (in the background; they expire anyway).
+        for (pi, slots) in extra {
+            let p = Arc::clone(&self.peers[pi]);
+            let node_id = self.node_id;
+            tokio::spawn(async move {
+                let client = p.conn.lock().await.as_ref().map(|c| c.client.clone());
+                if let Some(mut c) = client {
+                    let _ = c.release(pb::ReleaseRequest { node_id, slots }).await;
+                }
+            });
+        }
+        ok.len()
+    }
+
+    /// Asks one peer; `None` when it cannot serve this namespace or is down.
+    async fn query(
+        &self,
+        p: &PeerState,
+        ns: &Namespace,
+        keys: &[Key],
+        stride: u64,
+        payload_cap: u64,
+    ) -> Option<Vec<pb::Grant>> {
+        if !self.ensure(p).await {
+            return None;
+        }
+        let (mut client, inc, compatible) = {
+            let g = p.conn.lock().await;
+            let c = g.as_ref()?;
+            // Slots are copied whole: the holder's pool must have our layout.
+            let compatible = |pool: u32| {
+                c.pools
+                    .iter()
+                    .any(|d| d.index == pool && d.slot_stride_bytes == stride && d.slot_payload_bytes == payload_cap)
+            };
+            let pools: Vec<u32> = c.pools.iter().map(|d| d.index).collect();
+            (c.client.clone(), c.incarnation, pools.into_iter().filter(|&i| compatible(i)).collect::<Vec<_>>())
+        };
+        let req = pb::QueryRequest {
+            node_id: self.node_id,
+            holder_incarnation: inc,
+            lease_ms: self.cfg.grant_lease_ms,
+            blocks: keys
+                .iter()
+                .map(|k| pb::BlockRef { namespace_fingerprint: ns.fingerprint, key_hi: k.hi(), key_lo: k.lo() })
+                .collect(),
+        };
+        match client.query(req).await {
+            Ok(r) => {
+                let mut grants = r.into_inner().grants;
+                if grants.len() != keys.len() {
+                    return None;
+                }
+                let mut incompatible = Vec::new();
+                for g in grants.iter_mut() {
+                    if g.found && !compatible.contains(&g.pool) {
+                        incompatible.push(slot_ref(g));
+                        g.found = false;
+                    }
+                }
+                if !incompatible.is_empty() {
+                    let _ = client.release(pb::ReleaseRequest { node_id: self.node_id, slots: incompatible }).await;
+                }
+                Some(grants)
+            }
+            Err(s) => {
+                tracing::debug!(peer = p.entry.id, "query failed: {}", s.message());
+                self.drop_conn(p).await;
+                None
+            }
+        }
+    }
+}
+
+fn slot_ref(g: &pb::Grant) -> pb::SlotRef {
+    pb::SlotRef { pool: g.pool, slot: g.slot, generation: g.generation }
+}
+
+/// Runs futures concurrently on the current task and collects their outputs
+/// in order (a small `join_all`).
+async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
+    let handles: Vec<_> = futs.into_iter().map(Box::pin).collect();
+    let mut outs: Vec<Option<F::Output>> = (0..handles.len()).map(|_| None).collect();
+    let mut handles: Vec<Option<_>> = handles.into_iter().map(Some).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (i, h) in handles.iter_mut().enumerate() {
+            if let Some(f) = h {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => {
+                        outs[i] = Some(v);
+                        *h = None;
+                    }
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending { std::task::Poll::Pending } else { std::task::Poll::Ready(()) }
+    })
+    .await;
+    outs.into_iter().map(|o| o.expect("every future finished")).collect()
+}
+
+/// The peer gRPC service (holder side).
+pub struct PeerService {
+    /// Shared peer state.
+    pub peers: Arc<Peers>,
+}
+
+#[tonic::async_trait]
+impl pb::peer_server::Peer for PeerService {
+    async fn handshake(&self, req: Request<pb::HandshakeRequest>) -> Result<Response<pb::HandshakeResponse>, Status> {
+        let r = req.into_inner();
+        let p = &self.peers;
+        if !p.peers.iter().any(|s| s.entry.id == r.node_id) {
+            return Err(Status::permission_denied(format!("node {} is not in this daemon's peer list", r.node_id)));
+        }
+        let st = p.store.lock();
+        let pools = st
+            .pools()
+            .iter()
+            .zip(p.dp.pools())
+            .map(|(sp, dp)| pb::PoolDesc {
+                index: sp.index,
+                base_address: dp.base,
+                bytes: sp.mapping.len(),
+                slot_stride_bytes: sp.stride,
+                slot_payload_bytes: sp.slot_payload_bytes,
+                rkey: dp.rkey.clone(),
+            })
+            .collect();
+        tracing::info!(peer = r.node_id, incarnation = r.incarnation, "handshake from peer");
+        Ok(Response::new(pb::HandshakeResponse {
+            node_id: p.node_id,
+            incarnation: p.incarnation,
+            worker_address: p.dp.worker_address().to_vec(),
+            pools,
+            transports: p.cfg.transports.clone(),
+        }))
+    }
+
+    async fn query(&self, req: Request<pb::QueryRequest>) -> Result<Response<pb::QueryResponse>, Status> {
+        let r = req.into_inner();
+        let p = &self.peers;
+        if r.holder_incarnation != p.incarnation {
+            return Err(Status::failed_precondition(format!(
+                "this daemon restarted (incarnation {}, you shook hands with {}); handshake again",
+                p.incarnation, r.holder_incarnation
+            )));
+        }
+        if r.blocks.len() > 65536 {
+            return Err(Status::invalid_argument(format!("query of {} blocks exceeds 65536", r.blocks.len())));
+        }
+        let blocks: Vec<(u64, Key)> =
+            r.blocks.iter().map(|b| (b.namespace_fingerprint, Key::from_parts(b.key_hi, b.key_lo))).collect();
+        let lease = r.lease_ms.min(p.cfg.grant_lease_ms);
+        let now = Instant::now();
+        let mut st = p.store.lock();
+        let (out, deadline) = st.grant(r.node_id, &blocks, lease, now).map_err(Status::from)?;
+        let grants = out
+            .iter()
+            .map(|o| match o {
+                Some(g) => pb::Grant {
+                    found: true,
+                    pool: g.slot.pool,
+                    slot: g.slot.slot,
+                    generation: g.slot.generation,
+                    version: g.version,
+                    checksum: g.checksum,
+                    payload_bytes: g.payload_bytes,
+                },
+                None => pb::Grant::default(),
+            })
+            .collect();
+        if p.hook == Some(TestHook::CorruptGrantedSlots) {
+            for g in out.iter().flatten() {
+                st.test_corrupt_header(g.slot);
+            }
+        }
+        Ok(Response::new(pb::QueryResponse { grants, lease_deadline_unix_ms: crate::store::unix_ms(deadline, now) }))
+    }
+
+    async fn release(&self, req: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let r = req.into_inner();
+        let refs: Vec<SlotRef> =
+            r.slots.iter().map(|s| SlotRef { pool: s.pool, slot: s.slot, generation: s.generation }).collect();
+        let mut st = self.peers.store.lock();
+        let mut released = 0;
+        for chunk in refs.chunks(st.config().limits.batch_keys_max as usize) {
+            released += st.unpin(PEER_SESSION_BASE + r.node_id as u64, chunk).map_err(Status::from)?.0;
+        }
+        Ok(Response::new(pb::ReleaseResponse { released }))
+    }
+}
