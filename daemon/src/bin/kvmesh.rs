@@ -144,49 +144,45 @@ async fn run(args: Args) -> Result<(), Failure> {
 }
 
 fn stats_json(s: &kvmesh_client::Stats) -> String {
-    let pools: Vec<String> = s
+    let pools: Vec<serde_json::Value> = s
         .pools
         .iter()
         .map(|p| {
-            format!(
-                "{{\"name\":{:?},\"device\":{:?},\"bytes\":{},\"slot_payload_bytes\":{},\"slots\":{},\"free\":{},\
-                 \"valid\":{},\"pending\":{},\"pinned\":{},\"zombie\":{},\"mlocked\":{}}}",
-                p.name,
-                p.device,
-                p.bytes,
-                p.slot_payload_bytes,
-                p.slots,
-                p.free,
-                p.valid,
-                p.pending,
-                p.pinned,
-                p.zombie,
-                p.mlocked
-            )
+            serde_json::json!({
+                "name": p.name, "device": p.device, "bytes": p.bytes, "slot_payload_bytes": p.slot_payload_bytes,
+                "slots": p.slots, "free": p.free, "valid": p.valid, "pending": p.pending, "pinned": p.pinned,
+                "zombie": p.zombie, "mlocked": p.mlocked,
+            })
         })
         .collect();
-    format!(
-        "{{\"pools\":[{}],\"namespaces\":{},\"sessions\":{},\"pins_outstanding\":{},\"allocations_outstanding\":{},\
-         \"lookups\":{},\"hits\":{},\"misses\":{},\"pins\":{},\"commits\":{},\"aborts\":{},\"evictions\":{},\
-         \"removes\":{},\"lease_expirations\":{},\"session_releases\":{},\"resource_exhausted\":{},\"uptime_ms\":{}}}",
-        pools.join(","),
-        s.namespaces,
-        s.sessions,
-        s.pins_outstanding,
-        s.allocations_outstanding,
-        s.lookups,
-        s.hits,
-        s.misses,
-        s.pins,
-        s.commits,
-        s.aborts,
-        s.evictions,
-        s.removes,
-        s.lease_expirations,
-        s.session_releases,
-        s.resource_exhausted,
-        s.uptime_ms
-    )
+    serde_json::json!({
+        "pools": pools,
+        "namespaces": s.namespaces,
+        "sessions": s.sessions,
+        "pins_outstanding": s.pins_outstanding,
+        "allocations_outstanding": s.allocations_outstanding,
+        "lookups": s.lookups,
+        "hits": s.hits,
+        "misses": s.misses,
+        "pins": s.pins,
+        "commits": s.commits,
+        "aborts": s.aborts,
+        "evictions": s.evictions,
+        "removes": s.removes,
+        "lease_expirations": s.lease_expirations,
+        "session_releases": s.session_releases,
+        "resource_exhausted": s.resource_exhausted,
+        "uptime_ms": s.uptime_ms,
+        "remote_fetched": s.remote_fetched,
+        "remote_misses": s.remote_misses,
+        "remote_validation_failures": s.remote_validation_failures,
+        "transfer_failures": s.transfer_failures,
+        "transfer_timeouts": s.transfer_timeouts,
+        "slots_quarantined": s.slots_quarantined,
+        "grants_given": s.grants_given,
+        "peers_connected": s.peers_connected,
+    })
+    .to_string()
 }
 
 fn print_stats(s: &kvmesh_client::Stats) {
@@ -214,6 +210,18 @@ fn print_stats(s: &kvmesh_client::Stats) {
     println!(
         "evictions {}  removes {}  lease expirations {}  session releases {}  resource exhausted {}",
         s.evictions, s.removes, s.lease_expirations, s.session_releases, s.resource_exhausted
+    );
+    println!(
+        "peers connected {}  remote fetched {}  remote misses {}  validation failures {}  transfer failures {}  \
+         timeouts {}  quarantined slots {}  grants given {}",
+        s.peers_connected,
+        s.remote_fetched,
+        s.remote_misses,
+        s.remote_validation_failures,
+        s.transfer_failures,
+        s.transfer_timeouts,
+        s.slots_quarantined,
+        s.grants_given
     );
 }
 

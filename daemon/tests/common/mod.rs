@@ -35,6 +35,11 @@ impl Daemon {
     /// Starts kvmeshd with `pools_toml` (one or more `[[pools]]` tables)
     /// and optional extra config.
     pub fn start(tag: &str, extra: &str) -> Daemon {
+        Daemon::start_with(tag, extra, &[])
+    }
+
+    /// Starts kvmeshd with extra config and environment variables.
+    pub fn start_with(tag: &str, extra: &str, env: &[(&str, &str)]) -> Daemon {
         let dir = TempDir::new(tag);
         let socket = dir.0.join("kvmeshd.sock");
         let cfg = format!("[server]\nsocket = {:?}\n{extra}", socket.display().to_string());
@@ -45,6 +50,7 @@ impl Daemon {
             .arg("--config")
             .arg(&cfg_path)
             .env("KVMESH_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -107,4 +113,38 @@ pub fn run_cli(socket: &Path, args: &[&str]) -> (i32, String, String) {
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
+}
+
+/// A TCP port that was free a moment ago on loopback.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// Config of one member of a cluster of daemons on loopback.
+pub fn peer_config(id: u32, ports: &[u16], transports: &str, pools: &str) -> String {
+    let mut s = format!(
+        "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"{transports}\"\n{pools}",
+        ports[id as usize - 1]
+    );
+    for (i, p) in ports.iter().enumerate() {
+        if i as u32 + 1 != id {
+            s.push_str(&format!("[[peers]]\nid = {}\naddr = \"127.0.0.1:{p}\"\n", i + 1));
+        }
+    }
+    s
+}
+
+impl Daemon {
+    /// Waits until the daemon reports `n` connected peers.
+    pub async fn wait_peers(&self, n: u32) {
+        let c = self.client().await;
+        let t0 = Instant::now();
+        loop {
+            if c.stats().await.unwrap().peers_connected >= n {
+                return;
+            }
+            assert!(t0.elapsed() < Duration::from_secs(20), "peers never connected; log:\n{}", self.log());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
 }

@@ -1,0 +1,200 @@
+//! Two real kvmeshd processes on loopback, moving blocks with real UCX (no
+//! mock) over shared memory and over tcp.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{Daemon, block_bytes, free_port, peer_config, pool, run_cli};
+use kvmesh_client::{Client, Key, Namespace};
+use rand::{Rng, SeedableRng};
+
+fn pools() -> String {
+    format!("{}{}", pool("p16k", "32MiB", "16KiB"), pool("p64k", "96MiB", "64KiB"))
+}
+
+fn pair(tag: &str, transports: &str, env_a: &[(&str, &str)]) -> (Daemon, Daemon) {
+    let ports = [free_port(), free_port()];
+    let a = Daemon::start_with(&format!("{tag}-a"), &peer_config(1, &ports, transports, &pools()), env_a);
+    let b = Daemon::start(&format!("{tag}-b"), &peer_config(2, &ports, transports, &pools()));
+    (a, b)
+}
+
+async fn namespaces(c: &Client) -> (Namespace, Namespace) {
+    (c.register_namespace("small", 16384, "l").await.unwrap(), c.register_namespace("big", 65536, "l").await.unwrap())
+}
+
+async fn put_all(c: &Client, ns: &Namespace, keys: &[Key]) {
+    for chunk in keys.chunks(128) {
+        let data: Vec<Vec<u8>> = chunk.iter().map(|&k| block_bytes(k, ns.block_bytes as usize)).collect();
+        let items: Vec<(Key, &[u8])> = chunk.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+        assert_eq!(c.put(ns, &items).await.unwrap().stored as usize, chunk.len());
+    }
+}
+
+async fn remote_round_trip(transports: &str) {
+    let (a, b) = pair(&format!("rt-{transports}"), transports, &[]);
+    b.wait_peers(1).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let (sa, ba) = namespaces(&ca).await;
+    let (sb, bb) = namespaces(&cb).await;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
+    // 1,000 random blocks of mixed sizes, put on A.
+    let small: Vec<Key> = (0..600).map(|_| Key(rng.random())).collect();
+    let big: Vec<Key> = (0..400).map(|_| Key(rng.random())).collect();
+    put_all(&ca, &sa, &small).await;
+    put_all(&ca, &ba, &big).await;
+    // Read them all through B, concurrently from three clients.
+    let mut tasks = Vec::new();
+    for (i, part) in [(sb.clone(), small.clone()), (bb.clone(), big.clone())].into_iter().enumerate() {
+        for third in 0..3usize {
+            let c = b.client().await;
+            let (ns, keys) = (part.0.clone(), part.1.clone());
+            tasks.push(tokio::spawn(async move {
+                let mine: Vec<Key> = keys.iter().copied().skip(third).step_by(3).collect();
+                for chunk in mine.chunks(50) {
+                    let pinned = c.pin(&ns, chunk).await.unwrap();
+                    for (blk, k) in pinned.iter().zip(chunk) {
+                        let blk = blk.as_ref().unwrap_or_else(|| panic!("{k} not fetched (part {i})"));
+                        assert_eq!(&blk[..], &block_bytes(*k, ns.block_bytes as usize)[..], "bytes of {k}");
+                        blk.verify().unwrap();
+                    }
+                }
+            }));
+        }
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let sb_stats = cb.stats().await.unwrap();
+    assert_eq!(sb_stats.remote_fetched, 1000, "{sb_stats:?}");
+    assert_eq!(sb_stats.remote_validation_failures, 0);
+    // Second read: local hits, no new fetch.
+    let again = cb.pin(&sb, &small[..10]).await.unwrap();
+    assert!(again.iter().all(|b| b.is_some()));
+    assert_eq!(cb.stats().await.unwrap().remote_fetched, 1000);
+    // A gave grants and got them all back.
+    let t0 = Instant::now();
+    loop {
+        let s = ca.stats().await.unwrap();
+        assert!(s.grants_given >= 1000);
+        if s.pins_outstanding == 0 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "grants never released: {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The CLI on B serves a key put on A (fetched on demand).
+    let k = Key(rng.random());
+    put_all(&ca, &sa, &[k]).await;
+    let out = b.dir.0.join("cli-out");
+    let (rc, _, err) = run_cli(&b.socket, &["get", "--namespace", "small", &k.to_string(), out.to_str().unwrap()]);
+    assert_eq!(rc, 0, "{err}");
+    assert_eq!(std::fs::read(&out).unwrap(), block_bytes(k, 16384));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_round_trip_over_shared_memory() {
+    remote_round_trip("sm").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remote_round_trip_over_tcp() {
+    remote_round_trip("tcp").await;
+}
+
+async fn reused_slot_is_caught(transports: &str) {
+    // A's test hook makes every granted slot look reused before B reads it.
+    let (a, b) = pair(&format!("reuse-{transports}"), transports, &[("KVMESH_TEST_HOOK", "corrupt-granted-slots")]);
+    b.wait_peers(1).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let (sa, _) = namespaces(&ca).await;
+    let (sb, _) = namespaces(&cb).await;
+    let keys: Vec<Key> = (0..20u128).map(Key).collect();
+    put_all(&ca, &sa, &keys).await;
+    let got = cb.pin(&sb, &keys).await.unwrap();
+    assert!(got.iter().all(|g| g.is_none()), "a block from a reused slot reached the client");
+    let s = cb.stats().await.unwrap();
+    assert_eq!(s.remote_validation_failures, 20, "{s:?}");
+    assert_eq!(s.remote_fetched, 0);
+    assert_eq!(s.pools[0].valid, 0, "nothing was committed");
+    assert_eq!(s.allocations_outstanding, 0, "rejected slots were freed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reused_slot_is_caught_by_validation_sm() {
+    reused_slot_is_caught("sm").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reused_slot_is_caught_by_validation_tcp() {
+    reused_slot_is_caught("tcp").await;
+}
+
+async fn killed_peer(transports: &str) {
+    let (mut a, b) = pair(&format!("kill-{transports}"), transports, &[]);
+    b.wait_peers(1).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let (_, ba) = namespaces(&ca).await;
+    let (_, bb) = namespaces(&cb).await;
+    let keys: Vec<Key> = (0..1000u128).map(|i| Key(i + 77)).collect();
+    put_all(&ca, &ba, &keys).await;
+    // Several clients fetch batches while A is killed.
+    let mut tasks = Vec::new();
+    for part in 0..4usize {
+        let c = b.client().await;
+        let ns = bb.clone();
+        let mine: Vec<Key> = keys.iter().copied().skip(part).step_by(4).collect();
+        tasks.push(tokio::spawn(async move {
+            let t0 = Instant::now();
+            let mut outcome = (0usize, 0usize, 0usize);
+            for chunk in mine.chunks(64) {
+                match c.pin(&ns, chunk).await {
+                    Ok(v) => {
+                        for (b, k) in v.iter().zip(chunk) {
+                            match b {
+                                Some(b) => {
+                                    assert_eq!(&b[..], &block_bytes(*k, 65536)[..]);
+                                    outcome.0 += 1;
+                                }
+                                None => outcome.1 += 1,
+                            }
+                        }
+                    }
+                    Err(_) => outcome.2 += chunk.len(),
+                }
+            }
+            assert_eq!(outcome.0 + outcome.1 + outcome.2, mine.len(), "every key got an outcome");
+            (outcome, t0.elapsed())
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(15)).await;
+    a.child.kill().unwrap(); // SIGKILL
+    a.child.wait().unwrap();
+    for t in tasks {
+        let ((hits, misses, errors), took) = t.await.unwrap();
+        // Every call ended: data, a miss or an explicit error, within the
+        // transfer deadline (2 s) per batch plus slack.
+        assert!(took < Duration::from_secs(30), "calls hung for {took:?}");
+        eprintln!("{transports}: hits {hits} misses {misses} errors {errors} in {took:?}");
+    }
+    // The survivor still serves.
+    let s = cb.stats().await.unwrap();
+    eprintln!("{transports}: survivor stats {s:?}");
+    let local = Key(5);
+    put_all(&cb, &bb, &[local]).await;
+    assert!(cb.pin(&bb, &[local]).await.unwrap()[0].is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_gives_explicit_outcomes_sm() {
+    killed_peer("sm").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_peer_gives_explicit_outcomes_tcp() {
+    killed_peer("tcp").await;
+}
