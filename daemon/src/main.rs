@@ -23,12 +23,22 @@ struct Args {
     /// Check the configuration and exit.
     #[arg(long)]
     check_config: bool,
+    /// Print the RDMA devices and ports found, and exit.
+    #[arg(long)]
+    print_topology: bool,
 }
 
 fn main() -> std::process::ExitCode {
     let args = Args::parse();
     if args.print_default_config {
         print!("{}", kvmeshd::config::DEFAULT_CONFIG);
+        return std::process::ExitCode::SUCCESS;
+    }
+    if args.print_topology {
+        print!("{}", kvmesh_rdma::report());
+        if !kvmesh_rdma::report().ends_with('\n') {
+            println!();
+        }
         return std::process::ExitCode::SUCCESS;
     }
     tracing_subscriber::fmt()

@@ -454,3 +454,12 @@ fn bad_config_names_the_field() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read config /nonexistent.toml"));
 }
+
+#[test]
+fn print_topology_reports_devices_or_their_absence() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd")).arg("--print-topology").output().unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("RDMA: "), "{text}");
+    assert!(text.contains("device") || text.contains("UCX will use"), "{text}");
+}
