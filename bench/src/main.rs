@@ -8,6 +8,8 @@
 //! single-thread `memcpy` of the same bytes in the same order.
 #![forbid(unsafe_code)]
 
+mod transfer;
+
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -55,6 +57,37 @@ enum Cmd {
         #[arg(long, default_value_t = 2000)]
         calls: usize,
     },
+    /// Remote gets between two daemons (sm and tcp) vs a raw UCX loop and a
+    /// cold memcpy.
+    Transfer {
+        /// Print only the final JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Pool size per block size, MiB (at least 256).
+        #[arg(long, default_value_t = 320)]
+        pool_mib: u64,
+        /// Block sizes in KiB.
+        #[arg(long, value_delimiter = ',', default_value = "64,256,1024,4096")]
+        block_kib: Vec<u64>,
+        /// Transports to measure.
+        #[arg(long, value_delimiter = ',', default_value = "sm,tcp")]
+        transports: Vec<String>,
+        /// Bytes per measurement, MiB.
+        #[arg(long, default_value_t = 256)]
+        bytes_mib: u64,
+        /// Skip ucx_perftest.
+        #[arg(long)]
+        no_perftest: bool,
+    },
+    /// A raw UCX target for the transfer baseline (prints its address, then
+    /// progresses until stdin closes).
+    #[command(hide = true)]
+    UcxTarget {
+        #[arg(long)]
+        transport: String,
+        #[arg(long)]
+        bytes: u64,
+    },
     /// Runs a daemon in this process (used by `local`).
     #[command(hide = true)]
     Daemon {
@@ -66,6 +99,14 @@ enum Cmd {
 fn main() -> anyhow::Result<()> {
     match Args::parse().cmd {
         Cmd::Daemon { config } => {
+            tracing_subscriber::fmt()
+                .with_env_filter(
+                    tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
+                        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+                )
+                .with_writer(std::io::stderr)
+                .with_ansi(false)
+                .init();
             let text = std::fs::read_to_string(&config)?;
             let cfg = kvmeshd::Config::parse(&text, &config.display().to_string()).map_err(anyhow::Error::msg)?;
             let rt = if std::env::var("KVMESH_BENCH_DAEMON_CT").is_ok() {
@@ -75,6 +116,10 @@ fn main() -> anyhow::Result<()> {
             };
             rt.block_on(kvmeshd::server::run(cfg, std::future::pending(), true))
         }
+        Cmd::Transfer { json, pool_mib, block_kib, transports, bytes_mib, no_perftest } => {
+            transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest)
+        }
+        Cmd::UcxTarget { transport, bytes } => transfer::ucx_target(&transport, bytes),
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(rpc(calls))
@@ -86,7 +131,7 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
-struct DaemonProc {
+pub(crate) struct DaemonProc {
     child: Child,
     dir: PathBuf,
 }
@@ -100,7 +145,13 @@ impl Drop for DaemonProc {
 }
 
 fn start_daemon(pools: &str) -> anyhow::Result<(DaemonProc, PathBuf)> {
-    let dir = std::env::temp_dir().join(format!("kvmesh-bench-{}", std::process::id()));
+    start_daemon_tagged("local", pools)
+}
+
+/// Starts a daemon (this binary's `daemon` subcommand) with `extra` config.
+pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(DaemonProc, PathBuf)> {
+    let dir = std::env::temp_dir().join(format!("kvmesh-bench-{}-{tag}", std::process::id()));
+    let pools = extra;
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("kvmeshd.sock");
     let cfg = format!(
@@ -112,7 +163,7 @@ fn start_daemon(pools: &str) -> anyhow::Result<(DaemonProc, PathBuf)> {
     let child = Command::new(std::env::current_exe()?)
         .args(["daemon", "--config"])
         .arg(&cfg_path)
-        .env("KVMESH_LOG", "warn")
+        .env("KVMESH_LOG", std::env::var("KVMESH_BENCH_DAEMON_LOG").unwrap_or_else(|_| "warn".into()))
         .stdout(Stdio::null())
         .spawn()
         .context("start daemon")?;

@@ -377,8 +377,10 @@ fn run(
             }
         });
         zombies.retain_mut(|r| r.poll().is_none());
-        // Sleep until UCX or a command needs us (or the next deadline).
-        if !rx.is_empty() || (!queue.is_empty() && reqs_in_flight == 0) {
+        // While reads are in flight, keep progressing: emulated gets move a
+        // fragment per round trip, and sleeping between fragments would
+        // cost a wakeup each. Sleep only when idle.
+        if !rx.is_empty() || (!queue.is_empty() && reqs_in_flight == 0) || reqs_in_flight > 0 {
             continue;
         }
         match worker.arm() {
@@ -389,6 +391,7 @@ fn run(
             }
         }
         let timeout_ms: u16 = if inflight.is_empty() && zombies.is_empty() { 100 } else { 1 };
+        // (reached only with nothing in flight; zombies are polled each ms)
         let _ = kvmesh_ffi_os::with_raw_fd(efd, |fd| kvmesh_ffi_os::poll_readable(&[fd, wake.fd()], timeout_ms));
         wake.drain();
     }

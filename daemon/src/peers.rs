@@ -203,7 +203,8 @@ impl Peers {
         if keys.is_empty() || self.peers.is_empty() {
             return 0;
         }
-        let deadline = Instant::now() + Duration::from_millis(self.cfg.transfer_timeout_ms);
+        let t_start = Instant::now();
+        let deadline = t_start + Duration::from_millis(self.cfg.transfer_timeout_ms);
         let Some((stride, payload_cap)) = self.store.lock().pool_geometry(ns.pool) else { return 0 };
         // 1. Ask every peer (concurrently).
         let asks = self.peers.iter().map(|p| self.query(p, ns, keys, stride, payload_cap));
@@ -224,6 +225,7 @@ impl Peers {
                 }
             }
         }
+        let t_queried = Instant::now();
         let missing = chosen.iter().filter(|c| c.is_none()).count();
         self.counters.remote_misses.fetch_add(missing as u64, Ordering::Relaxed);
         // 2. Reserve local slots.
@@ -294,6 +296,7 @@ impl Peers {
                 outcomes[j] = Some(o);
             }
         }
+        let t_moved = Instant::now();
         // 4. Validate, then commit or discard.
         let mappings: Vec<_> = self.store.lock().pools().iter().map(|p| Arc::clone(&p.mapping)).collect();
         let mut ok: Vec<(SlotRef, u64, u64)> = Vec::new();
@@ -360,6 +363,14 @@ impl Peers {
                 st.quarantine(FETCH_SESSION, r);
             }
         }
+        tracing::debug!(
+            keys = keys.len(),
+            fetched = ok.len(),
+            query_us = (t_queried - t_start).as_micros() as u64,
+            transfer_us = (t_moved - t_queried).as_micros() as u64,
+            validate_commit_us = t_moved.elapsed().as_micros() as u64,
+            "remote fetch"
+        );
         dead_peers.sort_unstable();
         dead_peers.dedup();
         for pi in dead_peers {

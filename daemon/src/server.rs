@@ -373,7 +373,13 @@ pub async fn run(
             .max_decoding_message_size(16 << 20);
             let mut stop = stop_rx.clone();
             Some(tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(l),
+                // Small control messages: no Nagle delay (it costs 40 ms
+                // against delayed ACKs when an answer spans several writes).
+                tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |r| {
+                    r.inspect(|s| {
+                        let _ = s.set_nodelay(true);
+                    })
+                }),
                 async move {
                     let _ = stop.changed().await;
                 },
