@@ -103,7 +103,7 @@ fn raw_ucx(
     for &size in sizes {
         let slots = (pool_bytes / size) as usize;
         for &batch in batches {
-            let rounds = ((bytes_target / (size * batch as u64)).max(8)).min(2000) as usize;
+            let rounds = (bytes_target / (size * batch as u64)).clamp(8, 2000) as usize;
             let mut next = 0usize;
             let t0 = Instant::now();
             for _ in 0..rounds {
@@ -326,7 +326,7 @@ fn daemon_gets(
                 ca.put(&na, &items).await?;
             }
             for &batch in batches {
-                let rounds = ((bytes_target / (size * batch as u64)).max(8)).min(2000) as usize;
+                let rounds = (bytes_target / (size * batch as u64)).clamp(8, 2000) as usize;
                 let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
                 let mut next = 0usize;
                 let mut total = Duration::ZERO;
