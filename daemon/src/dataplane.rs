@@ -78,17 +78,8 @@ pub struct PeerAddr {
 }
 
 enum Cmd {
-    Connect {
-        peer: PeerAddr,
-        reply: oneshot::Sender<Result<String, String>>,
-    },
-    Transfer {
-        peer: u32,
-        incarnation: u64,
-        items: Vec<TransferItem>,
-        deadline: Instant,
-        reply: oneshot::Sender<Vec<TransferOutcome>>,
-    },
+    Connect { peer: PeerAddr, reply: oneshot::Sender<Result<String, String>> },
+    Transfer { peer: u32, incarnation: u64, items: Vec<TransferItem>, deadline: Instant, reply: Completions },
     Shutdown,
 }
 
@@ -207,24 +198,24 @@ impl DataPlane {
         rx.await.map_err(|_| "data plane stopped".to_string())?
     }
 
-    /// Reads `items` from `peer`; one outcome per item, by `deadline`.
-    pub async fn transfer(
+    /// Reads `items` from `peer`; one `(index, outcome)` per item arrives
+    /// on the returned channel as each read ends, all by `deadline`.
+    pub fn transfer_stream(
         &self,
         peer: u32,
         incarnation: u64,
         items: Vec<TransferItem>,
         deadline: Instant,
-    ) -> Vec<TransferOutcome> {
+    ) -> tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)> {
         let n = items.len();
-        let (reply, rx) = oneshot::channel();
+        let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
+        let fallback = reply.clone();
         if let Err(e) = self.send(Cmd::Transfer { peer, incarnation, items, deadline, reply }) {
-            return vec![TransferOutcome::Failed(e); n];
+            for i in 0..n {
+                let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
+            }
         }
-        match rx.await {
-            Ok(v) => v,
-            // The thread is gone; whatever it was doing stopped with it.
-            Err(_) => vec![TransferOutcome::Failed("data plane stopped".into()); n],
-        }
+        rx
     }
 }
 
@@ -237,6 +228,9 @@ impl Drop for DataPlane {
         }
     }
 }
+
+/// Where a batch's outcomes go, one `(item index, outcome)` as each read ends.
+type Completions = tokio::sync::mpsc::UnboundedSender<(usize, TransferOutcome)>;
 
 struct PeerConn<'w> {
     // Field order matters: remote keys are dropped before the endpoint.
@@ -251,7 +245,14 @@ struct InFlight<'w> {
     outcomes: Vec<Option<TransferOutcome>>,
     bytes: u64,
     deadline: Instant,
-    reply: Option<oneshot::Sender<Vec<TransferOutcome>>>,
+    reply: Completions,
+}
+
+impl InFlight<'_> {
+    fn settle(&mut self, i: usize, o: TransferOutcome) {
+        let _ = self.reply.send((i, o.clone()));
+        self.outcomes[i] = Some(o);
+    }
 }
 
 struct Pending {
@@ -259,7 +260,7 @@ struct Pending {
     incarnation: u64,
     items: Vec<TransferItem>,
     deadline: Instant,
-    reply: oneshot::Sender<Vec<TransferOutcome>>,
+    reply: Completions,
 }
 
 fn run(
@@ -327,10 +328,12 @@ fn run(
                 if let Some(r) = slot
                     && let Some(res) = r.poll()
                 {
-                    f.outcomes[i] = Some(match res {
+                    let o = match res {
                         Ok(()) => TransferOutcome::Done,
                         Err(e) => TransferOutcome::Failed(e.to_string()),
-                    });
+                    };
+                    let _ = f.reply.send((i, o.clone()));
+                    f.outcomes[i] = Some(o);
                     *slot = None;
                     reqs_in_flight -= 1;
                 }
@@ -350,16 +353,17 @@ fn run(
                 while worker.progress() > 0 {}
             }
             for f in inflight.iter_mut().filter(|f| f.peer == id) {
-                for (i, slot) in f.reqs.iter_mut().enumerate() {
-                    if let Some(mut r) = slot.take() {
+                for i in 0..f.reqs.len() {
+                    if let Some(mut r) = f.reqs[i].take() {
                         reqs_in_flight -= 1;
-                        f.outcomes[i] = Some(match r.poll() {
+                        let o = match r.poll() {
                             Some(_) => TransferOutcome::Failed("peer timed out; connection closed".into()),
                             None => {
                                 zombies.push(r);
                                 TransferOutcome::TimedOut
                             }
-                        });
+                        };
+                        f.settle(i, o);
                     }
                 }
             }
@@ -367,10 +371,6 @@ fn run(
         inflight.retain_mut(|f| {
             if f.outcomes.iter().all(|o| o.is_some()) {
                 bytes_in_flight -= f.bytes;
-                let out = f.outcomes.iter_mut().map(|o| o.take().expect("all set")).collect();
-                if let Some(reply) = f.reply.take() {
-                    let _ = reply.send(out);
-                }
                 false
             } else {
                 true
@@ -420,27 +420,29 @@ fn start<'w>(
         outcomes: vec![None; n],
         bytes,
         deadline: p.deadline,
-        reply: Some(p.reply),
+        reply: p.reply,
     };
     let Some(conn) = peers.get(&p.peer).filter(|c| c.incarnation == p.incarnation) else {
-        for o in f.outcomes.iter_mut() {
-            *o =
-                Some(TransferOutcome::Failed(format!("peer {} (incarnation {}) not connected", p.peer, p.incarnation)));
+        for i in 0..n {
+            f.settle(
+                i,
+                TransferOutcome::Failed(format!("peer {} (incarnation {}) not connected", p.peer, p.incarnation)),
+            );
         }
         return f;
     };
     for (i, it) in p.items.iter().enumerate() {
         let Some((rkey, base)) = conn.rkeys.get(&it.remote_pool) else {
-            f.outcomes[i] = Some(TransferOutcome::Failed(format!("peer has no pool {}", it.remote_pool)));
+            f.settle(i, TransferOutcome::Failed(format!("peer has no pool {}", it.remote_pool)));
             continue;
         };
         let Some(dst) = regions.get(it.local_pool as usize) else {
-            f.outcomes[i] = Some(TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
+            f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
             continue;
         };
         match conn.ep.get(dst, it.local_offset as usize, it.len as usize, base + it.remote_offset, rkey) {
             Ok(r) => f.reqs[i] = Some(r),
-            Err(e) => f.outcomes[i] = Some(TransferOutcome::Failed(e.to_string())),
+            Err(e) => f.settle(i, TransferOutcome::Failed(e.to_string())),
         }
     }
     f

@@ -268,82 +268,111 @@ impl Peers {
         for (j, job) in jobs.iter().enumerate() {
             by_peer.entry(job.peer).or_default().push(j);
         }
-        let mut outcomes: Vec<Option<TransferOutcome>> = (0..jobs.len()).map(|_| None).collect();
         let mut incs: HashMap<usize, u64> = HashMap::new();
         for &pi in by_peer.keys() {
             if let Some(c) = self.peers[pi].conn.lock().await.as_ref() {
                 incs.insert(pi, c.incarnation);
             }
         }
+        // 4. Each read is validated as soon as it lands, while the others
+        // are still moving; only a validated copy is committed.
+        enum Verdict {
+            Ok,
+            Bad,
+            Stuck,
+            PeerDown,
+        }
+        let mappings: Vec<_> = self.store.lock().pools().iter().map(|p| Arc::clone(&p.mapping)).collect();
+        let jobs_ref = &jobs;
+        let mappings_ref = &mappings;
         let transfers = by_peer.iter().map(|(&pi, js)| {
             let items: Vec<TransferItem> = js
                 .iter()
                 .map(|&j| TransferItem {
-                    remote_pool: jobs[j].grant.pool,
-                    remote_offset: jobs[j].grant.slot as u64 * stride,
+                    remote_pool: jobs_ref[j].grant.pool,
+                    remote_offset: jobs_ref[j].grant.slot as u64 * stride,
                     len: stride,
-                    local_pool: jobs[j].local.pool,
-                    local_offset: jobs[j].local_offset,
+                    local_pool: jobs_ref[j].local.pool,
+                    local_offset: jobs_ref[j].local_offset,
                 })
                 .collect();
             let inc = incs.get(&pi).copied().unwrap_or(0);
             let id = self.peers[pi].entry.id;
-            let dp = Arc::clone(&self.dp);
-            async move { (pi, dp.transfer(id, inc, items, deadline).await) }
-        });
-        for (pi, outs) in futures_join_all(transfers).await {
-            for (&j, o) in by_peer[&pi].iter().zip(outs) {
-                outcomes[j] = Some(o);
+            let mut rx = self.dp.transfer_stream(id, inc, items, deadline);
+            async move {
+                let mut verdicts: Vec<(usize, Verdict)> = Vec::with_capacity(js.len());
+                while verdicts.len() < js.len() {
+                    let Some((i, outcome)) = rx.recv().await else { break };
+                    let j = js[i];
+                    let job = &jobs_ref[j];
+                    let v = match outcome {
+                        TransferOutcome::Done => {
+                            let expected = LayoutMeta {
+                                state: SlotState::Valid,
+                                namespace: ns.fingerprint,
+                                key: job.key,
+                                version: job.grant.version,
+                                generation: job.grant.generation,
+                                payload_len: job.grant.payload_bytes,
+                                checksum: job.grant.checksum,
+                            };
+                            let valid = mappings_ref[job.local.pool as usize]
+                                .read(job.local_offset, stride)
+                                .map_err(|e| e.to_string())
+                                .and_then(|bytes| {
+                                    validate_slot(&bytes, payload_cap, &expected).map(|_| ()).map_err(|e| e.to_string())
+                                });
+                            match valid {
+                                Ok(()) if Instant::now() <= deadline => Verdict::Ok,
+                                Ok(()) => {
+                                    self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
+                                    Verdict::Bad
+                                }
+                                Err(e) => {
+                                    self.counters.validation_failures.fetch_add(1, Ordering::Relaxed);
+                                    tracing::warn!(peer = id, key = %job.key, "remote block rejected: {e}");
+                                    Verdict::Bad
+                                }
+                            }
+                        }
+                        TransferOutcome::Failed(e) => {
+                            self.counters.transfer_failures.fetch_add(1, Ordering::Relaxed);
+                            tracing::debug!(peer = id, "transfer failed: {e}");
+                            Verdict::PeerDown
+                        }
+                        TransferOutcome::TimedOut => {
+                            self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
+                            Verdict::Stuck
+                        }
+                    };
+                    verdicts.push((j, v));
+                }
+                if verdicts.len() < js.len() {
+                    // The data plane vanished: nothing will write these.
+                    let seen: Vec<usize> = verdicts.iter().map(|(j, _)| *j).collect();
+                    for &j in js.iter().filter(|j| !seen.contains(j)) {
+                        verdicts.push((j, Verdict::PeerDown));
+                    }
+                }
+                verdicts
             }
-        }
+        });
+        let all = futures_join_all(transfers).await;
         let t_moved = Instant::now();
-        // 4. Validate, then commit or discard.
-        let mappings: Vec<_> = self.store.lock().pools().iter().map(|p| Arc::clone(&p.mapping)).collect();
         let mut ok: Vec<(SlotRef, u64, u64)> = Vec::new();
         let mut bad: Vec<SlotRef> = Vec::new();
         let mut stuck: Vec<SlotRef> = Vec::new();
         let mut dead_peers: Vec<usize> = Vec::new();
-        for (j, job) in jobs.iter().enumerate() {
-            match outcomes[j].take().unwrap_or(TransferOutcome::Failed("no outcome".into())) {
-                TransferOutcome::Done => {
-                    let expected = LayoutMeta {
-                        state: SlotState::Valid,
-                        namespace: ns.fingerprint,
-                        key: job.key,
-                        version: job.grant.version,
-                        generation: job.grant.generation,
-                        payload_len: job.grant.payload_bytes,
-                        checksum: job.grant.checksum,
-                    };
-                    let valid = mappings[job.local.pool as usize]
-                        .read(job.local_offset, stride)
-                        .map_err(|e| e.to_string())
-                        .and_then(|bytes| {
-                            validate_slot(&bytes, payload_cap, &expected).map(|_| ()).map_err(|e| e.to_string())
-                        });
-                    match valid {
-                        Ok(()) if Instant::now() <= deadline => {
-                            ok.push((job.local, job.grant.version, job.grant.checksum))
-                        }
-                        Ok(()) => {
-                            self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
-                            bad.push(job.local);
-                        }
-                        Err(e) => {
-                            self.counters.validation_failures.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(peer = self.peers[job.peer].entry.id, key = %job.key, "remote block rejected: {e}");
-                            bad.push(job.local);
-                        }
-                    }
-                }
-                TransferOutcome::Failed(e) => {
-                    self.counters.transfer_failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(peer = self.peers[job.peer].entry.id, "transfer failed: {e}");
+        for (j, v) in all.into_iter().flatten() {
+            let job = &jobs[j];
+            match v {
+                Verdict::Ok => ok.push((job.local, job.grant.version, job.grant.checksum)),
+                Verdict::Bad => bad.push(job.local),
+                Verdict::PeerDown => {
                     bad.push(job.local);
                     dead_peers.push(job.peer);
                 }
-                TransferOutcome::TimedOut => {
-                    self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
+                Verdict::Stuck => {
                     stuck.push(job.local);
                     dead_peers.push(job.peer);
                 }
@@ -367,8 +396,8 @@ impl Peers {
             keys = keys.len(),
             fetched = ok.len(),
             query_us = (t_queried - t_start).as_micros() as u64,
-            transfer_us = (t_moved - t_queried).as_micros() as u64,
-            validate_commit_us = t_moved.elapsed().as_micros() as u64,
+            transfer_and_validate_us = (t_moved - t_queried).as_micros() as u64,
+            commit_us = t_moved.elapsed().as_micros() as u64,
             "remote fetch"
         );
         dead_peers.sort_unstable();
