@@ -58,7 +58,7 @@ pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
     loop {
         worker.progress();
         spins += 1;
-        if spins % 4096 == 0 {
+        if spins.is_multiple_of(4096) {
             let ready = {
                 use std::os::fd::AsFd;
                 kvmesh_ffi_os::poll_readable(&[stdin.as_fd()], 0)?
