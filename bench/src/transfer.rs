@@ -52,23 +52,48 @@ pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
     println!("{} {} {}", hex(&worker.address()?), mr.base(), hex(&mr.pack_rkey()?));
     std::io::stdout().flush()?;
     // Busy-poll: the fastest a target can serve emulated gets, so the raw
-    // loop is a ceiling, not a straw man. Check stdin now and then.
-    let stdin = std::io::stdin();
-    let mut spins = 0u64;
+    // loop is a ceiling, not a straw man. Check stdin now and then; the
+    // parent's lines are `connect <addr hex>` and `send <size> <count>`
+    // (tag sends of `count` blocks for the tag-mode loop).
+    let (lines_tx, lines) = std::sync::mpsc::channel::<String>();
+    std::thread::spawn(move || {
+        for l in std::io::stdin().lock().lines() {
+            let Ok(l) = l else { break };
+            if lines_tx.send(l).is_err() {
+                break;
+            }
+        }
+    });
+    let mut ep = None;
+    let mut next = 0u64;
     loop {
         worker.progress();
-        spins += 1;
-        if spins.is_multiple_of(4096) {
-            let ready = {
-                use std::os::fd::AsFd;
-                kvmesh_ffi_os::poll_readable(&[stdin.as_fd()], 0)?
-            };
-            if ready[0] {
-                let mut line = String::new();
-                if stdin.lock().read_line(&mut line)? == 0 {
-                    return Ok(()); // parent closed stdin
+        let line = match lines.try_recv() {
+            Ok(l) => l,
+            Err(std::sync::mpsc::TryRecvError::Empty) => continue,
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Ok(()), // parent closed stdin
+        };
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["connect", addr] => ep = Some(worker.connect(&unhex(addr)?, transport != "sm")?),
+            ["send", size, count] => {
+                let (size, count): (u64, u64) = (size.parse()?, count.parse()?);
+                let e = ep.as_ref().context("send before connect")?;
+                let per = (bytes / size).max(1);
+                let mut reqs = Vec::new();
+                for tag in 0..count {
+                    let off = (next % per) * size;
+                    next += 1;
+                    reqs.push(e.tag_send(&mr, off as usize, size as usize, tag)?);
+                }
+                loop {
+                    worker.progress();
+                    if reqs.iter_mut().all(|r| r.poll().is_some()) {
+                        break;
+                    }
                 }
             }
+            _ => {}
         }
     }
 }
@@ -76,6 +101,7 @@ pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
 /// Raw UCX gets of `block` bytes, `batch` in flight, rotating over the pools.
 fn raw_ucx(
     transport: &str,
+    tag_mode: bool,
     pool_bytes: u64,
     sizes: &[u64],
     batches: &[usize],
@@ -101,6 +127,10 @@ fn raw_ucx(
     let worker = Worker::new(&ctx)?;
     let ep = worker.connect(&addr, transport != "sm")?;
     let rk = ep.unpack_rkey(&rkey)?;
+    let mut target_in = child.stdin.take().context("stdin")?;
+    if tag_mode {
+        writeln!(target_in, "connect {}", hex(&worker.address()?))?;
+    }
     let mut out = Vec::new();
     for &size in sizes {
         let slots = (pool_bytes / size) as usize;
@@ -110,10 +140,17 @@ fn raw_ucx(
             let t0 = Instant::now();
             for _ in 0..rounds {
                 let mut reqs = Vec::with_capacity(batch);
-                for _ in 0..batch {
+                for tag in 0..batch {
                     let off = (next % slots) as u64 * size;
                     next += 1;
-                    reqs.push(ep.get(&mr, off as usize, size as usize, base + off, &rk)?);
+                    if tag_mode {
+                        reqs.push(worker.tag_recv(&mr, off as usize, size as usize, tag as u64)?);
+                    } else {
+                        reqs.push(ep.get(&mr, off as usize, size as usize, base + off, &rk)?);
+                    }
+                }
+                if tag_mode {
+                    writeln!(target_in, "send {size} {batch}")?;
                 }
                 loop {
                     worker.progress();
@@ -135,7 +172,7 @@ fn raw_ucx(
     }
     drop(rk);
     drop(ep);
-    drop(child.stdin.take());
+    drop(target_in);
     let _ = child.wait();
     Ok(out)
 }
@@ -214,7 +251,9 @@ pub(crate) fn run(
     let mut rows = Vec::new();
     let memcpy: Vec<f64> = sizes.iter().map(|&s| memcpy_gbps(pool_bytes, s, bytes_target)).collect::<Result<_, _>>()?;
     for t in transports {
-        let raw = raw_ucx(t, pool_bytes, &sizes, &batches, bytes_target)?;
+        // The raw loop uses the operation the daemon uses on this transport:
+        // one-sided get on shared memory, tag rendezvous on tcp.
+        let raw = raw_ucx(t, t == "tcp", pool_bytes, &sizes, &batches, bytes_target)?;
         let daemon = daemon_gets(t, pool_mib, &sizes, &batches, bytes_target)?;
         for (si, &size) in sizes.iter().enumerate() {
             let (pg, pa) = if with_perftest {

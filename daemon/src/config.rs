@@ -58,6 +58,9 @@ pub struct PeerConfig {
     pub listen: Option<String>,
     /// UCX transports: `sm` (shared memory, one host), `tcp`, `all`.
     pub transports: String,
+    /// How blocks move: `get` (one-sided reads), `send` (the holder sends
+    /// with tag-matched rendezvous), `auto` (send on tcp, get otherwise).
+    pub transfer: String,
     /// Deadline of one remote fetch (query, transfer, validation).
     pub transfer_timeout_ms: u64,
     /// Lease of a read grant given to a peer.
@@ -74,6 +77,7 @@ impl Default for PeerConfig {
         PeerConfig {
             listen: None,
             transports: "sm".into(),
+            transfer: "auto".into(),
             transfer_timeout_ms: 2_000,
             grant_lease_ms: 5_000,
             inflight_requests_max: 4096,
@@ -292,6 +296,10 @@ impl Config {
         match self.peer.transports.as_str() {
             "sm" | "tcp" | "all" => {}
             t => return Err(format!("peer.transports: {t:?} is not one of \"sm\", \"tcp\", \"all\"")),
+        }
+        match self.peer.transfer.as_str() {
+            "auto" | "get" | "send" => {}
+            t => return Err(format!("peer.transfer: {t:?} is not one of \"auto\", \"get\", \"send\"")),
         }
         if let Some(l) = &self.peer.listen
             && l.parse::<std::net::SocketAddr>().is_err()

@@ -39,6 +39,19 @@ pub struct TransferItem {
     pub local_pool: u32,
     /// Offset in the local pool.
     pub local_offset: u64,
+    /// Tag of a tag-matched transfer (send/receive modes).
+    pub tag: u64,
+}
+
+/// How a batch moves bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mode {
+    /// One-sided reads from the peer's pool (remote fields used).
+    Get,
+    /// Tag-matched receives into our pool (the peer sends).
+    Recv,
+    /// Tag-matched sends from our pool to the peer (it receives).
+    Send,
 }
 
 /// How one read ended.
@@ -78,8 +91,22 @@ pub struct PeerAddr {
 }
 
 enum Cmd {
-    Connect { peer: PeerAddr, reply: oneshot::Sender<Result<String, String>> },
-    Transfer { peer: u32, incarnation: u64, items: Vec<TransferItem>, deadline: Instant, reply: Completions },
+    Connect {
+        peer: PeerAddr,
+        reply: oneshot::Sender<Result<String, String>>,
+    },
+    Transfer {
+        id: u64,
+        mode: Mode,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        deadline: Instant,
+        reply: Completions,
+    },
+    Cancel {
+        id: u64,
+    },
     Shutdown,
 }
 
@@ -105,6 +132,7 @@ pub struct LocalPool {
 
 /// Handle of the data-plane thread.
 pub struct DataPlane {
+    next_id: std::sync::atomic::AtomicU64,
     tx: Sender<Cmd>,
     wake: Arc<EventFd>,
     worker_address: Vec<u8>,
@@ -161,7 +189,15 @@ impl DataPlane {
             })
             .map_err(|e| format!("spawn data plane thread: {e}"))?;
         let worker_address = init_rx.recv().map_err(|_| "data plane thread died".to_string())??;
-        Ok(DataPlane { tx, wake, worker_address, pools: local, transports, thread: Some(thread) })
+        Ok(DataPlane {
+            next_id: std::sync::atomic::AtomicU64::new(1),
+            tx,
+            wake,
+            worker_address,
+            pools: local,
+            transports,
+            thread: Some(thread),
+        })
     }
 
     /// Our worker address.
@@ -202,20 +238,27 @@ impl DataPlane {
     /// on the returned channel as each read ends, all by `deadline`.
     pub fn transfer_stream(
         &self,
+        mode: Mode,
         peer: u32,
         incarnation: u64,
         items: Vec<TransferItem>,
         deadline: Instant,
-    ) -> tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)> {
+    ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
         let n = items.len();
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
-        if let Err(e) = self.send(Cmd::Transfer { peer, incarnation, items, deadline, reply }) {
+        if let Err(e) = self.send(Cmd::Transfer { id, mode, peer, incarnation, items, deadline, reply }) {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
         }
-        rx
+        (id, rx)
+    }
+
+    /// Cancels what is still in flight of batch `id` (its outcomes follow).
+    pub fn cancel(&self, id: u64) {
+        let _ = self.send(Cmd::Cancel { id });
     }
 }
 
@@ -240,6 +283,7 @@ struct PeerConn<'w> {
 }
 
 struct InFlight<'w> {
+    id: u64,
     peer: u32,
     reqs: Vec<Option<Request<'w>>>,
     outcomes: Vec<Option<TransferOutcome>>,
@@ -256,6 +300,8 @@ impl InFlight<'_> {
 }
 
 struct Pending {
+    id: u64,
+    mode: Mode,
     peer: u32,
     incarnation: u64,
     items: Vec<TransferItem>,
@@ -297,8 +343,21 @@ fn run(
                     });
                     let _ = reply.send(r);
                 }
-                Ok(Cmd::Transfer { peer, incarnation, items, deadline, reply }) => {
-                    queue.push_back(Pending { peer, incarnation, items, deadline, reply });
+                Ok(Cmd::Transfer { id, mode, peer, incarnation, items, deadline, reply }) => {
+                    queue.push_back(Pending { id, mode, peer, incarnation, items, deadline, reply });
+                }
+                Ok(Cmd::Cancel { id }) => {
+                    for f in inflight.iter_mut().filter(|f| f.id == id) {
+                        for r in f.reqs.iter_mut().flatten() {
+                            r.cancel();
+                        }
+                    }
+                    for p in queue.iter().filter(|p| p.id == id) {
+                        for i in 0..p.items.len() {
+                            let _ = p.reply.send((i, TransferOutcome::Failed("cancelled".into())));
+                        }
+                    }
+                    queue.retain(|p| p.id != id);
                 }
                 Err(_) => break,
             }
@@ -314,7 +373,7 @@ fn run(
                 break;
             }
             let p = queue.pop_front().expect("front exists");
-            let f = start(&peers, regions, p, bytes);
+            let f = start(worker, &peers, regions, p, bytes);
             reqs_in_flight += f.reqs.iter().filter(|r| r.is_some()).count();
             bytes_in_flight += f.bytes;
             inflight.push(f);
@@ -408,6 +467,7 @@ fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Resul
 }
 
 fn start<'w>(
+    worker: &'w Worker,
     peers: &HashMap<u32, PeerConn<'w>>,
     regions: &[Arc<MemoryRegion>],
     p: Pending,
@@ -415,6 +475,7 @@ fn start<'w>(
 ) -> InFlight<'w> {
     let n = p.items.len();
     let mut f = InFlight {
+        id: p.id,
         peer: p.peer,
         reqs: (0..n).map(|_| None).collect(),
         outcomes: vec![None; n],
@@ -422,6 +483,19 @@ fn start<'w>(
         deadline: p.deadline,
         reply: p.reply,
     };
+    if p.mode == Mode::Recv {
+        for (i, it) in p.items.iter().enumerate() {
+            let Some(dst) = regions.get(it.local_pool as usize) else {
+                f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
+                continue;
+            };
+            match worker.tag_recv(dst, it.local_offset as usize, it.len as usize, it.tag) {
+                Ok(r) => f.reqs[i] = Some(r),
+                Err(e) => f.settle(i, TransferOutcome::Failed(e.to_string())),
+            }
+        }
+        return f;
+    }
     let Some(conn) = peers.get(&p.peer).filter(|c| c.incarnation == p.incarnation) else {
         for i in 0..n {
             f.settle(
@@ -431,6 +505,19 @@ fn start<'w>(
         }
         return f;
     };
+    if p.mode == Mode::Send {
+        for (i, it) in p.items.iter().enumerate() {
+            let Some(src) = regions.get(it.local_pool as usize) else {
+                f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
+                continue;
+            };
+            match conn.ep.tag_send(src, it.local_offset as usize, it.len as usize, it.tag) {
+                Ok(r) => f.reqs[i] = Some(r),
+                Err(e) => f.settle(i, TransferOutcome::Failed(e.to_string())),
+            }
+        }
+        return f;
+    }
     for (i, it) in p.items.iter().enumerate() {
         let Some((rkey, base)) = conn.rkeys.get(&it.remote_pool) else {
             f.settle(i, TransferOutcome::Failed(format!("peer has no pool {}", it.remote_pool)));

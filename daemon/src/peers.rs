@@ -33,7 +33,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
 use crate::config::{PeerConfig, PeerEntry};
-use crate::dataplane::{CONTROL_TIMEOUT, DataPlane, PeerAddr, RemotePool, TransferItem, TransferOutcome};
+use crate::dataplane::{CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, TransferItem, TransferOutcome};
 use crate::store::{AllocOutcome, FETCH_SESSION, Namespace, PEER_SESSION_BASE, SlotRef, Store};
 
 /// Counters of remote traffic.
@@ -81,6 +81,7 @@ pub struct Peers {
     /// Remote traffic counters.
     pub counters: PeerCounters,
     hook: Option<TestHook>,
+    next_tag: AtomicU64,
 }
 
 impl Peers {
@@ -106,7 +107,25 @@ impl Peers {
                 Arc::new(PeerState { entry, conn: tokio::sync::Mutex::new(None), retry_at: Mutex::new(Instant::now()) })
             })
             .collect();
-        Peers { node_id, incarnation, cfg, dp, store, peers, counters: PeerCounters::default(), hook }
+        Peers {
+            node_id,
+            incarnation,
+            cfg,
+            dp,
+            store,
+            peers,
+            counters: PeerCounters::default(),
+            hook,
+            next_tag: AtomicU64::new(1),
+        }
+    }
+
+    /// How this node moves blocks it fetches.
+    fn mode(&self) -> Mode {
+        match (self.cfg.transfer.as_str(), self.cfg.transports.as_str()) {
+            ("send", _) | ("auto", "tcp") => Mode::Recv,
+            _ => Mode::Get,
+        }
     }
 
     /// Whether any peer is configured.
@@ -268,12 +287,13 @@ impl Peers {
         for (j, job) in jobs.iter().enumerate() {
             by_peer.entry(job.peer).or_default().push(j);
         }
-        let mut incs: HashMap<usize, u64> = HashMap::new();
+        let mut incs: HashMap<usize, (u64, PeerClient<Channel>)> = HashMap::new();
         for &pi in by_peer.keys() {
             if let Some(c) = self.peers[pi].conn.lock().await.as_ref() {
-                incs.insert(pi, c.incarnation);
+                incs.insert(pi, (c.incarnation, c.client.clone()));
             }
         }
+        let mode = self.mode();
         // 4. Each read is validated as soon as it lands, while the others
         // are still moving; only a validated copy is committed.
         enum Verdict {
@@ -294,12 +314,53 @@ impl Peers {
                     len: stride,
                     local_pool: jobs_ref[j].local.pool,
                     local_offset: jobs_ref[j].local_offset,
+                    tag: self.next_tag.fetch_add(1, Ordering::Relaxed),
                 })
                 .collect();
-            let inc = incs.get(&pi).copied().unwrap_or(0);
+            let (inc, client) = match incs.get(&pi) {
+                Some((i, c)) => (*i, Some(c.clone())),
+                None => (0, None),
+            };
             let id = self.peers[pi].entry.id;
-            let mut rx = self.dp.transfer_stream(id, inc, items, deadline);
-            async move {
+            // In send mode the receives are posted first; the holder is then
+            // asked to send (below, concurrently with consuming completions).
+            let send_items: Vec<pb::SendItem> = items
+                .iter()
+                .zip(js.iter())
+                .map(|(it, &j)| pb::SendItem {
+                    pool: jobs_ref[j].grant.pool,
+                    slot: jobs_ref[j].grant.slot,
+                    generation: jobs_ref[j].grant.generation,
+                    tag: it.tag,
+                })
+                .collect();
+            let (batch, mut rx) = self.dp.transfer_stream(mode, id, inc, items, deadline);
+            let ask_holder = async move {
+                if mode != Mode::Recv {
+                    return;
+                }
+                let req = pb::SendRequest {
+                    node_id: self.node_id,
+                    incarnation: self.incarnation,
+                    holder_incarnation: inc,
+                    items: send_items,
+                };
+                let sent = match client {
+                    Some(mut c) => match c.send(req).await {
+                        Ok(r) => r.into_inner().sent.iter().all(|&b| b),
+                        Err(s) => {
+                            tracing::debug!(peer = id, "send request failed: {}", s.message());
+                            false
+                        }
+                    },
+                    None => false,
+                };
+                if !sent {
+                    // Nothing (more) will arrive: stop the receives.
+                    self.dp.cancel(batch);
+                }
+            };
+            let consume = async move {
                 let mut verdicts: Vec<(usize, Verdict)> = Vec::with_capacity(js.len());
                 while verdicts.len() < js.len() {
                     let Some((i, outcome)) = rx.recv().await else { break };
@@ -355,7 +416,8 @@ impl Peers {
                     }
                 }
                 verdicts
-            }
+            };
+            async move { tokio::join!(ask_holder, consume).1 }
         });
         let all = futures_join_all(transfers).await;
         let t_moved = Instant::now();
@@ -585,6 +647,66 @@ impl pb::peer_server::Peer for PeerService {
             }
         }
         Ok(Response::new(pb::QueryResponse { grants, lease_deadline_unix_ms: crate::store::unix_ms(deadline, now) }))
+    }
+
+    async fn send(&self, req: Request<pb::SendRequest>) -> Result<Response<pb::SendResponse>, Status> {
+        let r = req.into_inner();
+        let p = &self.peers;
+        if r.holder_incarnation != p.incarnation {
+            return Err(Status::failed_precondition("this daemon restarted; handshake again"));
+        }
+        if r.items.len() > 65536 {
+            return Err(Status::invalid_argument(format!("send of {} blocks exceeds 65536", r.items.len())));
+        }
+        // We send on our own endpoint to the asker: make sure we have one to
+        // its current incarnation (it may have just started or restarted).
+        let Some(ps) = p.peers.iter().find(|s| s.entry.id == r.node_id) else {
+            return Err(Status::permission_denied(format!("node {} is not in this daemon's peer list", r.node_id)));
+        };
+        let stale = ps.conn.lock().await.as_ref().is_some_and(|c| c.incarnation != r.incarnation);
+        if stale {
+            p.drop_conn(ps).await;
+        }
+        *ps.retry_at.lock() = Instant::now();
+        if !p.ensure(ps).await {
+            return Err(Status::unavailable(format!("cannot reach node {} to send to it", r.node_id)));
+        }
+        // Only slots granted to this peer (pinned under its session) go out.
+        let session = PEER_SESSION_BASE + r.node_id as u64;
+        let mut items = Vec::with_capacity(r.items.len());
+        let mut granted = Vec::with_capacity(r.items.len());
+        {
+            let st = p.store.lock();
+            for it in &r.items {
+                let sref = SlotRef { pool: it.pool, slot: it.slot, generation: it.generation };
+                let ok = st.holds_pin(session, sref);
+                granted.push(ok);
+                if let (true, Some((stride, _))) = (ok, st.pool_geometry(it.pool)) {
+                    items.push(TransferItem {
+                        remote_pool: 0,
+                        remote_offset: 0,
+                        len: stride,
+                        local_pool: it.pool,
+                        local_offset: it.slot as u64 * stride,
+                        tag: it.tag,
+                    });
+                }
+            }
+        }
+        let deadline = Instant::now() + Duration::from_millis(p.cfg.transfer_timeout_ms);
+        let n = items.len();
+        let (_, mut rx) = p.dp.transfer_stream(Mode::Send, r.node_id, r.incarnation, items, deadline);
+        let mut ok_sends = vec![false; n];
+        for _ in 0..n {
+            match rx.recv().await {
+                Some((i, TransferOutcome::Done)) => ok_sends[i] = true,
+                Some(_) => {}
+                None => break,
+            }
+        }
+        let mut it = ok_sends.into_iter();
+        let sent = granted.iter().map(|&g| g && it.next().unwrap_or(false)).collect();
+        Ok(Response::new(pb::SendResponse { sent }))
     }
 
     async fn release(&self, req: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {

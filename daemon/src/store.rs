@@ -563,6 +563,11 @@ impl Store {
         pool.write_meta(r.slot, &meta);
     }
 
+    /// Whether `session` holds a pin on exactly this slot use.
+    pub fn holds_pin(&self, session: SessionId, r: SlotRef) -> bool {
+        self.sessions.get(&session).is_some_and(|s| s.pins.contains_key(&r))
+    }
+
     /// Geometry of a pool: (stride, payload capacity).
     pub fn pool_geometry(&self, pool: u32) -> Option<(u64, u64)> {
         self.pools.get(pool as usize).map(|p| (p.stride, p.slot_payload_bytes))

@@ -47,6 +47,23 @@ fn check(call: &'static str, s: sys::ucs_status_t) -> Result<(), UcxError> {
     if s == sys::ucs_status_t::UCS_OK { Ok(()) } else { Err(UcxError { call, code: s.0, message: status_string(s) }) }
 }
 
+/// Request parameters with nothing set: no callback (the caller polls),
+/// contiguous bytes.
+fn empty_param() -> sys::ucp_request_param_t {
+    sys::ucp_request_param_t {
+        op_attr_mask: 0,
+        flags: 0,
+        request: ptr::null_mut(),
+        cb: Default::default(),
+        datatype: 0,
+        user_data: ptr::null_mut(),
+        reply_buffer: ptr::null_mut(),
+        memory_type: 0,
+        recv_info: Default::default(),
+        memh: ptr::null_mut(),
+    }
+}
+
 /// Which transports UCX may use (its `TLS` setting).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Transports {
@@ -109,7 +126,10 @@ impl Context {
             field_mask: (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES
                 | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
                 .0 as u64,
-            features: (sys::ucp_feature::UCP_FEATURE_RMA | sys::ucp_feature::UCP_FEATURE_WAKEUP).0 as u64,
+            features: (sys::ucp_feature::UCP_FEATURE_RMA
+                | sys::ucp_feature::UCP_FEATURE_TAG
+                | sys::ucp_feature::UCP_FEATURE_WAKEUP)
+                .0 as u64,
             mt_workers_shared: 1,
             ..Default::default()
         };
@@ -269,6 +289,27 @@ impl Worker {
         Ok(true)
     }
 
+    /// Posts a receive of exactly-tagged `tag` (up to `len` bytes) into
+    /// `dst` at `offset`.
+    pub fn tag_recv(
+        &self,
+        dst: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        tag: u64,
+    ) -> Result<Request<'_>, UcxError> {
+        if offset.checked_add(len).is_none_or(|end| end > dst.len) {
+            return Err(UcxError { call: "ucp_tag_recv_nbx", code: 0, message: "destination outside region".into() });
+        }
+        let param = empty_param();
+        // SAFETY: the destination lies inside a registered region that the
+        // returned Request keeps alive until completion (a dropped request
+        // is cancelled and waited for).
+        let p =
+            unsafe { sys::ucp_tag_recv_nbx(self.h, (dst.base + offset) as *mut c_void, len, tag, u64::MAX, &param) };
+        Request::from_status_ptr("ucp_tag_recv_nbx", p, self, Some(Arc::clone(dst)))
+    }
+
     /// Connects to a peer worker by its address. With `peer_failure`,
     /// requests to a dead peer fail instead of hanging — UCX 1.13 supports
     /// that on tcp and RDMA transports but not on shared memory (posix,
@@ -353,6 +394,26 @@ impl<'w> Endpoint<'w> {
         let p =
             unsafe { sys::ucp_get_nbx(self.h, (dst.base + offset) as *mut c_void, len, remote_addr, rkey.h, &param) };
         Request::from_status_ptr("ucp_get_nbx", p, self.worker, Some(Arc::clone(dst)))
+    }
+
+    /// Starts sending `len` bytes of `src` at `offset` to the peer with
+    /// `tag` (tag-matched; UCX uses rendezvous for large messages).
+    pub fn tag_send(
+        &self,
+        src: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        tag: u64,
+    ) -> Result<Request<'w>, UcxError> {
+        if offset.checked_add(len).is_none_or(|end| end > src.len) {
+            return Err(UcxError { call: "ucp_tag_send_nbx", code: 0, message: "source outside region".into() });
+        }
+        let param = empty_param();
+        // SAFETY: the source lies inside a registered region that the
+        // returned Request keeps alive until completion; no callback, so UCX
+        // returns a request to poll.
+        let p = unsafe { sys::ucp_tag_send_nbx(self.h, (src.base + offset) as *const c_void, len, tag, &param) };
+        Request::from_status_ptr("ucp_tag_send_nbx", p, self.worker, Some(Arc::clone(src)))
     }
 
     /// What UCX chose for this endpoint (transports, lanes), as text.
@@ -536,6 +597,47 @@ mod tests {
             // Out-of-range destination is refused before UCX sees it.
             assert!(ep.get(&dst_mr, (1 << 20) - 4, 18, src_mr.base(), &rkey).is_err());
             drop(rkey);
+            drop(ep);
+        }
+    }
+
+    /// Tag send/receive between two workers (rendezvous for large sizes).
+    #[test]
+    fn tag_send_recv_moves_bytes() {
+        for t in [Transports::SharedMemory, Transports::Tcp] {
+            let ctx = Context::new(&t).unwrap();
+            let (a, b) = (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap());
+            let src = pool(4 << 20);
+            let dst = pool(4 << 20);
+            let pattern: Vec<u8> = (0..(1u32 << 20)).map(|i| (i % 253) as u8).collect();
+            src.copy_in(8192, &pattern).unwrap();
+            let src_mr = Arc::new(MemoryRegion::register(&ctx, Arc::clone(&src)).unwrap());
+            let dst_mr = Arc::new(MemoryRegion::register(&ctx, Arc::clone(&dst)).unwrap());
+            let mut recv = b.tag_recv(&dst_mr, 4096, 1 << 20, 42).unwrap();
+            let ep = a.connect(&b.address().unwrap(), t == Transports::Tcp).unwrap();
+            let mut send = ep.tag_send(&src_mr, 8192, 1 << 20, 42).unwrap();
+            let mut spins = 0u64;
+            while recv.poll().is_none() || send.poll().is_none() {
+                a.progress();
+                b.progress();
+                spins += 1;
+                assert!(spins < 100_000_000, "tag transfer never completed over {t:?}");
+            }
+            recv.poll().unwrap().unwrap();
+            send.poll().unwrap().unwrap();
+            let mut out = vec![0u8; 1 << 20];
+            dst.copy_out(4096, &mut out).unwrap();
+            assert_eq!(out, pattern, "{t:?}");
+            // A receive nobody sends to can be cancelled.
+            let mut orphan = b.tag_recv(&dst_mr, 0, 4096, 7).unwrap();
+            orphan.cancel();
+            let mut spins = 0;
+            while orphan.poll().is_none() {
+                b.progress();
+                spins += 1;
+                assert!(spins < 1_000_000);
+            }
+            assert!(orphan.poll().unwrap().is_err());
             drop(ep);
         }
     }
