@@ -40,14 +40,18 @@ fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
 pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
     let t = transports_of(transport)?;
     let ctx = Context::new(&t)?;
-    let pool = Arc::new(SharedMapping::create("ucx-target", bytes, false)?);
-    {
-        let mut w = pool.write(0, bytes)?;
-        for (i, c) in w.chunks_mut(4096).enumerate() {
-            c.fill(i as u8);
+    let mr = if std::env::var("KVMESH_BENCH_UCX_ALLOC").is_ok() {
+        Arc::new(MemoryRegion::allocate(&ctx, bytes as usize)?)
+    } else {
+        let pool = Arc::new(SharedMapping::create("ucx-target", bytes, false)?);
+        {
+            let mut w = pool.write(0, bytes)?;
+            for (i, c) in w.chunks_mut(4096).enumerate() {
+                c.fill(i as u8);
+            }
         }
-    }
-    let mr = Arc::new(MemoryRegion::register(&ctx, Arc::clone(&pool))?);
+        Arc::new(MemoryRegion::register(&ctx, Arc::clone(&pool))?)
+    };
     let worker = Worker::new(&ctx)?;
     println!("{} {} {}", hex(&worker.address()?), mr.base(), hex(&mr.pack_rkey()?));
     std::io::stdout().flush()?;
@@ -121,9 +125,13 @@ fn raw_ucx(
     }
     let (addr, base, rkey) = (unhex(parts[0])?, parts[1].parse::<u64>()?, unhex(parts[2])?);
     let ctx = Context::new(&t)?;
-    let local = Arc::new(SharedMapping::create("ucx-init", pool_bytes, false)?);
-    local.write(0, pool_bytes)?.fill(1);
-    let mr = Arc::new(MemoryRegion::register(&ctx, local)?);
+    let mr = if std::env::var("KVMESH_BENCH_UCX_ALLOC").is_ok() {
+        Arc::new(MemoryRegion::allocate(&ctx, pool_bytes as usize)?)
+    } else {
+        let local = Arc::new(SharedMapping::create("ucx-init", pool_bytes, false)?);
+        local.write(0, pool_bytes)?.fill(1);
+        Arc::new(MemoryRegion::register(&ctx, local)?)
+    };
     let worker = Worker::new(&ctx)?;
     let ep = worker.connect(&addr, transport != "sm")?;
     let rk = ep.unpack_rkey(&rkey)?;

@@ -158,7 +158,10 @@ pub struct MemoryRegion {
     memh: sys::ucp_mem_h,
     base: usize,
     len: usize,
-    _backing: Arc<SharedMapping>,
+    /// Our pool when we registered it; `None` when UCX allocated the memory
+    /// (it is then unmapped by `ucp_mem_unmap`).
+    _backing: Option<Arc<SharedMapping>>,
+    sysv_id: Option<i32>,
 }
 
 // SAFETY: a memory handle is a context-level object (see Context's Send).
@@ -186,8 +189,56 @@ impl MemoryRegion {
             memh,
             base: mapping.base_addr(),
             len: mapping.len() as usize,
-            _backing: mapping,
+            _backing: Some(mapping),
+            sysv_id: None,
         })
+    }
+
+    /// Lets UCX allocate `len` bytes (the memory its shared-memory
+    /// transports can expose for true one-sided access). When UCX placed it
+    /// in a SysV segment, its id is reported ([`MemoryRegion::sysv_id`]) so
+    /// other processes can attach the same memory.
+    pub fn allocate(ctx: &Arc<Context>, len: usize) -> Result<MemoryRegion, UcxError> {
+        let params = sys::ucp_mem_map_params_t {
+            field_mask: (sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_ADDRESS
+                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_LENGTH
+                | sys::ucp_mem_map_params_field::UCP_MEM_MAP_PARAM_FIELD_FLAGS)
+                .0 as u64,
+            address: ptr::null_mut(),
+            length: len,
+            flags: sys::UCP_MEM_MAP_ALLOCATE as u32,
+            ..Default::default()
+        };
+        let mut memh: sys::ucp_mem_h = ptr::null_mut();
+        // SAFETY: with ALLOCATE and a NULL address UCX chooses and owns the
+        // memory; memh is an out-pointer.
+        check("ucp_mem_map(ALLOCATE)", unsafe { sys::ucp_mem_map(ctx.h, &params, &mut memh) })?;
+        let mut attr = sys::ucp_mem_attr_t {
+            field_mask: (sys::ucp_mem_attr_field::UCP_MEM_ATTR_FIELD_ADDRESS
+                | sys::ucp_mem_attr_field::UCP_MEM_ATTR_FIELD_LENGTH)
+                .0 as u64,
+            ..Default::default()
+        };
+        // SAFETY: memh is the handle just created; attr is an out-pointer.
+        if let Err(e) = check("ucp_mem_query", unsafe { sys::ucp_mem_query(memh, &mut attr) }) {
+            // SAFETY: unmapped once, on the context that mapped it.
+            unsafe { sys::ucp_mem_unmap(ctx.h, memh) };
+            return Err(e);
+        }
+        let base = attr.address as usize;
+        Ok(MemoryRegion {
+            ctx: Arc::clone(ctx),
+            memh,
+            base,
+            len: attr.length,
+            _backing: None,
+            sysv_id: sysv_id_of(base),
+        })
+    }
+
+    /// The SysV shared memory id of UCX-allocated memory, if it is one.
+    pub fn sysv_id(&self) -> Option<i32> {
+        self.sysv_id
     }
 
     /// Address of the first byte, as remote peers must name it.
@@ -225,6 +276,28 @@ impl Drop for MemoryRegion {
         // Requests using the region hold an Arc to it, so none is in flight.
         unsafe { sys::ucp_mem_unmap(self.ctx.h, self.memh) };
     }
+}
+
+/// The SysV segment id of the mapping starting at `base`, read from
+/// `/proc/self/maps` (a SysV mapping is named `/SYSV<key>` and its inode
+/// column is the shmid).
+fn sysv_id_of(base: usize) -> Option<i32> {
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    for line in maps.lines() {
+        let mut cols = line.split_whitespace();
+        let range = cols.next()?;
+        let start = usize::from_str_radix(range.split('-').next()?, 16).ok()?;
+        if start != base {
+            continue;
+        }
+        let inode = cols.nth(3)?; // perms, offset, dev, inode
+        let path = cols.next().unwrap_or("");
+        if path.starts_with("/SYSV") {
+            return inode.parse().ok();
+        }
+        return None;
+    }
+    None
 }
 
 /// A UCX worker: progress engine and endpoint factory. Single-threaded.
