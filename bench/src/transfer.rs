@@ -40,7 +40,7 @@ fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
 pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
     let t = transports_of(transport)?;
     let ctx = Context::new(&t)?;
-    let mr = if std::env::var("KVMESH_BENCH_UCX_ALLOC").is_ok() {
+    let mr = if transport == "sm" {
         Arc::new(MemoryRegion::allocate(&ctx, bytes as usize)?)
     } else {
         let pool = Arc::new(SharedMapping::create("ucx-target", bytes, false)?);
@@ -125,7 +125,7 @@ fn raw_ucx(
     }
     let (addr, base, rkey) = (unhex(parts[0])?, parts[1].parse::<u64>()?, unhex(parts[2])?);
     let ctx = Context::new(&t)?;
-    let mr = if std::env::var("KVMESH_BENCH_UCX_ALLOC").is_ok() {
+    let mr = if transport == "sm" {
         Arc::new(MemoryRegion::allocate(&ctx, pool_bytes as usize)?)
     } else {
         let local = Arc::new(SharedMapping::create("ucx-init", pool_bytes, false)?);

@@ -358,7 +358,14 @@ pub struct PutSummary {
     pub lost: u32,
 }
 
-fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, std::os::fd::OwnedFd)>), String> {
+/// How a pool reaches the client: a memfd to map, or a SysV segment id to
+/// attach.
+enum PoolHandle {
+    Memfd(std::os::fd::OwnedFd),
+    SysV(i32),
+}
+
+fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, PoolHandle)>), String> {
     use std::io::Write;
     let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| format!("connect: {e}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
@@ -367,12 +374,18 @@ fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, std::o
     let (n, fds) = kvmesh_ffi_os::fdpass::recv_fds(s.as_fd(), &mut buf, kvmesh_common::handshake::POOLS_MAX)
         .map_err(|e| format!("receive pool fds: {e}"))?;
     let (instance, table) = kvmesh_common::handshake::decode(&buf[..n], fds.len())?;
+    let mut fds = fds.into_iter();
     Ok((
         instance,
         table
             .into_iter()
-            .zip(fds)
-            .map(|(t, fd)| (pb::PoolInfo { index: t.pool, bytes: t.bytes, ..Default::default() }, fd))
+            .map(|t| {
+                let h = match t.sysv {
+                    Some(id) => PoolHandle::SysV(id),
+                    None => PoolHandle::Memfd(fds.next().expect("decode checked the fd count")),
+                };
+                (pb::PoolInfo { index: t.pool, bytes: t.bytes, ..Default::default() }, h)
+            })
             .collect(),
     ))
 }
@@ -442,7 +455,10 @@ impl Client {
             if full.bytes != info.bytes || full.index as usize != pools.len() {
                 return Err(bad(format!("pool {} described inconsistently", info.index)));
             }
-            let map = Arc::new(SharedMapping::map(fd, info.bytes)?);
+            let map = Arc::new(match fd {
+                PoolHandle::Memfd(fd) => SharedMapping::map(fd, info.bytes)?,
+                PoolHandle::SysV(id) => SharedMapping::attach_sysv(id, info.bytes)?,
+            });
             pools.push(PoolMap { map, info: full.clone() });
         }
         let (tx, rx) = mpsc::unbounded_channel();

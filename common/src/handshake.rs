@@ -2,8 +2,10 @@
 //!
 //! The engine socket speaks gRPC (HTTP/2), except on connections whose first
 //! bytes are [`FD_HANDSHAKE_MAGIC`]: on those the daemon answers with one
-//! message carrying the pools' memfds (SCM_RIGHTS) and a small table saying
-//! which fd is which pool, then closes. The client maps each memfd once.
+//! message carrying the pools' memfds (SCM_RIGHTS) and a table saying which
+//! pool each is, then closes. A pool UCX allocated (a SysV segment, for
+//! one-sided shared-memory reads between daemons) travels as its segment id
+//! instead of an fd. The client maps each pool once.
 
 /// First bytes a client sends to ask for the pool fds.
 pub const FD_HANDSHAKE_MAGIC: &[u8; 12] = b"KVMESH-FD/1\n";
@@ -11,29 +13,35 @@ pub const FD_HANDSHAKE_MAGIC: &[u8; 12] = b"KVMESH-FD/1\n";
 /// Most pools one daemon exposes (and so most fds in one handshake).
 pub const POOLS_MAX: usize = 16;
 
-/// One pool in the handshake table; the i-th entry names the i-th fd.
+/// One pool in the handshake table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolFd {
     /// Pool index, as in `Hello`.
     pub pool: u32,
-    /// Size of the memfd in bytes.
+    /// Size of the pool in bytes.
     pub bytes: u64,
+    /// `Some(shmid)`: attach this SysV segment; `None`: the next attached fd
+    /// (memfd) is this pool.
+    pub sysv: Option<i32>,
 }
 
+const HEAD: usize = 12;
+const ENTRY: usize = 16;
+
 /// Encodes the handshake table: pool count, daemon instance id, then one
-/// (pool, bytes) entry per attached fd.
+/// (pool, sysv id or -1, bytes) entry per pool, in pool order; memfds are
+/// attached in the order of the entries that have no SysV id.
 pub fn encode(instance: u64, pools: &[PoolFd]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(HEAD + 12 * pools.len());
+    let mut out = Vec::with_capacity(HEAD + ENTRY * pools.len());
     out.extend_from_slice(&(pools.len() as u32).to_le_bytes());
     out.extend_from_slice(&instance.to_le_bytes());
     for p in pools {
         out.extend_from_slice(&p.pool.to_le_bytes());
+        out.extend_from_slice(&p.sysv.unwrap_or(-1).to_le_bytes());
         out.extend_from_slice(&p.bytes.to_le_bytes());
     }
     out
 }
-
-const HEAD: usize = 12;
 
 /// Decodes the handshake table, checking it against the number of fds.
 /// Returns the daemon instance id and the table.
@@ -43,21 +51,25 @@ pub fn decode(buf: &[u8], fds: usize) -> Result<(u64, Vec<PoolFd>), String> {
     }
     let n = u32::from_le_bytes(buf[..4].try_into().expect("4 bytes")) as usize;
     let instance = u64::from_le_bytes(buf[4..12].try_into().expect("8 bytes"));
-    if n > POOLS_MAX || buf.len() != HEAD + 12 * n || n != fds {
-        return Err(format!("handshake reply names {n} pools in {} bytes with {fds} fds attached", buf.len()));
+    if n > POOLS_MAX || buf.len() != HEAD + ENTRY * n {
+        return Err(format!("handshake reply names {n} pools in {} bytes", buf.len()));
     }
-    Ok((
-        instance,
-        (0..n)
-            .map(|i| {
-                let b = &buf[HEAD + 12 * i..HEAD + 12 * (i + 1)];
-                PoolFd {
-                    pool: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
-                    bytes: u64::from_le_bytes(b[4..].try_into().expect("8 bytes")),
-                }
-            })
-            .collect(),
-    ))
+    let table: Vec<PoolFd> = (0..n)
+        .map(|i| {
+            let b = &buf[HEAD + ENTRY * i..HEAD + ENTRY * (i + 1)];
+            let id = i32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
+            PoolFd {
+                pool: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
+                sysv: (id >= 0).then_some(id),
+                bytes: u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
+            }
+        })
+        .collect();
+    let memfds = table.iter().filter(|p| p.sysv.is_none()).count();
+    if memfds != fds {
+        return Err(format!("handshake reply names {memfds} memfd pools with {fds} fds attached"));
+    }
+    Ok((instance, table))
 }
 
 #[cfg(test)]
@@ -66,7 +78,11 @@ mod tests {
 
     #[test]
     fn round_trip_and_mismatch() {
-        let t = [PoolFd { pool: 0, bytes: 1 << 28 }, PoolFd { pool: 3, bytes: 4096 }];
+        let t = [
+            PoolFd { pool: 0, bytes: 1 << 28, sysv: None },
+            PoolFd { pool: 3, bytes: 4096, sysv: Some(77) },
+            PoolFd { pool: 4, bytes: 8192, sysv: None },
+        ];
         let b = encode(42, &t);
         assert_eq!(decode(&b, 2).unwrap(), (42, t.to_vec()));
         assert!(decode(&b, 1).is_err());

@@ -61,6 +61,10 @@ pub struct PeerConfig {
     /// How blocks move: `get` (one-sided reads), `send` (the holder sends
     /// with tag-matched rendezvous), `auto` (send on tcp, get otherwise).
     pub transfer: String,
+    /// Who allocates the pools of a clustered daemon: `memfd` (the daemon),
+    /// `ucx` (UCX, so its shared-memory transports read them one-sided;
+    /// engines attach the SysV segment), `auto` (ucx with `sm`).
+    pub pool_alloc: String,
     /// Deadline of one remote fetch (query, transfer, validation).
     pub transfer_timeout_ms: u64,
     /// Lease of a read grant given to a peer.
@@ -78,6 +82,7 @@ impl Default for PeerConfig {
             listen: None,
             transports: "sm".into(),
             transfer: "auto".into(),
+            pool_alloc: "auto".into(),
             transfer_timeout_ms: 2_000,
             grant_lease_ms: 5_000,
             inflight_requests_max: 4096,
@@ -296,6 +301,10 @@ impl Config {
         match self.peer.transports.as_str() {
             "sm" | "tcp" | "all" => {}
             t => return Err(format!("peer.transports: {t:?} is not one of \"sm\", \"tcp\", \"all\"")),
+        }
+        match self.peer.pool_alloc.as_str() {
+            "auto" | "memfd" | "ucx" => {}
+            t => return Err(format!("peer.pool_alloc: {t:?} is not one of \"auto\", \"memfd\", \"ucx\"")),
         }
         match self.peer.transfer.as_str() {
             "auto" | "get" | "send" => {}

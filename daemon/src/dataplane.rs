@@ -150,16 +150,29 @@ impl DataPlane {
     pub fn start(transports: Transports, pools: &[Arc<SharedMapping>], limits: Limits) -> Result<DataPlane, String> {
         let ctx = Context::new(&transports).map_err(|e| format!("UCX context ({}): {e}", transports.tls()))?;
         let mut regions = Vec::new();
-        let mut local = Vec::new();
         for (i, p) in pools.iter().enumerate() {
-            let mr =
-                Arc::new(MemoryRegion::register(&ctx, Arc::clone(p)).map_err(|e| format!("register pool {i}: {e}"))?);
+            regions.push(Arc::new(
+                MemoryRegion::register(&ctx, Arc::clone(p)).map_err(|e| format!("register pool {i}: {e}"))?,
+            ));
+        }
+        DataPlane::start_with(ctx, regions, transports, limits)
+    }
+
+    /// Starts the thread on pools already known to UCX (registered, or
+    /// allocated by it), one region per pool in pool order.
+    pub fn start_with(
+        ctx: Arc<Context>,
+        regions: Vec<Arc<MemoryRegion>>,
+        transports: Transports,
+        limits: Limits,
+    ) -> Result<DataPlane, String> {
+        let mut local = Vec::new();
+        for (i, mr) in regions.iter().enumerate() {
             local.push(LocalPool {
                 index: i as u32,
                 base: mr.base(),
                 rkey: mr.pack_rkey().map_err(|e| e.to_string())?,
             });
-            regions.push(mr);
         }
         let wake = Arc::new(EventFd::new().map_err(|e| format!("eventfd: {e}"))?);
         let (tx, rx) = bounded::<Cmd>(COMMANDS_MAX);

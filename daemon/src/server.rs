@@ -198,9 +198,9 @@ async fn send_pool_fds(mut stream: UnixStream, store: &Arc<Mutex<Store>>) -> io:
         let st = store.lock();
         (st.instance_id, st.pools().iter().map(|p| (p.index, Arc::clone(&p.mapping))).collect())
     };
-    let table: Vec<PoolFd> = maps.iter().map(|(i, m)| PoolFd { pool: *i, bytes: m.len() }).collect();
+    let table: Vec<PoolFd> = maps.iter().map(|(i, m)| PoolFd { pool: *i, bytes: m.len(), sysv: m.sysv_id() }).collect();
     let payload = kvmesh_common::handshake::encode(instance, &table);
-    let fds: Vec<_> = maps.iter().map(|(_, m)| m.fd()).collect();
+    let fds: Vec<_> = maps.iter().filter_map(|(_, m)| m.fd()).collect();
     loop {
         stream.writable().await?;
         match stream.try_io(Interest::WRITABLE, || kvmesh_ffi_os::fdpass::send_fds(stream.as_fd(), &payload, &fds)) {
@@ -281,27 +281,71 @@ pub async fn run(
     let peer_cfg = cfg.peer.clone();
     let peer_entries = cfg.peers.clone();
     let node_id = cfg.node.id;
-    let store = Arc::new(Mutex::new(Store::new(cfg).map_err(|e| anyhow!("{e}"))?));
+    let cluster = peer_cfg.listen.is_some() || !peer_entries.is_empty();
+    let transports = match peer_cfg.transports.as_str() {
+        "sm" => kvmesh_ucx::Transports::SharedMemory,
+        "tcp" => kvmesh_ucx::Transports::Tcp,
+        _ => kvmesh_ucx::Transports::All,
+    };
+    // Pools of a clustered daemon on shared memory are allocated by UCX, so
+    // its sm transports can read them one-sided; engines attach them by
+    // SysV id. Elsewhere the daemon allocates memfds and registers them.
+    let ucx_alloc = cluster
+        && (peer_cfg.pool_alloc == "ucx"
+            || (peer_cfg.pool_alloc == "auto" && transports == kvmesh_ucx::Transports::SharedMemory));
+    let ctx = if cluster {
+        Some(kvmesh_ucx::Context::new(&transports).map_err(|e| anyhow!("UCX context ({}): {e}", transports.tls()))?)
+    } else {
+        None
+    };
+    let mut regions: Vec<Option<Arc<kvmesh_ucx::MemoryRegion>>> = vec![None; cfg.pools.len()];
+    let mut premade: Vec<Option<Arc<kvmesh_ffi_os::SharedMapping>>> = vec![None; cfg.pools.len()];
+    if let (true, Some(ctx)) = (ucx_alloc, &ctx) {
+        for i in 0..cfg.pools.len() {
+            let bytes = Store::pool_bytes(&cfg, i);
+            let mr = kvmesh_ucx::MemoryRegion::allocate(ctx, bytes as usize)
+                .map_err(|e| anyhow!("pool {}: UCX cannot allocate {bytes} bytes: {e}", cfg.pools[i].name))?;
+            match mr.sysv_id() {
+                Some(id) => {
+                    let m = kvmesh_ffi_os::SharedMapping::attach_sysv(id, bytes)
+                        .map_err(|e| anyhow!("pool {}: attach SysV segment {id}: {e}", cfg.pools[i].name))?;
+                    tracing::info!(pool = %cfg.pools[i].name, shmid = id, "pool allocated by UCX (one-sided shared-memory reads)");
+                    premade[i] = Some(Arc::new(m));
+                    regions[i] = Some(Arc::new(mr));
+                }
+                None => tracing::warn!(
+                    pool = %cfg.pools[i].name,
+                    "UCX did not place the pool in a SysV segment engines can attach; using a memfd pool"
+                ),
+            }
+        }
+    }
+    let store = Arc::new(Mutex::new(Store::with_mappings(cfg, premade).map_err(|e| anyhow!("{e}"))?));
     tracing::info!(socket = %path.display(), "kvmeshd listening");
 
     // Data plane and peers, when this daemon is part of a cluster.
     let mut peer_listener = None;
-    let peers = if peer_cfg.listen.is_some() || !peer_entries.is_empty() {
-        let transports = match peer_cfg.transports.as_str() {
-            "sm" => kvmesh_ucx::Transports::SharedMemory,
-            "tcp" => kvmesh_ucx::Transports::Tcp,
-            _ => kvmesh_ucx::Transports::All,
-        };
+    let peers = if let Some(ctx) = ctx {
         let (mappings, incarnation) = {
             let st = store.lock();
             (st.pools().iter().map(|p| Arc::clone(&p.mapping)).collect::<Vec<_>>(), st.instance_id)
         };
+        let mut regs = Vec::new();
+        for (i, m) in mappings.iter().enumerate() {
+            regs.push(match regions[i].take() {
+                Some(r) => r,
+                None => Arc::new(
+                    kvmesh_ucx::MemoryRegion::register(&ctx, Arc::clone(m))
+                        .map_err(|e| anyhow!("register pool {i}: {e}"))?,
+                ),
+            });
+        }
         let limits = crate::dataplane::Limits {
             inflight_requests_max: peer_cfg.inflight_requests_max as usize,
             inflight_bytes_max: peer_cfg.inflight_bytes_max,
         };
-        let dp =
-            crate::dataplane::DataPlane::start(transports.clone(), &mappings, limits).map_err(|e| anyhow!("{e}"))?;
+        let dp = crate::dataplane::DataPlane::start_with(ctx, regs, transports.clone(), limits)
+            .map_err(|e| anyhow!("{e}"))?;
         tracing::info!(transports = transports.tls(), "UCX data plane ready");
         if let Some(listen) = &peer_cfg.listen {
             let l = tokio::net::TcpListener::bind(listen)

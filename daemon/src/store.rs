@@ -359,15 +359,35 @@ pub fn unix_ms(deadline: Instant, now: Instant) -> u64 {
 impl Store {
     /// Creates the pools of `cfg` (allocating and prefaulting their memory).
     pub fn new(cfg: Config) -> Result<Store, Error> {
+        Store::with_mappings(cfg, Vec::new())
+    }
+
+    /// Bytes the mapping of pool `i` of `cfg` needs (whole slots).
+    pub fn pool_bytes(cfg: &Config, i: usize) -> u64 {
+        let p = &cfg.pools[i];
+        let stride = slot_stride(p.slot_payload_bytes);
+        (p.bytes / stride) * stride
+    }
+
+    /// Creates the store on mappings made elsewhere (e.g. pools UCX
+    /// allocated); pools without one get a fresh memfd.
+    pub fn with_mappings(cfg: Config, premade: Vec<Option<Arc<SharedMapping>>>) -> Result<Store, Error> {
         let mut pools = Vec::new();
         for (i, p) in cfg.pools.iter().enumerate() {
             let stride = slot_stride(p.slot_payload_bytes);
             let n = (p.bytes / stride) as u32;
-            let mapping = SharedMapping::create(&format!("kvmesh-{}", p.name), stride * n as u64, p.mlock)
-                .map_err(|e| Error::Internal(format!("pool {}: cannot allocate {} bytes: {e}", p.name, p.bytes)))?;
-            if p.mlock && !mapping.mlocked() {
-                tracing::warn!(pool = %p.name, "mlock failed (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); pool may be swapped");
-            }
+            let mapping = match premade.get(i).cloned().flatten() {
+                Some(m) => m,
+                None => {
+                    let m = SharedMapping::create(&format!("kvmesh-{}", p.name), stride * n as u64, p.mlock).map_err(
+                        |e| Error::Internal(format!("pool {}: cannot allocate {} bytes: {e}", p.name, p.bytes)),
+                    )?;
+                    if p.mlock && !m.mlocked() {
+                        tracing::warn!(pool = %p.name, "mlock failed (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); pool may be swapped");
+                    }
+                    Arc::new(m)
+                }
+            };
             let slots = (0..n)
                 .map(|_| Slot {
                     state: State::Free,
@@ -388,7 +408,7 @@ impl Store {
                 index: i as u32,
                 name: p.name.clone(),
                 device: p.device.clone(),
-                mapping: Arc::new(mapping),
+                mapping,
                 slot_payload_bytes: p.slot_payload_bytes,
                 stride,
                 slots,

@@ -109,9 +109,17 @@ impl Claims {
 pub struct SharedMapping {
     ptr: NonNull<u8>,
     len: usize,
-    fd: OwnedFd,
+    backing: Backing,
     mlocked: bool,
     claims: Mutex<Claims>,
+}
+
+/// What the mapping maps.
+enum Backing {
+    /// A memfd (mapped with mmap).
+    Memfd(OwnedFd),
+    /// A SysV shared memory segment (attached with shmat), by id.
+    SysV(i32),
 }
 
 // SAFETY: the mapping is plain memory valid for the life of the value; every
@@ -163,12 +171,68 @@ impl SharedMapping {
         // SAFETY: ptr/len describe the mapping just created; MADV_HUGEPAGE
         // does not change its contents or validity.
         let _ = unsafe { nix::sys::mman::madvise(ptr, len.get(), nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
-        Ok(SharedMapping { ptr: ptr.cast(), len: len.get(), fd, mlocked: false, claims: Mutex::new(Claims::default()) })
+        Ok(SharedMapping {
+            ptr: ptr.cast(),
+            len: len.get(),
+            backing: Backing::Memfd(fd),
+            mlocked: false,
+            claims: Mutex::new(Claims::default()),
+        })
+    }
+
+    /// Attaches the SysV shared memory segment `shmid` (at least `bytes`
+    /// long), read-write, and touches every page so later accesses do not
+    /// fault. Linux allows attaching a segment already marked for removal,
+    /// which is how UCX leaves the pools it allocates.
+    pub fn attach_sysv(shmid: i32, bytes: u64) -> Result<Self, ShmError> {
+        let len = NonZeroUsize::new(bytes as usize).ok_or(ShmError::Empty)?;
+        // SAFETY: an all-zero shmid_ds is a valid value for the kernel to fill.
+        let mut ds: libc::shmid_ds = unsafe { std::mem::zeroed() };
+        // SAFETY: IPC_STAT only writes into `ds`.
+        if unsafe { libc::shmctl(shmid, libc::IPC_STAT, &mut ds) } != 0 {
+            return Err(ShmError::Sys { call: "shmctl(IPC_STAT)", errno: nix::errno::Errno::last() });
+        }
+        if (ds.shm_segsz as u64) < bytes {
+            return Err(ShmError::OutOfBounds { offset: 0, len: bytes, size: ds.shm_segsz as u64 });
+        }
+        // SAFETY: attaching at an address of the kernel's choosing cannot
+        // overlap any Rust object; the segment stays attached until Drop.
+        let p = unsafe { libc::shmat(shmid, std::ptr::null(), 0) };
+        if p as isize == -1 {
+            return Err(ShmError::Sys { call: "shmat", errno: nix::errno::Errno::last() });
+        }
+        let ptr = NonNull::new(p as *mut u8).ok_or(ShmError::Empty)?;
+        let m = SharedMapping {
+            ptr,
+            len: len.get(),
+            backing: Backing::SysV(shmid),
+            mlocked: false,
+            claims: Mutex::new(Claims::default()),
+        };
+        // Prefault: read one byte of every page (reads keep the contents).
+        let mut acc = 0u8;
+        for off in (0..m.len).step_by(4096) {
+            // SAFETY: off < len, inside the attached segment.
+            acc ^= unsafe { std::ptr::read_volatile(m.ptr.as_ptr().add(off)) };
+        }
+        std::hint::black_box(acc);
+        Ok(m)
+    }
+
+    /// The SysV segment id, when the mapping is one.
+    pub fn sysv_id(&self) -> Option<i32> {
+        match self.backing {
+            Backing::SysV(id) => Some(id),
+            Backing::Memfd(_) => None,
+        }
     }
 
     /// The memfd (to send to engines).
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    pub fn fd(&self) -> Option<BorrowedFd<'_>> {
+        match &self.backing {
+            Backing::Memfd(fd) => Some(fd.as_fd()),
+            Backing::SysV(_) => None,
+        }
     }
 
     /// Size of the mapping in bytes.
@@ -229,9 +293,17 @@ impl SharedMapping {
 
 impl Drop for SharedMapping {
     fn drop(&mut self) {
-        // SAFETY: no region outlives the mapping (each holds an Arc to it),
-        // so nothing references these bytes any more.
-        let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+        match self.backing {
+            Backing::Memfd(_) => {
+                // SAFETY: no region outlives the mapping (each holds an Arc
+                // to it), so nothing references these bytes any more.
+                let _ = unsafe { munmap(self.ptr.cast(), self.len) };
+            }
+            Backing::SysV(_) => {
+                // SAFETY: as above; the address came from shmat.
+                let _ = unsafe { libc::shmdt(self.ptr.as_ptr() as *const libc::c_void) };
+            }
+        }
     }
 }
 
@@ -303,7 +375,7 @@ mod tests {
     #[test]
     fn two_mappings_of_one_memfd_share_bytes() {
         let a = Arc::new(SharedMapping::create("kvmesh-test", 1 << 20, false).unwrap());
-        let fd = a.fd().try_clone_to_owned().unwrap();
+        let fd = a.fd().unwrap().try_clone_to_owned().unwrap();
         let b = Arc::new(SharedMapping::map(fd, 1 << 20).unwrap());
         a.copy_in(4096, b"hello").unwrap();
         let mut out = [0u8; 5];

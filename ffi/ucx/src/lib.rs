@@ -206,7 +206,7 @@ impl MemoryRegion {
                 .0 as u64,
             address: ptr::null_mut(),
             length: len,
-            flags: sys::UCP_MEM_MAP_ALLOCATE as u32,
+            flags: sys::UCP_MEM_MAP_ALLOCATE,
             ..Default::default()
         };
         let mut memh: sys::ucp_mem_h = ptr::null_mut();
@@ -226,6 +226,13 @@ impl MemoryRegion {
             return Err(e);
         }
         let base = attr.address as usize;
+        // Prefault UCX's mapping (peers' one-sided reads and our receives go
+        // through it): touch every page once now, not on the data path.
+        for off in (0..attr.length).step_by(4096) {
+            // SAFETY: base..base+length is the live allocation UCX just made
+            // for us; a volatile read of one byte per page changes nothing.
+            unsafe { std::ptr::read_volatile((base + off) as *const u8) };
+        }
         Ok(MemoryRegion {
             ctx: Arc::clone(ctx),
             memh,
