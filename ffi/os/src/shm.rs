@@ -384,6 +384,25 @@ mod tests {
     }
 
     #[test]
+    fn sysv_segment_attaches_twice_and_shares_bytes() {
+        // SAFETY: creating a private segment has no preconditions.
+        let id = unsafe { libc::shmget(libc::IPC_PRIVATE, 1 << 20, libc::IPC_CREAT | 0o600) };
+        assert!(id >= 0, "shmget: {}", std::io::Error::last_os_error());
+        let a = Arc::new(SharedMapping::attach_sysv(id, 1 << 20).unwrap());
+        // Marked for removal, as UCX leaves its pools: still attachable on Linux.
+        // SAFETY: IPC_RMID on our own segment; a null buffer is allowed.
+        unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+        let b = Arc::new(SharedMapping::attach_sysv(id, 1 << 20).unwrap());
+        assert_eq!(a.sysv_id(), Some(id));
+        assert!(a.fd().is_none());
+        a.copy_in(777, b"sysv").unwrap();
+        let mut out = [0u8; 4];
+        b.copy_out(777, &mut out).unwrap();
+        assert_eq!(&out, b"sysv");
+        assert!(matches!(SharedMapping::attach_sysv(id, 2 << 20), Err(ShmError::OutOfBounds { .. })));
+    }
+
+    #[test]
     fn claims_forbid_aliasing() {
         let m = Arc::new(SharedMapping::create("kvmesh-test", 8192, false).unwrap());
         let r1 = m.read(0, 100).unwrap();
