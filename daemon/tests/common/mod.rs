@@ -123,7 +123,8 @@ pub fn free_port() -> u16 {
 /// Config of one member of a cluster of daemons on loopback.
 pub fn peer_config(id: u32, ports: &[u16], transports: &str, pools: &str) -> String {
     let mut s = format!(
-        "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"{transports}\"\n{pools}",
+        "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"{transports}\"\n\
+         transfer_timeout_ms = 10000\ngrant_lease_ms = 30000\n{pools}",
         ports[id as usize - 1]
     );
     for (i, p) in ports.iter().enumerate() {
