@@ -423,6 +423,14 @@ mod tests {
             (&format!("[limits]\nlease_ms_default = 10\nlease_ms_max = 5\n{pool}"), "limits.lease_ms_default"),
             (&format!("[eviction]\nhigh_watermark = 0.5\nlow_watermark = 0.9\n{pool}"), "low_watermark"),
             (&format!("[server]\nsockett = \"/x\"\n{pool}"), "sockett"),
+            (&format!("[peer]\ntransports = \"rdma\"\n{pool}"), "peer.transports"),
+            (&format!("[peer]\ntransfer = \"push\"\n{pool}"), "peer.transfer"),
+            (&format!("[peer]\npool_alloc = \"huge\"\n{pool}"), "peer.pool_alloc"),
+            (&format!("[peer]\nlisten = \"localhost\"\n{pool}"), "peer.listen"),
+            (&format!("[peer]\ngrant_lease_ms = 100\ntransfer_timeout_ms = 200\n{pool}"), "peer.grant_lease_ms"),
+            (&format!("[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n{pool}"), "this node's own id"),
+            (&format!("[[peers]]\nid = 2\naddr = \"nowhere\"\n{pool}"), "peers[0].addr"),
+            (&format!("[[peers]]\nid = 2\naddr = \"127.0.0.1:1\"\n[[peers]]\nid = 2\naddr = \"127.0.0.1:2\"\n{pool}"), "duplicate peer id"),
         ];
         for (text, want) in cases {
             let e = Config::parse(text, "test.toml").unwrap_err();
