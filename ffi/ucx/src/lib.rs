@@ -456,18 +456,7 @@ impl<'w> Endpoint<'w> {
         if offset.checked_add(len).is_none_or(|end| end > dst.len) {
             return Err(UcxError { call: "ucp_get_nbx", code: 0, message: "destination outside region".into() });
         }
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: 0,
-            flags: 0,
-            request: ptr::null_mut(),
-            cb: Default::default(),
-            datatype: 0,
-            user_data: ptr::null_mut(),
-            reply_buffer: ptr::null_mut(),
-            memory_type: 0,
-            recv_info: Default::default(),
-            memh: ptr::null_mut(),
-        };
+        let param = empty_param();
         // SAFETY: the destination lies inside a registered region that the
         // returned Request keeps alive until completion; rkey belongs to this
         // endpoint; without a callback UCX returns a request to poll.
@@ -526,14 +515,7 @@ impl Drop for Endpoint<'_> {
         let param = sys::ucp_request_param_t {
             op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
             flags: if self.peer_failure { sys::ucp_ep_close_flags_t_UCP_EP_CLOSE_FLAG_FORCE } else { 0 },
-            request: ptr::null_mut(),
-            cb: Default::default(),
-            datatype: 0,
-            user_data: ptr::null_mut(),
-            reply_buffer: ptr::null_mut(),
-            memory_type: 0,
-            recv_info: Default::default(),
-            memh: ptr::null_mut(),
+            ..empty_param()
         };
         // SAFETY: the endpoint is closed exactly once; a forced close fails
         // its outstanding requests instead of waiting for the peer.
