@@ -430,7 +430,12 @@ mod tests {
             (&format!("[peer]\ngrant_lease_ms = 100\ntransfer_timeout_ms = 200\n{pool}"), "peer.grant_lease_ms"),
             (&format!("[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n{pool}"), "this node's own id"),
             (&format!("[[peers]]\nid = 2\naddr = \"nowhere\"\n{pool}"), "peers[0].addr"),
-            (&format!("[[peers]]\nid = 2\naddr = \"127.0.0.1:1\"\n[[peers]]\nid = 2\naddr = \"127.0.0.1:2\"\n{pool}"), "duplicate peer id"),
+            (
+                &format!(
+                    "[[peers]]\nid = 2\naddr = \"127.0.0.1:1\"\n[[peers]]\nid = 2\naddr = \"127.0.0.1:2\"\n{pool}"
+                ),
+                "duplicate peer id",
+            ),
         ];
         for (text, want) in cases {
             let e = Config::parse(text, "test.toml").unwrap_err();
