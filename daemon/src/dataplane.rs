@@ -91,22 +91,9 @@ pub struct PeerAddr {
 }
 
 enum Cmd {
-    Connect {
-        peer: PeerAddr,
-        reply: oneshot::Sender<Result<String, String>>,
-    },
-    Transfer {
-        id: u64,
-        mode: Mode,
-        peer: u32,
-        incarnation: u64,
-        items: Vec<TransferItem>,
-        deadline: Instant,
-        reply: Completions,
-    },
-    Cancel {
-        id: u64,
-    },
+    Connect { peer: PeerAddr, reply: oneshot::Sender<Result<String, String>> },
+    Transfer(Pending),
+    Cancel { id: u64 },
     Shutdown,
 }
 
@@ -261,7 +248,7 @@ impl DataPlane {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
-        if let Err(e) = self.send(Cmd::Transfer { id, mode, peer, incarnation, items, deadline, reply }) {
+        if let Err(e) = self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, deadline, reply })) {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
@@ -356,9 +343,7 @@ fn run(
                     });
                     let _ = reply.send(r);
                 }
-                Ok(Cmd::Transfer { id, mode, peer, incarnation, items, deadline, reply }) => {
-                    queue.push_back(Pending { id, mode, peer, incarnation, items, deadline, reply });
-                }
+                Ok(Cmd::Transfer(p)) => queue.push_back(p),
                 Ok(Cmd::Cancel { id }) => {
                     for f in inflight.iter_mut().filter(|f| f.id == id) {
                         for r in f.reqs.iter_mut().flatten() {

@@ -866,20 +866,23 @@ impl Node {
             }
             return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Busy, copy });
         }
-        let old_version = e.version;
-        let holders: Vec<NodeId> = e.holders.keys().copied().collect();
+        self.start_change(key, ChangeKind::Overwrite { writer: w, op, checksum, copy });
+    }
+
+    /// Starts a change of `key` (which must have a directory entry): every
+    /// registered holder is sent an invalidation; the change completes when
+    /// all have acked (at once when there are none).
+    fn start_change(&mut self, key: BlockKey, kind: ChangeKind) {
         let now = self.now;
         self.next_change += 1;
         let id = self.next_change;
-        e.change = Some(Change {
-            id,
-            kind: ChangeKind::Overwrite { writer: w, op, checksum, copy },
-            old_version,
-            waiting: holders.iter().map(|&h| (h, now)).collect(),
-            started: now,
-        });
-        for h in &holders {
-            self.send(*h, Msg::Invalidate { key, version: old_version, change: id });
+        let e = self.dir.get_mut(&key).expect("a change needs a directory entry");
+        let old_version = e.version;
+        let holders: Vec<NodeId> = e.holders.keys().copied().collect();
+        e.change =
+            Some(Change { id, kind, old_version, waiting: holders.iter().map(|&h| (h, now)).collect(), started: now });
+        for &h in &holders {
+            self.send(h, Msg::Invalidate { key, version: old_version, change: id });
         }
         if holders.is_empty() || self.cfg.bug == Some(Bug::SkipAckWait) {
             self.complete_change(key);
@@ -1038,24 +1041,7 @@ impl Node {
         if e.holders.is_empty() {
             return self.send(r, Msg::InvalidateResp { op, key, ok: true });
         }
-        let holders: Vec<NodeId> = e.holders.keys().copied().collect();
-        let now = self.now;
-        self.next_change += 1;
-        let id = self.next_change;
-        e.change = Some(Change {
-            id,
-            kind: ChangeKind::Invalidate { requester: r, op },
-            old_version: e.version,
-            waiting: holders.iter().map(|&h| (h, now)).collect(),
-            started: now,
-        });
-        let version = e.version;
-        for h in holders {
-            self.send(h, Msg::Invalidate { key, version, change: id });
-        }
-        if self.cfg.bug == Some(Bug::SkipAckWait) {
-            self.complete_change(key);
-        }
+        self.start_change(key, ChangeKind::Invalidate { requester: r, op });
     }
 
     fn on_locate_req(&mut self, r: NodeId, op: OpId, key: BlockKey) {
