@@ -151,16 +151,21 @@ impl Peers {
     }
 
     async fn ensure(&self, p: &PeerState) -> bool {
-        let mut g = p.conn.lock().await;
-        if g.is_some() {
+        if p.conn.lock().await.is_some() {
             return true;
         }
-        if Instant::now() < *p.retry_at.lock() {
-            return false;
+        // Claim this attempt (no concurrent handshakes with one peer), and
+        // never hold the connection lock while a handshake may hang.
+        {
+            let mut retry = p.retry_at.lock();
+            if Instant::now() < *retry {
+                return false;
+            }
+            *retry = Instant::now() + CONTROL_TIMEOUT + Duration::from_millis(500);
         }
         match self.handshake(&p.entry).await {
             Ok(c) => {
-                *g = Some(c);
+                *p.conn.lock().await = Some(c);
                 true
             }
             Err(e) => {
@@ -490,9 +495,9 @@ impl Peers {
         stride: u64,
         payload_cap: u64,
     ) -> Option<Vec<pb::Grant>> {
-        if !self.ensure(p).await {
-            return None;
-        }
+        // Only peers already connected are asked: connecting (and waiting
+        // out an unreachable peer) is the background task's job, never an
+        // engine call's.
         let (mut client, inc, compatible) = {
             let g = p.conn.lock().await;
             let c = g.as_ref()?;

@@ -198,3 +198,25 @@ async fn killed_peer_gives_explicit_outcomes_sm() {
 async fn killed_peer_gives_explicit_outcomes_tcp() {
     killed_peer("tcp").await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_peer_never_slows_a_miss() {
+    // B's peer accepts TCP connections but never answers (a hung host): a
+    // handshake with it can only time out.
+    let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let ports = [blackhole.local_addr().unwrap().port(), free_port()];
+    let b = Daemon::start("lonely-b", &peer_config(2, &ports, "tcp", &pools()));
+    let cb = b.client().await;
+    let (sb, _) = namespaces(&cb).await;
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        let got = cb.pin(&sb, &[Key(1), Key(2)]).await.unwrap();
+        assert!(got.iter().all(|g| g.is_none()));
+        assert!(t0.elapsed() < Duration::from_millis(500), "a miss waited {:?} on an unreachable peer", t0.elapsed());
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let s = cb.stats().await.unwrap();
+    assert_eq!(s.peers_connected, 0);
+    assert_eq!(s.remote_fetched, 0);
+    drop(blackhole);
+}
