@@ -150,9 +150,8 @@ impl SharedMapping {
     /// read-write and prefaulted.
     pub fn map(fd: OwnedFd, bytes: u64) -> Result<Self, ShmError> {
         let len = NonZeroUsize::new(bytes as usize).ok_or(ShmError::Empty)?;
-        // SAFETY: a fresh mapping at an address of the kernel's choosing
-        // cannot overlap any Rust object; the fd stays open in `self` for the
-        // life of the mapping; the mapping is unmapped only in Drop.
+        // Fresh mapping at a kernel-chosen address; the fd lives in `self`.
+        // SAFETY: it overlaps no Rust object and is unmapped only in Drop.
         let ptr = unsafe {
             mmap(
                 None,
@@ -317,9 +316,8 @@ pub struct ReadRegion {
 impl Deref for ReadRegion {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: the range was bounds-checked and claimed for reading, so no
-        // `&mut` to it exists in this process while `self` lives; the pin
-        // protocol keeps other processes from writing a pinned range.
+        // (Other processes do not write a pinned range: the pin protocol.)
+        // SAFETY: bounds-checked and claimed for reading: no `&mut` to it exists here.
         unsafe { std::slice::from_raw_parts(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
     }
 }
@@ -355,9 +353,8 @@ impl Deref for WriteRegion {
 
 impl DerefMut for WriteRegion {
     fn deref_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `deref`; `&mut self` makes this the only live
-        // reference derived from the claim. Other processes do not touch a
-        // range allocated to this writer (pin protocol).
+        // (Other processes do not touch a range allocated to this writer.)
+        // SAFETY: claimed exclusively and `&mut self`: the only live reference to it.
         unsafe { std::slice::from_raw_parts_mut(self.map.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
     }
 }

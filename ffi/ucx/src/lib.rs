@@ -382,11 +382,10 @@ impl Worker {
             return Err(UcxError { call: "ucp_tag_recv_nbx", code: 0, message: "destination outside region".into() });
         }
         let param = empty_param();
-        // SAFETY: the destination lies inside a registered region that the
-        // returned Request keeps alive until completion (a dropped request
-        // is cancelled and waited for).
-        let p =
-            unsafe { sys::ucp_tag_recv_nbx(self.h, (dst.base + offset) as *mut c_void, len, tag, u64::MAX, &param) };
+        let dst_ptr = (dst.base + offset) as *mut c_void;
+        // SAFETY: dst_ptr..+len lies in a registered region the Request keeps alive until
+        // completion (a dropped request is cancelled and waited for).
+        let p = unsafe { sys::ucp_tag_recv_nbx(self.h, dst_ptr, len, tag, u64::MAX, &param) };
         Request::from_status_ptr("ucp_tag_recv_nbx", p, self, Some(Arc::clone(dst)))
     }
 
@@ -457,11 +456,10 @@ impl<'w> Endpoint<'w> {
             return Err(UcxError { call: "ucp_get_nbx", code: 0, message: "destination outside region".into() });
         }
         let param = empty_param();
-        // SAFETY: the destination lies inside a registered region that the
-        // returned Request keeps alive until completion; rkey belongs to this
-        // endpoint; without a callback UCX returns a request to poll.
-        let p =
-            unsafe { sys::ucp_get_nbx(self.h, (dst.base + offset) as *mut c_void, len, remote_addr, rkey.h, &param) };
+        let dst_ptr = (dst.base + offset) as *mut c_void;
+        // SAFETY: dst_ptr..+len lies in a registered region the Request keeps alive until
+        // completion; rkey belongs to this endpoint; no callback, so UCX returns a request.
+        let p = unsafe { sys::ucp_get_nbx(self.h, dst_ptr, len, remote_addr, rkey.h, &param) };
         Request::from_status_ptr("ucp_get_nbx", p, self.worker, Some(Arc::clone(dst)))
     }
 
@@ -478,10 +476,10 @@ impl<'w> Endpoint<'w> {
             return Err(UcxError { call: "ucp_tag_send_nbx", code: 0, message: "source outside region".into() });
         }
         let param = empty_param();
-        // SAFETY: the source lies inside a registered region that the
-        // returned Request keeps alive until completion; no callback, so UCX
-        // returns a request to poll.
-        let p = unsafe { sys::ucp_tag_send_nbx(self.h, (src.base + offset) as *const c_void, len, tag, &param) };
+        let src_ptr = (src.base + offset) as *const c_void;
+        // SAFETY: src_ptr..+len lies in a registered region the Request keeps alive until
+        // completion; no callback, so UCX returns a request to poll.
+        let p = unsafe { sys::ucp_tag_send_nbx(self.h, src_ptr, len, tag, &param) };
         Request::from_status_ptr("ucp_tag_send_nbx", p, self.worker, Some(Arc::clone(src)))
     }
 
