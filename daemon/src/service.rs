@@ -143,11 +143,9 @@ impl pb::engine_server::Engine for EngineService {
         if let Some(peers) = self.peers.as_ref().filter(|p| p.any()) {
             // Fetch what this node misses from its peers first.
             let (ns, missing) = {
-                let mut st = self.store.lock();
+                let st = self.store.lock();
                 let ns = st.namespace_info(r.namespace_id)?;
-                let (present, _) = st.lookup(r.namespace_id, &ks)?;
-                let missing: Vec<kvmesh_common::Key> =
-                    ks.iter().zip(present).filter(|(_, p)| !p).map(|(k, _)| *k).collect();
+                let missing = st.missing(r.namespace_id, &ks)?;
                 (ns, missing)
             };
             if !missing.is_empty() {

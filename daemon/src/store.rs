@@ -539,16 +539,22 @@ impl Store {
     ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
         let session = PEER_SESSION_BASE + peer as u64;
         self.sessions.entry(session).or_default();
-        let mut out = Vec::with_capacity(blocks.len());
+        // One pin call (so one lease) per namespace in the request.
+        let mut by_ns: HashMap<u32, (Vec<usize>, Vec<Key>)> = HashMap::default();
+        for (i, &(fp, key)) in blocks.iter().enumerate() {
+            if let Some(&ns) = self.ns_by_fingerprint.get(&fp) {
+                let e = by_ns.entry(ns).or_default();
+                e.0.push(i);
+                e.1.push(key);
+            }
+        }
+        let mut out = vec![None; blocks.len()];
         let mut deadline = now;
-        for &(fp, key) in blocks {
-            match self.ns_by_fingerprint.get(&fp).copied() {
-                None => out.push(None),
-                Some(ns) => {
-                    let (mut r, d) = self.pin(session, ns, &[key], lease_ms, false, now)?;
-                    deadline = d;
-                    out.push(r.pop().flatten());
-                }
+        for (ns, (idx, keys)) in by_ns {
+            let (r, d) = self.pin(session, ns, &keys, lease_ms, false, now)?;
+            deadline = d;
+            for (i, o) in idx.into_iter().zip(r) {
+                out[i] = o;
             }
         }
         self.counters.grants_given += out.iter().flatten().count() as u64;
@@ -623,6 +629,14 @@ impl Store {
     fn valid_slot(&self, ns: u32, key: Key) -> Option<(u32, u32)> {
         let &(p, s) = self.index.get(&(ns, key))?;
         (self.pools[p as usize].slots[s as usize].state == State::Valid).then_some((p, s))
+    }
+
+    /// The keys not cached here (no counters touched: a probe before a
+    /// remote fetch, not an engine lookup).
+    pub fn missing(&self, ns: u32, keys: &[Key]) -> Result<Vec<Key>, Error> {
+        self.namespace(ns)?;
+        self.check_batch(keys.len())?;
+        Ok(keys.iter().copied().filter(|&k| self.valid_slot(ns, k).is_none()).collect())
     }
 
     /// Per-key presence and the longest present prefix.

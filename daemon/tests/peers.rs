@@ -70,6 +70,7 @@ async fn remote_round_trip(transports: &str) {
     let sb_stats = cb.stats().await.unwrap();
     assert_eq!(sb_stats.remote_fetched, 1000, "{sb_stats:?}");
     assert_eq!(sb_stats.remote_validation_failures, 0);
+    assert_eq!(sb_stats.lookups, 0, "probing for misses before a fetch is not an engine lookup");
     // Second read: local hits, no new fetch.
     let again = cb.pin(&sb, &small[..10]).await.unwrap();
     assert!(again.iter().all(|b| b.is_some()));
