@@ -147,57 +147,31 @@ struct SimNode {
 
 #[derive(Debug)]
 enum Ev {
-    Deliver {
-        to: NodeId,
-        from: NodeId,
-        batch: Batch,
-    },
-    Tick {
-        node: NodeId,
-    },
+    Deliver { to: NodeId, from: NodeId, batch: Batch },
+    Tick { node: NodeId },
     ClientOp,
-    ReadExec {
-        reader: NodeId,
-        reader_inc: u64,
-        op: OpId,
-        holder: NodeId,
-        holder_inc: u64,
-        remote: SlotRef,
-        deadline_real: u64,
-    },
-    TransferDone {
-        reader: NodeId,
-        reader_inc: u64,
-        op: OpId,
-        result: Result<Cell, TransferError>,
-    },
-    KeepAlive {
-        node: NodeId,
-        inc: u64,
-        sent_at: u64,
-    },
-    KeepAliveAck {
-        node: NodeId,
-        inc: u64,
-        sent_at: u64,
-        view: View,
-    },
+    ReadExec(Read),
+    TransferDone { reader: NodeId, reader_inc: u64, op: OpId, result: Result<Cell, TransferError> },
+    KeepAlive { node: NodeId, inc: u64, sent_at: u64 },
+    KeepAliveAck { node: NodeId, inc: u64, sent_at: u64, view: View },
     OracleCheck,
-    Unpin {
-        node: NodeId,
-        inc: u64,
-        slot: SlotRef,
-    },
-    Crash {
-        node: NodeId,
-    },
-    Restart {
-        node: NodeId,
-    },
-    Isolate {
-        node: NodeId,
-        until: u64,
-    },
+    Unpin { node: NodeId, inc: u64, slot: SlotRef },
+    Crash { node: NodeId },
+    Restart { node: NodeId },
+    Isolate { node: NodeId, until: u64 },
+}
+
+/// A one-sided read the simulated NIC will execute.
+#[derive(Debug)]
+struct Read {
+    reader: NodeId,
+    reader_inc: u64,
+    op: OpId,
+    holder: NodeId,
+    holder_inc: u64,
+    remote: SlotRef,
+    /// Real time until which the reader trusts its grant.
+    deadline_real: u64,
 }
 
 struct Queued {
@@ -445,7 +419,15 @@ impl World {
                 let holder_inc = self.granted_by.get(&(from, remote)).copied().unwrap_or(0);
                 self.push(
                     d,
-                    Ev::ReadExec { reader: n, reader_inc: inc, op, holder: from, holder_inc, remote, deadline_real },
+                    Ev::ReadExec(Read {
+                        reader: n,
+                        reader_inc: inc,
+                        op,
+                        holder: from,
+                        holder_inc,
+                        remote,
+                        deadline_real,
+                    }),
                 );
             }
             Action::CommitSlot { slot, meta } => {
@@ -578,17 +560,8 @@ impl World {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn read_exec(
-        &mut self,
-        reader: NodeId,
-        reader_inc: u64,
-        op: OpId,
-        holder: NodeId,
-        holder_inc: u64,
-        remote: SlotRef,
-        deadline_real: u64,
-    ) {
+    fn read_exec(&mut self, r: Read) {
+        let Read { reader, reader_inc, op, holder, holder_inc, remote, deadline_real } = r;
         let ok = self.reachable(holder)
             && self.nodes[holder as usize].incarnation == holder_inc
             && self.reachable(reader)
@@ -785,9 +758,7 @@ impl World {
                     self.push(d, Ev::ClientOp);
                 }
             }
-            Ev::ReadExec { reader, reader_inc, op, holder, holder_inc, remote, deadline_real } => {
-                self.read_exec(reader, reader_inc, op, holder, holder_inc, remote, deadline_real)
-            }
+            Ev::ReadExec(r) => self.read_exec(r),
             Ev::TransferDone { reader, reader_inc, op, result } => self.transfer_done(reader, reader_inc, op, result),
             Ev::KeepAlive { node, inc, sent_at } => self.keepalive(node, inc, sent_at),
             Ev::KeepAliveAck { node, inc, sent_at, view } => {

@@ -329,9 +329,10 @@ async fn bad_requests_get_clear_errors() {
     assert!(e.to_string().contains("is 100 bytes"), "{e}");
     let mut small = vec![0u8; 10];
     assert_eq!(c.get_into(&ns, &[Key(1)], &mut small).await.unwrap_err().code(), tonic::Code::InvalidArgument);
-    // Unpin/abort/commit of things never held are counted, not errors.
+    // None of the refused calls left a pin or an allocation behind.
     let s = c.stats().await.unwrap();
     assert_eq!(s.pins_outstanding, 0);
+    assert_eq!(s.allocations_outstanding, 0);
     // The daemon is still healthy.
     c.put(&ns, &[(Key(1), &[3u8; 4096][..])]).await.unwrap();
 }
