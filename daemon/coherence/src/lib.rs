@@ -12,10 +12,12 @@
 //! each invariant holds are described in `docs/COHERENCE.md`.
 #![forbid(unsafe_code)]
 
+mod codec;
 mod metrics;
 mod msg;
 mod node;
 
+pub use codec::{CODEC_VERSION, DECODE_ENTRIES_MAX, DecodeError};
 pub use metrics::{Histogram, Metrics};
 pub use msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
 pub use node::{DirView, Node, Trace};
