@@ -337,16 +337,37 @@ pub enum Allocation {
 }
 
 /// Outcome of a commit for one block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum CommitOutcome {
-    /// Stored; the checksum the daemon computed.
-    Committed(u64),
+    /// Stored; the checksum the daemon computed and the version the block is
+    /// visible at.
+    Committed {
+        /// xxh3-64 of the payload.
+        checksum: u64,
+        /// Version assigned (by the key's home daemon in a cluster).
+        version: u64,
+    },
     /// The allocation had expired or was unknown: not stored.
     Lost,
+    /// The cluster refused to publish it (another write or invalidation of
+    /// the key in progress, daemon not a serving member, timeout): not
+    /// stored. The reason, for logs.
+    Refused(String),
+}
+
+/// Summary of [`Client::invalidate`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InvalidateSummary {
+    /// Keys no daemon serves the old version of any more.
+    pub invalidated: u64,
+    /// Keys whose invalidation did not complete before the deadline.
+    pub failed: u64,
+    /// The first failure.
+    pub first_error: String,
 }
 
 /// Summary of [`Client::put`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PutSummary {
     /// Blocks written and committed.
     pub stored: u32,
@@ -356,6 +377,10 @@ pub struct PutSummary {
     pub in_progress: u32,
     /// Allocations lost before commit (lease expired).
     pub lost: u32,
+    /// Blocks the cluster refused to publish (see `CommitOutcome::Refused`).
+    pub refused: u32,
+    /// Why the first refused block was refused.
+    pub first_refusal: Option<String>,
 }
 
 /// How a pool reaches the client: a memfd to map, or a SysV segment id to
@@ -647,8 +672,26 @@ impl Client {
 
     /// As [`Client::allocate`] with an explicit lease (0: daemon default).
     pub async fn allocate_with_lease(&self, ns: &Namespace, keys: &[Key], lease_ms: u64) -> Result<Vec<Allocation>> {
+        self.allocate_inner(ns, keys, lease_ms, false).await
+    }
+
+    /// Put of a new version of mutable keys, phase one: reserves a slot per
+    /// key even when the key is cached. The commit publishes the new
+    /// version; when it returns, no daemon of the cluster serves an older
+    /// one.
+    pub async fn allocate_overwrite(&self, ns: &Namespace, keys: &[Key]) -> Result<Vec<Allocation>> {
+        self.allocate_inner(ns, keys, 0, true).await
+    }
+
+    async fn allocate_inner(
+        &self,
+        ns: &Namespace,
+        keys: &[Key],
+        lease_ms: u64,
+        overwrite: bool,
+    ) -> Result<Vec<Allocation>> {
         self.check_batch(keys.len())?;
-        let r = pb::AllocateRequest { namespace_id: ns.id, keys: pb_keys(keys), lease_ms };
+        let r = pb::AllocateRequest { namespace_id: ns.id, keys: pb_keys(keys), lease_ms, overwrite };
         let resp = self.rpc().allocate(r).await?.into_inner();
         if resp.allocations.len() != keys.len() {
             return Err(ClientError::Protocol("allocate answered a different number of keys".into()));
@@ -702,11 +745,36 @@ impl Client {
         Ok(resp
             .status
             .iter()
-            .zip(resp.checksums.iter().chain(std::iter::repeat(&0)))
-            .map(|(&s, &c)| {
-                if s == pb::CommitStatus::Committed as i32 { CommitOutcome::Committed(c) } else { CommitOutcome::Lost }
+            .enumerate()
+            .map(|(i, &s)| match pb::CommitStatus::try_from(s) {
+                Ok(pb::CommitStatus::Committed) => CommitOutcome::Committed {
+                    checksum: resp.checksums.get(i).copied().unwrap_or(0),
+                    version: resp.versions.get(i).copied().unwrap_or(0),
+                },
+                Ok(pb::CommitStatus::Refused) => {
+                    CommitOutcome::Refused(resp.errors.get(i).cloned().unwrap_or_else(|| "refused".into()))
+                }
+                _ => CommitOutcome::Lost,
             })
             .collect())
+    }
+
+    /// Makes sure no daemon of the cluster serves the current version of
+    /// `keys`: when this returns with `failed == 0`, none does (on a daemon
+    /// without peers: the keys are removed).
+    pub async fn invalidate(&self, ns: &Namespace, keys: &[Key]) -> Result<InvalidateSummary> {
+        self.check_batch(keys.len())?;
+        let r = pb::InvalidateRequest { namespace_id: ns.id, keys: pb_keys(keys), whole_namespace: false };
+        let a = self.rpc().invalidate(r).await?.into_inner();
+        Ok(InvalidateSummary { invalidated: a.invalidated, failed: a.failed, first_error: a.first_error })
+    }
+
+    /// As [`Client::invalidate`] for every key of the namespace that any
+    /// daemon of the cluster knows.
+    pub async fn invalidate_namespace(&self, ns: &Namespace) -> Result<InvalidateSummary> {
+        let r = pb::InvalidateRequest { namespace_id: ns.id, keys: Vec::new(), whole_namespace: true };
+        let a = self.rpc().invalidate(r).await?.into_inner();
+        Ok(InvalidateSummary { invalidated: a.invalidated, failed: a.failed, first_error: a.first_error })
     }
 
     /// Frees allocated, uncommitted slots.
@@ -720,8 +788,18 @@ impl Client {
         Ok(self.rpc().abort(pb::AbortRequest { slots: refs }).await?.into_inner().aborted)
     }
 
-    /// Stores whole blocks: allocate, copy into the pool, commit.
+    /// Stores whole blocks: allocate, copy into the pool, commit. Keys
+    /// already cached are left as they are (see [`Client::put_overwrite`]).
     pub async fn put(&self, ns: &Namespace, blocks: &[(Key, &[u8])]) -> Result<PutSummary> {
+        self.put_inner(ns, blocks, false).await
+    }
+
+    /// Stores a new version of each block, cached or not (mutable keys).
+    pub async fn put_overwrite(&self, ns: &Namespace, blocks: &[(Key, &[u8])]) -> Result<PutSummary> {
+        self.put_inner(ns, blocks, true).await
+    }
+
+    async fn put_inner(&self, ns: &Namespace, blocks: &[(Key, &[u8])], overwrite: bool) -> Result<PutSummary> {
         for (k, b) in blocks {
             if b.len() as u64 != ns.block_bytes {
                 return Err(ClientError::InvalidArgument(format!(
@@ -733,7 +811,7 @@ impl Client {
             }
         }
         let keys: Vec<Key> = blocks.iter().map(|(k, _)| *k).collect();
-        let allocs = self.allocate(ns, &keys).await?;
+        let allocs = self.allocate_inner(ns, &keys, 0, overwrite).await?;
         let mut sum = PutSummary::default();
         let mut writes = Vec::new();
         for (a, (_, bytes)) in allocs.into_iter().zip(blocks) {
@@ -749,8 +827,12 @@ impl Client {
         if !writes.is_empty() {
             for o in self.commit(writes).await? {
                 match o {
-                    CommitOutcome::Committed(_) => sum.stored += 1,
+                    CommitOutcome::Committed { .. } => sum.stored += 1,
                     CommitOutcome::Lost => sum.lost += 1,
+                    CommitOutcome::Refused(why) => {
+                        sum.refused += 1;
+                        sum.first_refusal.get_or_insert(why);
+                    }
                 }
             }
         }

@@ -34,6 +34,9 @@ pub struct Config {
     /// Static list of peer daemons.
     #[serde(default)]
     pub peers: Vec<PeerEntry>,
+    /// Coherence protocol and membership (clustered daemons).
+    #[serde(default)]
+    pub coherence: CoherenceConfig,
 }
 
 /// `[node]`
@@ -87,6 +90,68 @@ impl Default for PeerConfig {
             grant_lease_ms: 5_000,
             inflight_requests_max: 4096,
             inflight_bytes_max: 1 << 30,
+        }
+    }
+}
+
+/// `[coherence]`: the coherence protocol between clustered daemons and
+/// the static membership that feeds it.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CoherenceConfig {
+    /// Node that runs the membership coordinator (grants membership
+    /// leases, publishes views); default: the lowest node id of this node
+    /// and its peers. Every daemon of a cluster must name the same one.
+    pub coordinator: Option<u32>,
+    /// This node's weight in placing keys' homes.
+    pub capacity: u32,
+    /// Most entries in one batch to a peer.
+    pub batch_entries_max: usize,
+    /// Longest an entry waits for company before its batch leaves.
+    pub flush_delay_us: u64,
+    /// Deadline of one protocol operation (get, publish, invalidation of
+    /// one key).
+    pub op_timeout_ms: u64,
+    /// Interval of retransmissions.
+    pub retransmit_ms: u64,
+    /// Membership lease: a daemon serves nothing once this long passed
+    /// since the send time of its last acknowledged keepalive.
+    pub membership_lease_ms: u64,
+    /// Interval of keepalives to the coordinator.
+    pub keepalive_ms: u64,
+    /// Bound on clock rate error between daemons, parts per million.
+    pub drift_ppm: u64,
+    /// Extra margin on every lease.
+    pub drift_margin_ms: u64,
+    /// Most protocol operations in flight on this daemon.
+    pub ops_max: usize,
+    /// Frames queued for one peer before new ones are dropped (the
+    /// protocol retransmits what matters).
+    pub peer_queue_frames: usize,
+    /// Interval of pings on each peer stream; a stream silent for three
+    /// intervals is reconnected.
+    pub heartbeat_ms: u64,
+    /// Deadline of an engine's `Invalidate` call.
+    pub invalidate_timeout_ms: u64,
+}
+
+impl Default for CoherenceConfig {
+    fn default() -> Self {
+        CoherenceConfig {
+            coordinator: None,
+            capacity: 1,
+            batch_entries_max: 512,
+            flush_delay_us: 200,
+            op_timeout_ms: 2_000,
+            retransmit_ms: 50,
+            membership_lease_ms: 1_500,
+            keepalive_ms: 100,
+            drift_ppm: 200,
+            drift_margin_ms: 20,
+            ops_max: 200_000,
+            peer_queue_frames: 4096,
+            heartbeat_ms: 250,
+            invalidate_timeout_ms: 15_000,
         }
     }
 }
@@ -324,6 +389,48 @@ impl Config {
             if v == 0 {
                 return Err(format!("peer.{name}: must be greater than 0"));
             }
+        }
+        let c = &self.coherence;
+        for (name, v) in [
+            ("capacity", c.capacity as u64),
+            ("batch_entries_max", c.batch_entries_max as u64),
+            ("flush_delay_us", c.flush_delay_us),
+            ("op_timeout_ms", c.op_timeout_ms),
+            ("retransmit_ms", c.retransmit_ms),
+            ("membership_lease_ms", c.membership_lease_ms),
+            ("keepalive_ms", c.keepalive_ms),
+            ("ops_max", c.ops_max as u64),
+            ("peer_queue_frames", c.peer_queue_frames as u64),
+            ("heartbeat_ms", c.heartbeat_ms),
+            ("invalidate_timeout_ms", c.invalidate_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(format!("coherence.{name}: must be greater than 0"));
+            }
+        }
+        if c.batch_entries_max > 65_536 {
+            return Err(format!("coherence.batch_entries_max: {} exceeds 65536", c.batch_entries_max));
+        }
+        if c.drift_ppm > 10_000 {
+            return Err(format!("coherence.drift_ppm: {} exceeds 10000", c.drift_ppm));
+        }
+        if c.keepalive_ms * 3 > c.membership_lease_ms {
+            return Err(format!(
+                "coherence.keepalive_ms ({}) must be at most a third of coherence.membership_lease_ms ({})",
+                c.keepalive_ms, c.membership_lease_ms
+            ));
+        }
+        if c.drift_margin_ms * 4 >= c.membership_lease_ms {
+            return Err(format!(
+                "coherence.drift_margin_ms ({}) must be under a quarter of coherence.membership_lease_ms ({})",
+                c.drift_margin_ms, c.membership_lease_ms
+            ));
+        }
+        if let Some(co) = c.coordinator
+            && co != self.node.id
+            && !self.peers.iter().any(|p| p.id == co)
+        {
+            return Err(format!("coherence.coordinator: node {co} is neither this node nor one of [[peers]]"));
         }
         if self.peer.grant_lease_ms <= self.peer.transfer_timeout_ms {
             return Err(format!(

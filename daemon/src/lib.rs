@@ -8,6 +8,7 @@
 //! it (pins with leases, released when the engine's connection closes).
 #![forbid(unsafe_code)]
 
+pub mod cluster;
 pub mod config;
 pub mod dataplane;
 pub mod error;

@@ -280,6 +280,7 @@ pub async fn run(
     let reaper_every = Duration::from_millis(cfg.limits.reaper_interval_ms);
     let peer_cfg = cfg.peer.clone();
     let peer_entries = cfg.peers.clone();
+    let coherence_cfg = cfg.coherence.clone();
     let node_id = cfg.node.id;
     let cluster = peer_cfg.listen.is_some() || !peer_entries.is_empty();
     let transports = match peer_cfg.transports.as_str() {
@@ -409,12 +410,16 @@ pub async fn run(
         }
     });
 
+    // The coherence driver runs on every clustered daemon.
+    let cluster = peers.as_ref().map(|p| crate::cluster::Cluster::start(coherence_cfg, Arc::clone(p), Arc::clone(&store)));
     let peer_server = match (peer_listener, &peers) {
         (Some(l), Some(p)) => {
             let svc = kvmesh_proto::peer::v1::peer_server::PeerServer::new(crate::peers::PeerService {
                 peers: Arc::clone(p),
+                cluster: cluster.clone(),
             })
-            .max_decoding_message_size(16 << 20);
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20);
             let mut stop = stop_rx.clone();
             Some(tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
                 // Small control messages: no Nagle delay (it costs 40 ms
@@ -447,6 +452,7 @@ pub async fn run(
     let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(EngineService::new(
         Arc::clone(&store),
         peers.clone(),
+        cluster.clone(),
     ))
     .max_decoding_message_size(16 << 20)
     .max_encoding_message_size(16 << 20);

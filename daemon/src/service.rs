@@ -11,6 +11,7 @@ use kvmesh_proto::engine::v1 as pb;
 use parking_lot::Mutex;
 use tonic::{Request, Response, Status};
 
+use crate::cluster::{Cluster, block_key};
 use crate::error::Error;
 use crate::store::{AllocOutcome, SessionId, SlotRef, Store};
 
@@ -30,13 +31,19 @@ const INLINE_CHECKSUM_BYTES_MAX: u64 = 256 << 10;
 pub struct EngineService {
     store: Arc<Mutex<Store>>,
     peers: Option<Arc<crate::peers::Peers>>,
+    cluster: Option<Arc<Cluster>>,
     started: Instant,
 }
 
 impl EngineService {
-    /// A service over `store`, fetching misses from `peers` when given.
-    pub fn new(store: Arc<Mutex<Store>>, peers: Option<Arc<crate::peers::Peers>>) -> Self {
-        EngineService { store, peers, started: Instant::now() }
+    /// A service over `store`; on a clustered daemon, gets, puts,
+    /// invalidations and removals go through the coherence driver.
+    pub fn new(
+        store: Arc<Mutex<Store>>,
+        peers: Option<Arc<crate::peers::Peers>>,
+        cluster: Option<Arc<Cluster>>,
+    ) -> Self {
+        EngineService { store, peers, cluster, started: Instant::now() }
     }
 }
 
@@ -140,26 +147,44 @@ impl pb::engine_server::Engine for EngineService {
         let session = session_of(&req)?;
         let r = req.into_inner();
         let ks = keys(&r.keys);
-        if let Some(peers) = self.peers.as_ref().filter(|p| p.any()) {
-            // Fetch what this node misses from its peers first.
-            let (ns, missing) = {
-                let st = self.store.lock();
-                let ns = st.namespace_info(r.namespace_id)?;
-                let missing = st.missing(r.namespace_id, &ks)?;
-                (ns, missing)
-            };
-            if !missing.is_empty() {
-                peers.fetch(&ns, &missing).await;
-            }
-        }
         let now = Instant::now();
-        let (out, deadline) = {
-            let mut st = self.store.lock();
-            if !r.release.is_empty() {
-                st.unpin(session, &refs(&r.release))?;
+        let (out, deadline) = match &self.cluster {
+            None => {
+                let mut st = self.store.lock();
+                if !r.release.is_empty() {
+                    st.unpin(session, &refs(&r.release))?;
+                }
+                st.open_session(session)?;
+                st.pin(session, r.namespace_id, &ks, r.lease_ms, r.stop_at_first_miss, now)?
             }
-            st.open_session(session)?;
-            st.pin(session, r.namespace_id, &ks, r.lease_ms, r.stop_at_first_miss, now)?
+            Some(cluster) => {
+                let fingerprint = {
+                    let mut st = self.store.lock();
+                    if !r.release.is_empty() {
+                        st.unpin(session, &refs(&r.release))?;
+                    }
+                    st.open_session(session)?;
+                    let ns = st.namespace_info(r.namespace_id)?;
+                    st.check_pin_request(session, ks.len())?;
+                    ns.fingerprint
+                };
+                let mut out = cluster.get(session, fingerprint, &ks, r.lease_ms).await;
+                if r.stop_at_first_miss
+                    && let Some(first) = out.iter().position(|o| o.is_none())
+                {
+                    let extra: Vec<SlotRef> = out[first..].iter().flatten().map(|p| p.slot).collect();
+                    out.truncate(first + 1);
+                    self.store.lock().unpin(session, &extra)?;
+                }
+                let lease = self.store.lock().lease_duration(r.lease_ms);
+                {
+                    let mut st = self.store.lock();
+                    let hits = out.iter().flatten().count() as u64;
+                    st.counters.hits += hits;
+                    st.counters.misses += out.len() as u64 - hits;
+                }
+                (out, now + lease)
+            }
         };
         let prefix_len = out.iter().take_while(|o| o.is_some()).count() as u32;
         let blocks = out
@@ -195,7 +220,10 @@ impl pb::engine_server::Engine for EngineService {
         self.admitted(session)?;
         let r = req.into_inner();
         let now = Instant::now();
-        let (out, deadline) = self.store.lock().allocate(session, r.namespace_id, &keys(&r.keys), r.lease_ms, now)?;
+        let (out, deadline) = match &self.cluster {
+            None => self.store.lock().allocate(session, r.namespace_id, &keys(&r.keys), r.lease_ms, now)?,
+            Some(c) => c.allocate(session, r.namespace_id, &keys(&r.keys), r.lease_ms, r.overwrite)?,
+        };
         let allocations = out
             .into_iter()
             .map(|o| match o {
@@ -226,6 +254,7 @@ impl pb::engine_server::Engine for EngineService {
         // in a task of its own so a client that disconnects mid-call cannot
         // strand them in the committing state.
         let store = Arc::clone(&self.store);
+        let cluster = self.cluster.clone();
         let task = tokio::spawn(async move {
             let total: u64 = jobs.iter().flatten().map(|j| j.len).sum();
             let sums = move || {
@@ -244,18 +273,46 @@ impl pb::engine_server::Engine for EngineService {
                 sums()
             };
             let done: Vec<_> = sums.iter().flatten().copied().collect();
-            store.lock().finish_commit(&done);
-            sums
+            let Some(cluster) = cluster else {
+                let versions = {
+                    let mut st = store.lock();
+                    st.finish_commit(&done);
+                    done.iter().map(|(r, _)| st.version_of(*r)).collect::<Vec<_>>()
+                };
+                let mut vs = versions.into_iter();
+                return sums
+                    .into_iter()
+                    .map(|s| s.map(|(_, c)| (c, Ok(vs.next().expect("one version per commit")))))
+                    .collect::<Vec<_>>();
+            };
+            // Clustered: the key's home assigns the version once no other
+            // daemon serves the previous one.
+            let items: Vec<(SlotRef, u64, Key, u64)> = {
+                let st = store.lock();
+                done.iter().map(|&(r, c)| {
+                    let (fp, key) = st.slot_block(r);
+                    (r, fp, key, c)
+                }).collect()
+            };
+            let mut results = cluster.publish(&items).await.into_iter();
+            sums.into_iter()
+                .map(|s| s.map(|(_, c)| (c, results.next().expect("one result per publish"))))
+                .collect::<Vec<_>>()
         });
         let sums = task.await.map_err(|e| Error::Internal(format!("commit task failed: {e}")))?;
-        let status = sums
-            .iter()
-            .map(|s| {
-                (if s.is_some() { pb::CommitStatus::Committed } else { pb::CommitStatus::UnknownAllocation }) as i32
-            })
-            .collect();
-        let checksums = sums.iter().map(|s| s.map_or(0, |(_, c)| c)).collect();
-        Ok(Response::new(pb::CommitResponse { status, checksums }))
+        let mut out = pb::CommitResponse::default();
+        for s in sums {
+            let (status, checksum, version, error) = match s {
+                None => (pb::CommitStatus::UnknownAllocation, 0, 0, String::new()),
+                Some((c, Ok(v))) => (pb::CommitStatus::Committed, c, v, String::new()),
+                Some((c, Err(e))) => (pb::CommitStatus::Refused, c, 0, e),
+            };
+            out.status.push(status as i32);
+            out.checksums.push(checksum);
+            out.versions.push(version);
+            out.errors.push(error);
+        }
+        Ok(Response::new(out))
     }
 
     async fn abort(&self, req: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
@@ -268,29 +325,72 @@ impl pb::engine_server::Engine for EngineService {
     async fn remove(&self, req: Request<pb::RemoveRequest>) -> Result<Response<pb::RemoveResponse>, Status> {
         self.admitted(session_of(&req)?)?;
         let r = req.into_inner();
-        let removed = self.store.lock().remove(r.namespace_id, &keys(&r.keys))?;
+        let removed = match &self.cluster {
+            None => self.store.lock().remove(r.namespace_id, &keys(&r.keys))?,
+            Some(c) => {
+                let fp = {
+                    let st = self.store.lock();
+                    st.check_batch_len(r.keys.len())?;
+                    st.namespace_info(r.namespace_id)?.fingerprint
+                };
+                c.evict(fp, &keys(&r.keys))
+            }
+        };
         Ok(Response::new(pb::RemoveResponse { removed }))
+    }
+
+    async fn invalidate(
+        &self,
+        req: Request<pb::InvalidateRequest>,
+    ) -> Result<Response<pb::InvalidateResponse>, Status> {
+        self.admitted(session_of(&req)?)?;
+        let r = req.into_inner();
+        let (fp, ks) = {
+            let st = self.store.lock();
+            let ns = st.namespace_info(r.namespace_id)?;
+            if r.whole_namespace && !r.keys.is_empty() {
+                return Err(Status::invalid_argument("give keys or whole_namespace, not both"));
+            }
+            st.check_batch_len(r.keys.len())?;
+            (ns.fingerprint, keys(&r.keys))
+        };
+        let Some(cluster) = &self.cluster else {
+            // One daemon: removing the keys is invalidating them.
+            let mut st = self.store.lock();
+            let ks = if r.whole_namespace { st.keys_of(r.namespace_id)? } else { ks };
+            let n = ks.len() as u64;
+            for chunk in ks.chunks(st.config().limits.batch_keys_max as usize) {
+                st.remove(r.namespace_id, chunk)?;
+            }
+            return Ok(Response::new(pb::InvalidateResponse { invalidated: n, failed: 0, first_error: String::new() }));
+        };
+        let deadline = cluster.invalidate_deadline();
+        let targets = if r.whole_namespace {
+            cluster.namespace_keys(fp).await.map_err(Status::unavailable)?
+        } else {
+            ks.iter().map(|&k| block_key(fp, k)).collect()
+        };
+        let (invalidated, failed, first_error) = cluster.invalidate(targets, deadline).await;
+        Ok(Response::new(pb::InvalidateResponse { invalidated, failed, first_error }))
     }
 
     async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let _ = session_of(&req)?;
         let s = self.store.lock().stats();
         let c = s.counters;
-        let (remote_misses, validation_failures, transfer_failures, transfer_timeouts, peers_connected) =
-            match &self.peers {
-                Some(p) => {
-                    use std::sync::atomic::Ordering::Relaxed;
-                    let k = &p.counters;
-                    (
-                        k.remote_misses.load(Relaxed),
-                        k.validation_failures.load(Relaxed),
-                        k.transfer_failures.load(Relaxed),
-                        k.transfer_timeouts.load(Relaxed),
-                        p.connected().await,
-                    )
-                }
-                None => (0, 0, 0, 0, 0),
-            };
+        let peers_connected = match &self.peers {
+            Some(p) => p.connected().await,
+            None => 0,
+        };
+        let (remote_misses, validation_failures, transfer_failures, transfer_timeouts) = match &self.cluster {
+            Some(c) => {
+                use std::sync::atomic::Ordering::Relaxed;
+                let k = &c.counters;
+                let core = c.stats();
+                (0, core.validation_failures, k.transfer_failures.load(Relaxed), k.transfer_timeouts.load(Relaxed))
+            }
+            None => (0, 0, 0, 0),
+        };
         Ok(Response::new(pb::StatsResponse {
             pools: s
                 .pools
@@ -333,6 +433,7 @@ impl pb::engine_server::Engine for EngineService {
             grants_given: c.grants_given,
             peers_connected,
             remote_misses,
+            coherence: self.cluster.as_ref().map(|c| c.stats()),
         }))
     }
 }

@@ -341,6 +341,12 @@ pub struct Store {
     pub instance_id: u64,
     /// Counters for `Stats`.
     pub counters: Counters,
+    /// Clustered: the coherence core decides which copies are Valid (see
+    /// `set_coherent`).
+    coherent: bool,
+    /// Clustered: indexed blocks evicted since the last `take_evicted`
+    /// (namespace fingerprint, key), for the coherence core.
+    evicted: Vec<(u64, Key)>,
 }
 
 fn ghost_hash(ns: u32, key: Key) -> u64 {
@@ -445,7 +451,198 @@ impl Store {
                 kvmesh_common::checksum(&b)
             },
             counters: Counters::default(),
+            coherent: false,
+            evicted: Vec::new(),
         })
+    }
+
+    /// Switches to clustered operation: puts and fetches allocate slots
+    /// outside the index (a new version is written beside the current
+    /// one), the coherence core makes them Valid (`commit_core`) and frees
+    /// them (`free_core`), and evictions are logged for the core
+    /// (`take_evicted`). A Valid slot may then be out of the index while the
+    /// core still holds it for readers.
+    pub fn set_coherent(&mut self) {
+        self.coherent = true;
+    }
+
+    /// Indexed blocks evicted since the last call (clustered mode).
+    pub fn take_evicted(&mut self) -> Vec<(u64, Key)> {
+        std::mem::take(&mut self.evicted)
+    }
+
+    /// Removes the index entry of (ns, key) if it names this slot.
+    fn unindex(&mut self, ns: u32, key: Key, p: u32, s: u32) -> bool {
+        if self.index.get(&(ns, key)) == Some(&(p, s)) {
+            self.index.remove(&(ns, key));
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Reserves slots for a clustered put or fetch: never indexed until the
+    /// coherence core commits them, so a key may get a slot while its
+    /// current version is Valid (an overwrite). With `exists_check`, a key
+    /// whose Valid copy is here answers `Exists` instead. A key twice in the
+    /// batch answers `InProgress` the second time.
+    pub fn allocate_detached(
+        &mut self,
+        session: SessionId,
+        ns: u32,
+        keys: &[Key],
+        lease_ms: u64,
+        exists_check: bool,
+        now: Instant,
+    ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
+        self.allocate_inner(session, ns, keys, lease_ms, Some(exists_check), now)
+    }
+
+    /// Makes a slot of a clustered put or fetch Valid at `version` (the
+    /// coherence core's `CommitSlot`, or a fetched copy it accepted):
+    /// writes header and trailer with this slot's own generation and points
+    /// the index at it. Returns false (and changes nothing) when the slot is
+    /// not in the committing state at that generation.
+    pub fn commit_core(&mut self, r: SlotRef, version: u64, checksum: u64, fetched: bool) -> bool {
+        let Some(slot) = self.pools.get(r.pool as usize).and_then(|p| p.slots.get(r.slot as usize)) else {
+            return false;
+        };
+        if slot.state != State::Committing || slot.generation != r.generation {
+            return false;
+        }
+        let (ns, key) = (slot.ns, slot.key);
+        self.finish_commit_versioned(&[(r, Some(version), checksum)]);
+        if fetched {
+            self.counters.remote_fetched += 1;
+        }
+        // The previous version's slot (if still held for its readers) leaves
+        // the index; the core frees it when they are done.
+        self.index.insert((ns, key), (r.pool, r.slot));
+        true
+    }
+
+    /// The coherence core no longer needs this slot (`FreeSlot`): a slot
+    /// being published or fetched is freed; a Valid one leaves the index
+    /// and is freed now, or by its last pin. Stale references do nothing.
+    pub fn free_core(&mut self, r: SlotRef) {
+        let Some(slot) = self.pools.get(r.pool as usize).and_then(|p| p.slots.get(r.slot as usize)) else {
+            return;
+        };
+        if slot.generation != r.generation {
+            return;
+        }
+        let (ns, key, state) = (slot.ns, slot.key, slot.state);
+        match state {
+            State::Committing => {
+                self.unindex(ns, key, r.pool, r.slot);
+                let pool = &mut self.pools[r.pool as usize];
+                pool.pending -= 1;
+                self.allocs_outstanding -= 1;
+                self.counters.aborts += 1;
+                self.free_slot(r.pool, r.slot);
+            }
+            State::Valid => {
+                self.unindex(ns, key, r.pool, r.slot);
+                let pool = &mut self.pools[r.pool as usize];
+                let slot = &mut pool.slots[r.slot as usize];
+                match slot.queue {
+                    Queue::Small => pool.small_live -= 1,
+                    Queue::Main => pool.main_live -= 1,
+                    Queue::None => {}
+                }
+                slot.queue = Queue::None;
+                pool.valid -= 1;
+                if slot.pins > 0 {
+                    slot.state = State::Zombie;
+                    pool.pinned -= 1;
+                    pool.zombie += 1;
+                } else {
+                    self.free_slot(r.pool, r.slot);
+                }
+            }
+            State::Free | State::Zombie | State::Pending { .. } => {}
+        }
+    }
+
+    /// Pins exactly these slot uses (Valid, same generation) for `session`:
+    /// the coherence core chose them. `None` for a slot that is not (any
+    /// more) that Valid block.
+    pub fn pin_slots(
+        &mut self,
+        session: SessionId,
+        refs: &[SlotRef],
+        lease_ms: u64,
+        now: Instant,
+    ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
+        self.check_batch(refs.len())?;
+        let held = self.sessions.get(&session).map_or(0, |s| s.pins.len());
+        if session < PEER_SESSION_BASE && held + refs.len() > self.cfg.limits.pins_per_session_max as usize {
+            self.counters.resource_exhausted += 1;
+            return Err(Error::ResourceExhausted(format!(
+                "session holds {held} pins; {} more would exceed limits.pins_per_session_max ({})",
+                refs.len(),
+                self.cfg.limits.pins_per_session_max
+            )));
+        }
+        let deadline = now + self.lease(lease_ms);
+        let lease = self.new_lease(deadline, session, LeaseKind::Pin);
+        let mut sess = self.sessions.remove(&session).unwrap_or_default();
+        let mut moved_from = Vec::new();
+        let mut out = Vec::with_capacity(refs.len());
+        for r in refs {
+            let ok = self
+                .pools
+                .get(r.pool as usize)
+                .and_then(|p| p.slots.get(r.slot as usize))
+                .is_some_and(|s| s.state == State::Valid && s.generation == r.generation);
+            if !ok {
+                out.push(None);
+                continue;
+            }
+            out.push(Some(self.pin_one(&mut sess, r.pool, r.slot, lease, &mut moved_from)));
+        }
+        self.sessions.insert(session, sess);
+        for old in moved_from {
+            self.lease_unref(old);
+        }
+        self.lease_drop_if_empty(lease);
+        Ok((out, deadline))
+    }
+
+    /// Pins one Valid slot for the session being built in `sess` under `lease`.
+    fn pin_one(&mut self, sess: &mut Session, p: u32, s: u32, lease: u64, moved_from: &mut Vec<u64>) -> PinOutcome {
+        self.counters.pins += 1;
+        let pool = &mut self.pools[p as usize];
+        let payload_offset = pool.payload_offset(s);
+        let slot = &mut pool.slots[s as usize];
+        let r = SlotRef { pool: p, slot: s, generation: slot.generation };
+        if slot.pins == 0 {
+            pool.pinned += 1;
+        }
+        slot.pins += 1;
+        slot.freq = (slot.freq + 1).min(3);
+        let out = PinOutcome {
+            slot: r,
+            payload_offset,
+            payload_bytes: slot.payload_len,
+            version: slot.version,
+            checksum: slot.checksum,
+        };
+        self.pins_outstanding += 1;
+        let rec = sess.pins.entry(r).or_insert((0, 0));
+        rec.0 += 1;
+        // The record follows the newest lease (deadlines only grow for
+        // equal lease lengths; a shorter re-pin keeps the newer one too).
+        if rec.1 != lease {
+            if rec.1 != 0 {
+                moved_from.push(rec.1);
+            }
+            rec.1 = lease;
+            let l = self.leases.get_mut(&lease).expect("fresh lease");
+            l.live += 1;
+            l.refs.push(r);
+        }
+        out
     }
 
     /// The pools.
@@ -561,6 +758,49 @@ impl Store {
         Ok((out, deadline))
     }
 
+    /// The block (namespace fingerprint, key) a slot was allocated for.
+    pub fn slot_block(&self, r: SlotRef) -> (u64, Key) {
+        let slot = &self.pools[r.pool as usize].slots[r.slot as usize];
+        (self.namespaces.get(slot.ns as usize).map_or(0, |n| n.fingerprint), slot.key)
+    }
+
+    /// Version of a committed slot.
+    pub fn version_of(&self, r: SlotRef) -> u64 {
+        self.pools[r.pool as usize].slots[r.slot as usize].version
+    }
+
+    /// Every key of a namespace cached here.
+    pub fn keys_of(&self, ns: u32) -> Result<Vec<Key>, Error> {
+        self.namespace(ns)?;
+        let mut v: Vec<Key> = self.index.keys().filter(|(n, _)| *n == ns).map(|(_, k)| *k).collect();
+        v.sort();
+        Ok(v)
+    }
+
+    /// Refuses a batch above `limits.batch_keys_max`.
+    pub fn check_batch_len(&self, n: usize) -> Result<(), Error> {
+        self.check_batch(n)
+    }
+
+    /// Refuses a pin request that would exceed the session's pin limit.
+    pub fn check_pin_request(&mut self, session: SessionId, n: usize) -> Result<(), Error> {
+        self.check_batch(n)?;
+        let held = self.sessions.get(&session).map_or(0, |s| s.pins.len());
+        if held + n > self.cfg.limits.pins_per_session_max as usize {
+            self.counters.resource_exhausted += 1;
+            return Err(Error::ResourceExhausted(format!(
+                "session holds {held} pins; {n} more would exceed limits.pins_per_session_max ({})",
+                self.cfg.limits.pins_per_session_max
+            )));
+        }
+        Ok(())
+    }
+
+    /// The lease a pin request of `lease_ms` gets.
+    pub fn lease_duration(&self, lease_ms: u64) -> Duration {
+        self.lease(lease_ms)
+    }
+
     /// Keeps a slot reserved forever: a transfer into it timed out and may
     /// still write it.
     pub fn quarantine(&mut self, session: SessionId, r: SlotRef) {
@@ -569,13 +809,32 @@ impl Store {
         {
             self.lease_unref(lease);
             let pool = &mut self.pools[r.pool as usize];
-            let slot = &pool.slots[r.slot as usize];
-            self.index.remove(&(slot.ns, slot.key));
+            let (ns, key) = (pool.slots[r.slot as usize].ns, pool.slots[r.slot as usize].key);
+            self.unindex(ns, key, r.pool, r.slot);
+            let pool = &mut self.pools[r.pool as usize];
             pool.slots[r.slot as usize].state = State::Committing; // owned by nobody, never freed
             self.allocs_outstanding -= 1;
             self.counters.quarantined += 1;
             tracing::warn!(?r, "slot quarantined: a timed-out transfer may still write it");
         }
+    }
+
+    /// Clustered: keeps a slot being fetched reserved forever (a timed-out
+    /// transfer may still write it); stale references do nothing.
+    pub fn quarantine_core(&mut self, r: SlotRef) {
+        let Some(slot) = self.pools.get_mut(r.pool as usize).and_then(|p| p.slots.get_mut(r.slot as usize)) else {
+            return;
+        };
+        if slot.state != State::Committing || slot.generation != r.generation {
+            return;
+        }
+        // A new generation: no reference to it is valid any more.
+        slot.generation += 1;
+        let (ns, key) = (slot.ns, slot.key);
+        self.unindex(ns, key, r.pool, r.slot);
+        self.allocs_outstanding -= 1;
+        self.counters.quarantined += 1;
+        tracing::warn!(?r, "slot quarantined: a timed-out transfer may still write it");
     }
 
     /// Test hook: makes a slot look reused (header and trailer of the next
@@ -715,37 +974,7 @@ impl Store {
                 continue;
             };
             self.counters.hits += 1;
-            self.counters.pins += 1;
-            let pool = &mut self.pools[p as usize];
-            let payload_offset = pool.payload_offset(s);
-            let slot = &mut pool.slots[s as usize];
-            let r = SlotRef { pool: p, slot: s, generation: slot.generation };
-            if slot.pins == 0 {
-                pool.pinned += 1;
-            }
-            slot.pins += 1;
-            slot.freq = (slot.freq + 1).min(3);
-            out.push(Some(PinOutcome {
-                slot: r,
-                payload_offset,
-                payload_bytes: slot.payload_len,
-                version: slot.version,
-                checksum: slot.checksum,
-            }));
-            self.pins_outstanding += 1;
-            let rec = sess.pins.entry(r).or_insert((0, 0));
-            rec.0 += 1;
-            // The record follows the newest lease (deadlines only grow for
-            // equal lease lengths; a shorter re-pin keeps the newer one too).
-            if rec.1 != lease {
-                if rec.1 != 0 {
-                    moved_from.push(rec.1);
-                }
-                rec.1 = lease;
-                let l = self.leases.get_mut(&lease).expect("fresh lease");
-                l.live += 1;
-                l.refs.push(r);
-            }
+            out.push(Some(self.pin_one(&mut sess, p, s, lease, &mut moved_from)));
         }
         self.sessions.insert(session, sess);
         for old in moved_from {
@@ -865,8 +1094,12 @@ impl Store {
                 pool.ghost_add(ghost_hash(ns, key));
             }
             pool.valid -= 1;
-            let removed = self.index.remove(&(ns, key));
-            assert_eq!(removed, Some((p, s)), "index out of sync with evicted slot");
+            let removed = self.unindex(ns, key, p, s);
+            assert!(removed || self.coherent, "index out of sync with evicted slot");
+            if removed && self.coherent {
+                let fp = self.namespaces[ns as usize].fingerprint;
+                self.evicted.push((fp, key));
+            }
             self.counters.evictions += 1;
             self.free_slot(p, s);
             return true;
@@ -918,6 +1151,20 @@ impl Store {
         lease_ms: u64,
         now: Instant,
     ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
+        self.allocate_inner(session, ns, keys, lease_ms, None, now)
+    }
+
+    /// `detached`: `None` for an indexed allocation; `Some(exists_check)`
+    /// for one outside the index (see `allocate_detached`).
+    fn allocate_inner(
+        &mut self,
+        session: SessionId,
+        ns: u32,
+        keys: &[Key],
+        lease_ms: u64,
+        detached: Option<bool>,
+        now: Instant,
+    ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
         let nsd = self.namespace(ns)?.clone();
         self.check_batch(keys.len())?;
         let held = self.sessions.get(&session).map_or(0, |s| s.allocs.len());
@@ -940,15 +1187,24 @@ impl Store {
                 out.push(AllocOutcome::InProgress);
                 continue;
             }
-            if let Some(&(ip, is)) = self.index.get(&(ns, key)) {
-                let st = self.pools[ip as usize].slots[is as usize].state;
-                out.push(if st == State::Valid { AllocOutcome::Exists } else { AllocOutcome::InProgress });
-                continue;
+            match detached {
+                None => {
+                    if let Some(&(ip, is)) = self.index.get(&(ns, key)) {
+                        let st = self.pools[ip as usize].slots[is as usize].state;
+                        out.push(if st == State::Valid { AllocOutcome::Exists } else { AllocOutcome::InProgress });
+                        continue;
+                    }
+                }
+                Some(true) if self.valid_slot(ns, key).is_some() => {
+                    out.push(AllocOutcome::Exists);
+                    continue;
+                }
+                Some(_) => {}
             }
             let Some(s) = self.take_free_slot(p) else {
                 // Roll back this batch: nothing was visible yet.
                 for (k, s) in taken {
-                    self.index.remove(&(ns, k));
+                    self.unindex(ns, k, p, s);
                     let pool = &mut self.pools[p as usize];
                     pool.pending -= 1;
                     self.free_slot(p, s);
@@ -979,7 +1235,9 @@ impl Store {
             pool.pending += 1;
             let meta = pool.meta_of(s, SlotState::Pending, nsd.fingerprint);
             pool.write_meta(s, &meta);
-            self.index.insert((ns, key), (p, s));
+            if detached.is_none() {
+                self.index.insert((ns, key), (p, s));
+            }
             taken.push((key, s));
             out.push(AllocOutcome::Allocated {
                 slot: SlotRef { pool: p, slot: s, generation },
@@ -1007,8 +1265,8 @@ impl Store {
         let (ns, key) = (slot.ns, slot.key);
         pool.pending -= 1;
         self.allocs_outstanding -= 1;
-        let removed = self.index.remove(&(ns, key));
-        assert_eq!(removed, Some((r.pool, r.slot)), "index out of sync with pending slot");
+        let removed = self.unindex(ns, key, r.pool, r.slot);
+        assert!(removed || self.coherent, "index out of sync with pending slot {r:?}");
         self.counters.aborts += 1;
         self.free_slot(r.pool, r.slot);
     }
@@ -1268,7 +1526,9 @@ impl Store {
                         if s.pins > 0 {
                             pinned += 1;
                         }
-                        if self.index.get(&(s.ns, s.key)) != Some(&(p.index, i as u32)) {
+                        // Clustered, the core may keep a replaced version
+                        // (out of the index) for its readers.
+                        if !self.coherent && self.index.get(&(s.ns, s.key)) != Some(&(p.index, i as u32)) {
                             return Err(format!("pool {} slot {i}: valid but not indexed", p.name));
                         }
                     }

@@ -14,9 +14,14 @@ fn pools() -> String {
 }
 
 fn pair(tag: &str, transports: &str, env_a: &[(&str, &str)]) -> (Daemon, Daemon) {
+    pair_with(tag, transports, env_a, "")
+}
+
+/// Two daemons, both configs ending with `extra`.
+fn pair_with(tag: &str, transports: &str, env_a: &[(&str, &str)], extra: &str) -> (Daemon, Daemon) {
     let ports = [free_port(), free_port()];
-    let a = Daemon::start_with(&format!("{tag}-a"), &peer_config(1, &ports, transports, &pools()), env_a);
-    let b = Daemon::start(&format!("{tag}-b"), &peer_config(2, &ports, transports, &pools()));
+    let a = Daemon::start_with(&format!("{tag}-a"), &(peer_config(1, &ports, transports, &pools()) + extra), env_a);
+    let b = Daemon::start(&format!("{tag}-b"), &(peer_config(2, &ports, transports, &pools()) + extra));
     (a, b)
 }
 
@@ -28,12 +33,14 @@ async fn put_all(c: &Client, ns: &Namespace, keys: &[Key]) {
     for chunk in keys.chunks(128) {
         let data: Vec<Vec<u8>> = chunk.iter().map(|&k| block_bytes(k, ns.block_bytes as usize)).collect();
         let items: Vec<(Key, &[u8])> = chunk.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
-        assert_eq!(c.put(ns, &items).await.unwrap().stored as usize, chunk.len());
+        let s = c.put(ns, &items).await.unwrap();
+        assert_eq!(s.stored as usize, chunk.len(), "{s:?}");
     }
 }
 
 async fn remote_round_trip(transports: &str) {
     let (a, b) = pair(&format!("rt-{transports}"), transports, &[]);
+    a.wait_peers(1).await;
     b.wait_peers(1).await;
     let ca = a.client().await;
     let cb = b.client().await;
@@ -108,6 +115,7 @@ async fn remote_round_trip_over_tcp() {
 async fn reused_slot_is_caught(transports: &str) {
     // A's test hook makes every granted slot look reused before B reads it.
     let (a, b) = pair(&format!("reuse-{transports}"), transports, &[("KVMESH_TEST_HOOK", "corrupt-granted-slots")]);
+    a.wait_peers(1).await;
     b.wait_peers(1).await;
     let ca = a.client().await;
     let cb = b.client().await;
@@ -135,7 +143,10 @@ async fn reused_slot_is_caught_by_validation_tcp() {
 }
 
 async fn killed_peer(transports: &str) {
-    let (mut a, b) = pair(&format!("kill-{transports}"), transports, &[]);
+    // B coordinates membership, so it keeps its lease when A dies (a dead
+    // coordinator stops every daemon from serving: see docs/COHERENCE.md).
+    let (mut a, b) = pair_with(&format!("kill-{transports}"), transports, &[], "[coherence]\ncoordinator = 2\n");
+    a.wait_peers(1).await;
     b.wait_peers(1).await;
     let ca = a.client().await;
     let cb = b.client().await;
@@ -182,9 +193,17 @@ async fn killed_peer(transports: &str) {
         assert!(took < Duration::from_secs(30), "calls hung for {took:?}");
         eprintln!("{transports}: hits {hits} misses {misses} errors {errors} in {took:?}");
     }
-    // The survivor still serves.
-    let s = cb.stats().await.unwrap();
-    eprintln!("{transports}: survivor stats {s:?}");
+    // The survivor still serves once A left the view.
+    let t0 = Instant::now();
+    loop {
+        let s = cb.stats().await.unwrap();
+        let c = s.coherence.clone().unwrap();
+        if c.serving && c.members == 1 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "A never left the view: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let local = Key(5);
     put_all(&cb, &bb, &[local]).await;
     assert!(cb.pin(&bb, &[local]).await.unwrap()[0].is_some());
@@ -206,8 +225,15 @@ async fn unreachable_peer_never_slows_a_miss() {
     // handshake with it can only time out.
     let blackhole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let ports = [blackhole.local_addr().unwrap().port(), free_port()];
-    let b = Daemon::start("lonely-b", &peer_config(2, &ports, "tcp", &pools()));
+    // B coordinates membership: it serves (a view of itself) while the
+    // blackhole never joins.
+    let b = Daemon::start("lonely-b", &(peer_config(2, &ports, "tcp", &pools()) + "[coherence]\ncoordinator = 2\n"));
     let cb = b.client().await;
+    let t0 = Instant::now();
+    while !cb.stats().await.unwrap().coherence.is_some_and(|c| c.serving && c.members == 1) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "B never served; log:\n{}", b.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let (sb, _) = namespaces(&cb).await;
     for _ in 0..5 {
         let t0 = Instant::now();
@@ -219,5 +245,10 @@ async fn unreachable_peer_never_slows_a_miss() {
     let s = cb.stats().await.unwrap();
     assert_eq!(s.peers_connected, 0);
     assert_eq!(s.remote_fetched, 0);
+    // B still serves its own blocks.
+    let k = Key(3);
+    let data = block_bytes(k, 16384);
+    assert_eq!(cb.put(&sb, &[(k, &data[..])]).await.unwrap().stored, 1);
+    assert_eq!(&cb.pin(&sb, &[k]).await.unwrap()[0].as_ref().unwrap()[..], &data[..]);
     drop(blackhole);
 }

@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 error (one line on stderr), 2 usage error,
 //! 3 miss (`get` of a key that is not cached).
 #![forbid(unsafe_code)]
+#![recursion_limit = "256"]
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -31,6 +32,9 @@ enum Cmd {
     },
     /// Store one block from a file (exactly one block long).
     Put {
+        /// Write a new version even if the key is cached (mutable keys).
+        #[arg(long)]
+        overwrite: bool,
         /// Namespace (registered with --block-size if it does not exist).
         #[arg(long)]
         namespace: String,
@@ -51,6 +55,16 @@ enum Cmd {
         key: String,
         /// Output file.
         outfile: PathBuf,
+    },
+    /// Make sure no daemon of the cluster serves the current version of
+    /// these keys, or of every key of the namespace when none are given.
+    /// Returns when none does (exit 1 if some could not be invalidated).
+    Invalidate {
+        /// Namespace.
+        #[arg(long)]
+        namespace: String,
+        /// Keys (32 hex digits each); none: the whole namespace.
+        keys: Vec<String>,
     },
 }
 
@@ -85,7 +99,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 print_stats(&s);
             }
         }
-        Cmd::Put { namespace, block_size, key, file } => {
+        Cmd::Put { overwrite, namespace, block_size, key, file } => {
             let key = parse_key(&key)?;
             if block_size == 0 {
                 return Err(Failure::Error("--block-size must be greater than 0".into()));
@@ -115,13 +129,22 @@ async fn run(args: Args) -> Result<(), Failure> {
                 }
                 Err(e) => return Err(e.into()),
             };
-            let s = client.put(&ns, &[(key, &data)]).await?;
+            let s = if overwrite {
+                client.put_overwrite(&ns, &[(key, &data)]).await?
+            } else {
+                client.put(&ns, &[(key, &data)]).await?
+            };
             if s.stored == 1 {
                 println!("stored {key} ({block_size} bytes) in {namespace}");
             } else if s.existed == 1 {
                 println!("{key} is already cached in {namespace}");
             } else if s.in_progress == 1 {
                 return Err(Failure::Error(format!("another put of {key} is in progress")));
+            } else if s.refused == 1 {
+                return Err(Failure::Error(format!(
+                    "the cluster refused the put of {key} (another write or invalidation of it in progress, \
+                     or this daemon is not a serving member); retry"
+                )));
             } else {
                 return Err(Failure::Error(format!("put of {key} was lost (allocation expired)")));
             }
@@ -138,6 +161,23 @@ async fn run(args: Args) -> Result<(), Failure> {
             std::fs::write(&outfile, &buf)
                 .map_err(|e| Failure::Error(format!("cannot write {}: {e}", outfile.display())))?;
             println!("wrote {key} ({} bytes) to {}", buf.len(), outfile.display());
+        }
+        Cmd::Invalidate { namespace, keys } => {
+            let keys = keys.iter().map(|k| parse_key(k)).collect::<Result<Vec<_>, _>>()?;
+            let client = connect(args.socket).await?;
+            let ns = client.namespace(&namespace).await?;
+            let s = if keys.is_empty() {
+                client.invalidate_namespace(&ns).await?
+            } else {
+                client.invalidate(&ns, &keys).await?
+            };
+            if s.failed > 0 {
+                return Err(Failure::Error(format!(
+                    "{} keys of {namespace} invalidated, {} NOT (they may still be served): {}",
+                    s.invalidated, s.failed, s.first_error
+                )));
+            }
+            println!("invalidated {} keys of {namespace}: no daemon serves their old versions", s.invalidated);
         }
     }
     Ok(())
@@ -181,6 +221,23 @@ fn stats_json(s: &kvmesh_client::Stats) -> String {
         "slots_quarantined": s.slots_quarantined,
         "grants_given": s.grants_given,
         "peers_connected": s.peers_connected,
+        "coherence": s.coherence.as_ref().map(|c| {
+            let batching = if c.batches_sent == 0 { 0.0 } else { c.msgs_sent as f64 / c.batches_sent as f64 };
+            let ack_batching = if c.ack_batches_sent == 0 { 0.0 } else { c.acks_sent as f64 / c.ack_batches_sent as f64 };
+            serde_json::json!({
+                "serving": c.serving, "epoch": c.epoch, "members": c.members,
+                "batches_sent": c.batches_sent, "msgs_sent": c.msgs_sent, "batching_factor": batching,
+                "invalidates_sent": c.invalidates_sent, "acks_sent": c.acks_sent,
+                "ack_batches_sent": c.ack_batches_sent, "ack_batching_factor": ack_batching,
+                "stale_epoch_drops": c.stale_epoch_drops, "validation_failures": c.validation_failures,
+                "late_transfers": c.late_transfers, "grants_outstanding": c.grants_outstanding,
+                "changes_completed": c.changes_completed, "ignored_acks": c.ignored_acks,
+                "inval_to_ack_count": c.inval_to_ack_count, "inval_to_ack_p50_us": c.inval_to_ack_p50_us,
+                "inval_to_ack_p99_us": c.inval_to_ack_p99_us, "inval_to_ack_max_us": c.inval_to_ack_max_us,
+                "peer_queue_drops": c.peer_queue_drops, "decode_errors": c.decode_errors,
+                "batches_received": c.batches_received, "ops_in_flight": c.ops_in_flight,
+            })
+        }),
     })
     .to_string()
 }
@@ -223,6 +280,27 @@ fn print_stats(s: &kvmesh_client::Stats) {
         s.slots_quarantined,
         s.grants_given
     );
+    if let Some(c) = &s.coherence {
+        let batching = if c.batches_sent == 0 { 0.0 } else { c.msgs_sent as f64 / c.batches_sent as f64 };
+        println!(
+            "coherence: {} epoch {} members {}  batches {} (x{batching:.1} entries)  invalidates {}  acks {} in {} \
+             batches  inval->ack p50 <= {} us p99 <= {} us  stale-epoch drops {}  validation failures {}  grants \
+             outstanding {}  queue drops {}",
+            if c.serving { "serving" } else { "NOT serving" },
+            c.epoch,
+            c.members,
+            c.batches_sent,
+            c.invalidates_sent,
+            c.acks_sent,
+            c.ack_batches_sent,
+            c.inval_to_ack_p50_us,
+            c.inval_to_ack_p99_us,
+            c.stale_epoch_drops,
+            c.validation_failures,
+            c.grants_outstanding,
+            c.peer_queue_drops
+        );
+    }
 }
 
 fn main() -> ExitCode {

@@ -136,12 +136,15 @@ pub fn peer_config(id: u32, ports: &[u16], transports: &str, pools: &str) -> Str
 }
 
 impl Daemon {
-    /// Waits until the daemon reports `n` connected peers.
+    /// Waits until the daemon reports `n` connected peers and serves as a
+    /// member of a view of `n + 1` daemons.
     pub async fn wait_peers(&self, n: u32) {
         let c = self.client().await;
         let t0 = Instant::now();
         loop {
-            if c.stats().await.unwrap().peers_connected >= n {
+            let s = c.stats().await.unwrap();
+            let member = s.coherence.as_ref().is_some_and(|c| c.serving && c.members > n);
+            if s.peers_connected >= n && member {
                 return;
             }
             assert!(t0.elapsed() < Duration::from_secs(20), "peers never connected; log:\n{}", self.log());

@@ -1,0 +1,1118 @@
+//! Coherence in the running daemon: drives the protocol core
+//! (`kvmesh_coherence::Node`) with real IO.
+//!
+//! - **Events in**: engine calls (get, publish, invalidate, evict), peer
+//!   batches from the `Exchange` streams, transfer completions from the data
+//!   plane, membership views and keepalive acknowledgements, timer ticks.
+//! - **Actions out**: batches go to per-peer bounded queues (a full queue
+//!   drops the batch and counts it: the protocol retransmits what matters,
+//!   and a slow peer never blocks the driver or the other peers);
+//!   `StartRead` allocates a local slot and moves the holder's whole slot
+//!   with UCX; `CommitSlot`/`FreeSlot` act on the store; `ClientDone`
+//!   answers the engine call waiting for it.
+//! - **Streams**: every daemon dials every peer once (`Exchange`) and sends
+//!   everything it has for that peer on it; the callee answers pings. A
+//!   stream silent for three heartbeats is redialled. Every batch carries
+//!   the sender's epoch and incarnation, so whatever a stale stream
+//!   delivers after a restart or a view change is dropped (and counted) by
+//!   the core.
+//! - **Membership**: static (the configured peers) with a coordinator (one
+//!   daemon, `coherence.coordinator`) that plays the membership service of
+//!   the protocol: members send keepalives on their streams, the
+//!   coordinator acknowledges them (the member's lease runs from its own
+//!   send time), removes a member silent for the lease plus twice the
+//!   margin, and publishes a new view (epoch + 1) on every change. A
+//!   restarted coordinator continues above the highest epoch its members
+//!   report. The coordinator is reached only through [`Membership`]; etcd
+//!   will fill the same role.
+//!
+//! Lock order: `Cluster::inner`, then the store. Everything under `inner`
+//! is synchronous and short; transfers run in tasks of their own.
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvmesh_coherence::{
+    Action, Batch, BlockKey, Config as CoreConfig, ErrorKind, Event, GrantResult, Member, Msg, Node, NodeId, OpId,
+    Outcome, SlotImage, SlotMeta as CoreMeta, SlotRef as CoreSlot, TransferError, View,
+};
+use kvmesh_common::Key;
+use kvmesh_common::slot::{HEADER_BYTES, SlotMeta as LayoutMeta, SlotState, TRAILER_BYTES, trailer_offset};
+use kvmesh_proto::peer::v1 as pb;
+use parking_lot::Mutex;
+use tokio::sync::{Notify, mpsc, oneshot};
+use tonic::Status;
+
+use crate::config::{CoherenceConfig, PeerEntry};
+use crate::dataplane::{Mode, TransferItem, TransferOutcome};
+use crate::peers::{Peers, TestHook};
+use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
+
+/// Response stream of `Exchange`.
+pub type FrameStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::Frame, Status>> + Send>>;
+
+/// Slots per pool fit in 24 bits (`config::POOL_SLOTS_MAX`): the core's
+/// slot number is `pool << 24 | slot`.
+const SLOT_BITS: u32 = 24;
+
+fn to_core(r: SlotRef) -> CoreSlot {
+    CoreSlot { slot: (r.pool << SLOT_BITS) | r.slot, generation: r.generation }
+}
+
+fn to_store(r: CoreSlot) -> SlotRef {
+    SlotRef { pool: r.slot >> SLOT_BITS, slot: r.slot & ((1 << SLOT_BITS) - 1), generation: r.generation }
+}
+
+/// A block key as the core sees it.
+pub fn block_key(fingerprint: u64, k: Key) -> BlockKey {
+    BlockKey { ns: fingerprint, key: k.0 }
+}
+
+/// How an engine-facing protocol operation ended.
+#[derive(Debug)]
+pub enum OpResult {
+    /// Pinned for the engine's session.
+    Hit(PinOutcome),
+    /// Not cached anywhere (or not servable now).
+    Miss,
+    /// Published at this version.
+    Stored(u64),
+    /// No daemon serves the old version any more.
+    Invalidated,
+    /// Failed.
+    Error(ErrorKind),
+}
+
+enum WaitKind {
+    Get { session: SessionId, lease_ms: u64 },
+    Other,
+}
+
+struct Waiter {
+    kind: WaitKind,
+    tx: oneshot::Sender<OpResult>,
+}
+
+/// The membership coordinator (on the one daemon configured for it).
+struct Coordinator {
+    epoch: u64,
+    members: BTreeMap<NodeId, (u64, u32, Instant)>,
+    /// Silence after which a member is removed.
+    removal: Duration,
+}
+
+impl Coordinator {
+    /// Records a keepalive; true when the view changed (new epoch).
+    fn keepalive(&mut self, id: NodeId, incarnation: u64, capacity: u32, epoch_seen: u64, now: Instant) -> bool {
+        let mut changed = self.members.get(&id).is_none_or(|m| m.0 != incarnation || m.1 != capacity);
+        if epoch_seen > self.epoch {
+            // Restarted coordinator: continue above what members saw.
+            self.epoch = epoch_seen;
+            changed = true;
+        }
+        self.members.insert(id, (incarnation, capacity, now));
+        if changed {
+            self.epoch += 1;
+        }
+        changed
+    }
+
+    /// Removes silent members; true when the view changed.
+    fn expire(&mut self, now: Instant) -> bool {
+        let before = self.members.len();
+        let removal = self.removal;
+        self.members.retain(|id, m| {
+            let keep = now.duration_since(m.2) <= removal;
+            if !keep {
+                tracing::warn!(node = id, "membership: node silent past its lease, removed from the view");
+            }
+            keep
+        });
+        if self.members.len() != before {
+            self.epoch += 1;
+            return true;
+        }
+        false
+    }
+
+    fn view(&self) -> View {
+        View {
+            epoch: self.epoch,
+            members: self
+                .members
+                .iter()
+                .map(|(&id, &(incarnation, capacity, _))| Member { id, incarnation, capacity })
+                .collect(),
+        }
+    }
+}
+
+/// Where keepalives go and views come from. The static implementation is a
+/// coordinator daemon; etcd will implement the same interface.
+enum Membership {
+    /// This daemon is the coordinator.
+    Local(Coordinator),
+    /// Keepalives go to this peer.
+    Remote(NodeId),
+}
+
+struct Inner {
+    node: Node,
+    next_op: OpId,
+    waiters: HashMap<OpId, Waiter>,
+    membership: Membership,
+    /// Highest epoch seen (reported in keepalives).
+    epoch_seen: u64,
+    /// Slots being fetched: what the grant promised (the checksum is
+    /// needed to commit them).
+    fetching: HashMap<CoreSlot, CoreMeta>,
+    /// Read grants this daemon gave: (peer, grant id) -> store pin and its
+    /// expiry.
+    grant_pins: HashMap<(NodeId, u64), (SlotRef, Instant)>,
+}
+
+/// Counters of the driver (the core counts the protocol).
+#[derive(Default)]
+pub struct ClusterCounters {
+    /// Frames dropped because a peer's queue was full (or its stream down).
+    pub queue_drops: AtomicU64,
+    /// Frames that did not decode.
+    pub decode_errors: AtomicU64,
+    /// Batches received.
+    pub batches_received: AtomicU64,
+    /// Reads that failed (peer gone, UCX error).
+    pub transfer_failures: AtomicU64,
+    /// Reads past their deadline.
+    pub transfer_timeouts: AtomicU64,
+}
+
+/// The coherence driver of one daemon.
+pub struct Cluster {
+    id: NodeId,
+    incarnation: u64,
+    start: Instant,
+    cfg: CoherenceConfig,
+    grant_lease: Duration,
+    inner: Mutex<Inner>,
+    store: Arc<Mutex<Store>>,
+    peers: Arc<Peers>,
+    links: HashMap<NodeId, mpsc::Sender<pb::Frame>>,
+    timer: Notify,
+    /// Driver counters.
+    pub counters: ClusterCounters,
+}
+
+impl Cluster {
+    /// Starts the driver: peer links, timers, membership.
+    pub fn start(cfg: CoherenceConfig, peers: Arc<Peers>, store: Arc<Mutex<Store>>) -> Arc<Cluster> {
+        let id = peers.node_id();
+        let incarnation = peers.incarnation();
+        let grant_lease = Duration::from_millis(peers.config().grant_lease_ms);
+        let core_cfg = CoreConfig {
+            batch_entries_max: cfg.batch_entries_max,
+            ack_flush_delay_us_max: cfg.flush_delay_us,
+            op_timeout_us: cfg.op_timeout_ms * 1000,
+            retransmit_us: cfg.retransmit_ms * 1000,
+            grant_lease_us: grant_lease.as_micros() as u64,
+            membership_lease_us: cfg.membership_lease_ms * 1000,
+            keepalive_us: cfg.keepalive_ms * 1000,
+            drift_ppm: cfg.drift_ppm,
+            drift_margin_us: cfg.drift_margin_ms * 1000,
+            ops_max: cfg.ops_max,
+            bug: None,
+            trace: false,
+        };
+        let coordinator =
+            cfg.coordinator.unwrap_or_else(|| peers.entries().map(|e| e.id).chain([id]).min().expect("self"));
+        let membership = if coordinator == id {
+            let removal = Duration::from_millis(cfg.membership_lease_ms + 2 * cfg.drift_margin_ms);
+            Membership::Local(Coordinator { epoch: 0, members: BTreeMap::new(), removal })
+        } else {
+            Membership::Remote(coordinator)
+        };
+        store.lock().set_coherent();
+        let mut links = HashMap::new();
+        let mut link_rx = Vec::new();
+        for e in peers.entries() {
+            let (tx, rx) = mpsc::channel(cfg.peer_queue_frames);
+            links.insert(e.id, tx);
+            link_rx.push((e.clone(), rx));
+        }
+        tracing::info!(node = id, coordinator, "coherence driver started");
+        let cluster = Arc::new(Cluster {
+            id,
+            incarnation,
+            start: Instant::now(),
+            cfg,
+            grant_lease,
+            inner: Mutex::new(Inner {
+                node: Node::new(id, incarnation, core_cfg),
+                next_op: 1,
+                waiters: HashMap::new(),
+                membership,
+                epoch_seen: 0,
+                fetching: HashMap::new(),
+                grant_pins: HashMap::new(),
+            }),
+            store,
+            peers,
+            links,
+            timer: Notify::new(),
+            counters: ClusterCounters::default(),
+        });
+        for (entry, rx) in link_rx {
+            tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
+        }
+        tokio::spawn(Arc::clone(&cluster).timer_task());
+        cluster
+    }
+
+    fn now_us(&self) -> u64 {
+        self.start.elapsed().as_micros() as u64
+    }
+
+    fn instant_of(&self, t: u64) -> Instant {
+        self.start + Duration::from_micros(t)
+    }
+
+    // ----- feeding the core -----
+
+    fn feed(self: &Arc<Self>, ev: Event) {
+        {
+            let mut g = self.inner.lock();
+            self.feed_locked(&mut g, ev);
+        }
+        self.timer.notify_one();
+    }
+
+    fn feed_locked(self: &Arc<Self>, g: &mut Inner, ev: Event) {
+        let mut queue = VecDeque::from([ev]);
+        while let Some(ev) = queue.pop_front() {
+            let actions = g.node.handle(self.now_us(), ev);
+            for a in actions {
+                self.execute(g, a, &mut queue);
+            }
+        }
+    }
+
+    fn execute(self: &Arc<Self>, g: &mut Inner, a: Action, queue: &mut VecDeque<Event>) {
+        match a {
+            Action::Send { to, mut batch } => {
+                self.note_grants(g, to, &mut batch);
+                self.send_frame(to, pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) });
+            }
+            Action::StartRead { op, from, remote, expect, deadline } => {
+                match self.alloc_fetch_slot(&expect, queue) {
+                    Some(dest) => {
+                        g.fetching.insert(dest, expect);
+                        let me = Arc::clone(self);
+                        tokio::spawn(async move { me.read_task(op, from, remote, expect, dest, deadline).await });
+                    }
+                    None => queue.push_back(Event::TransferDone {
+                        op,
+                        dest: None,
+                        result: Err(TransferError::NoSpace),
+                    }),
+                }
+            }
+            Action::CommitSlot { slot, meta } => {
+                if !self.store.lock().commit_core(to_store(slot), meta.version, meta.checksum, false) {
+                    tracing::error!(?slot, "coherence: commit of a slot the store does not hold for it");
+                }
+            }
+            Action::FreeSlot { slot } => {
+                g.fetching.remove(&slot);
+                self.store.lock().free_core(to_store(slot));
+            }
+            Action::KeepAlive { sent_at } => {
+                let epoch_seen = g.epoch_seen;
+                let capacity = self.cfg.capacity;
+                match &mut g.membership {
+                    Membership::Local(c) => {
+                        if c.keepalive(self.id, self.incarnation, capacity, epoch_seen, Instant::now()) {
+                            let view = c.view();
+                            self.publish_view(&view);
+                            queue.push_back(Event::View(view));
+                        }
+                        queue.push_back(Event::KeepAliveAck { sent_at });
+                    }
+                    Membership::Remote(to) => {
+                        let ka = pb::KeepAlive { sent_at_us: sent_at, incarnation: self.incarnation, epoch_seen, capacity };
+                        self.send_frame(*to, pb::Frame { body: Some(pb::frame::Body::Keepalive(ka)) });
+                    }
+                }
+            }
+            Action::ClientDone { op, outcome } => {
+                let waiter = g.waiters.remove(&op);
+                let result = match outcome {
+                    Outcome::Hit { version, slot } => {
+                        // A fetched copy the core accepted: make it Valid in
+                        // the store (header rewritten with our generation).
+                        if let Some(meta) = g.fetching.remove(&slot)
+                            && !self.store.lock().commit_core(to_store(slot), version, meta.checksum, true)
+                        {
+                            tracing::error!(?slot, "coherence: fetched slot lost before commit");
+                        }
+                        let pinned = match &waiter {
+                            Some(Waiter { kind: WaitKind::Get { session, lease_ms }, .. }) => self
+                                .store
+                                .lock()
+                                .pin_slots(*session, &[to_store(slot)], *lease_ms, Instant::now())
+                                .ok()
+                                .and_then(|(mut v, _)| v.pop().flatten()),
+                            _ => None,
+                        };
+                        // The engine's pin lives in the store from here on.
+                        queue.push_back(Event::Unpin { slot });
+                        match pinned {
+                            Some(p) => OpResult::Hit(p),
+                            None => OpResult::Miss,
+                        }
+                    }
+                    Outcome::Miss => OpResult::Miss,
+                    Outcome::Stored { version } => OpResult::Stored(version),
+                    Outcome::Invalidated => OpResult::Invalidated,
+                    Outcome::Error(e) => OpResult::Error(e),
+                };
+                if let Some(w) = waiter {
+                    let _ = w.tx.send(result);
+                }
+            }
+        }
+    }
+
+    /// Grants in an outgoing batch become store pins of the peer's session
+    /// (so the pool neither evicts nor reuses the slot before the peer's
+    /// read); a grant whose slot the store no longer holds is refused.
+    fn note_grants(&self, g: &mut Inner, to: NodeId, batch: &mut Batch) {
+        let hook = self.peers.hook();
+        for m in batch.msgs.iter_mut() {
+            let Msg::GrantResp { result, .. } = m else { continue };
+            let GrantResult::Granted { slot, grant, .. } = *result else { continue };
+            let r = to_store(slot);
+            // Outlives the core's hold (lease + margin) on the peer's clock.
+            let lease = self.grant_lease + Duration::from_millis(2 * self.cfg.drift_margin_ms);
+            let now = Instant::now();
+            let mut st = self.store.lock();
+            let pinned = st
+                .pin_slots(PEER_SESSION_BASE + to as u64, &[r], lease.as_millis() as u64, now)
+                .ok()
+                .and_then(|(mut v, _)| v.pop().flatten())
+                .is_some();
+            if pinned {
+                st.counters.grants_given += 1;
+                g.grant_pins.insert((to, grant), (r, now + lease));
+                if hook == Some(TestHook::CorruptGrantedSlots) {
+                    st.test_corrupt_header(r);
+                }
+            } else {
+                *result = GrantResult::Refused;
+            }
+        }
+    }
+
+    /// Releases the store pins of grants a peer is done with.
+    fn release_grants(&self, from: NodeId, batch: &Batch) {
+        let mut g = self.inner.lock();
+        let mut refs = Vec::new();
+        for m in &batch.msgs {
+            if let Msg::GrantRelease { grant, .. } = m
+                && let Some((r, _)) = g.grant_pins.remove(&(from, *grant))
+            {
+                refs.push(r);
+            }
+        }
+        if !refs.is_empty() {
+            let mut st = self.store.lock();
+            for chunk in refs.chunks(st.config().limits.batch_keys_max as usize) {
+                let _ = st.unpin(PEER_SESSION_BASE + from as u64, chunk);
+            }
+        }
+    }
+
+    fn send_frame(&self, to: NodeId, f: pb::Frame) {
+        match self.links.get(&to) {
+            Some(tx) => {
+                if tx.try_send(f).is_err() {
+                    self.counters.queue_drops.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            None => tracing::warn!(peer = to, "coherence: no link to node (not in [[peers]])"),
+        }
+    }
+
+    fn publish_view(&self, view: &View) {
+        tracing::info!(epoch = view.epoch, members = ?view.members.iter().map(|m| m.id).collect::<Vec<_>>(), "membership: new view");
+        let v = pb_view(view);
+        for m in &view.members {
+            if m.id != self.id {
+                self.send_frame(m.id, pb::Frame { body: Some(pb::frame::Body::View(v.clone())) });
+            }
+        }
+    }
+
+    /// Reserves a local slot for a fetch (owned by the core until it
+    /// commits or frees it).
+    fn alloc_fetch_slot(&self, expect: &CoreMeta, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
+        let mut st = self.store.lock();
+        let ns = st.namespace_by_fingerprint(expect.key.ns)?;
+        let r = st
+            .allocate_detached(FETCH_SESSION, ns.id, &[Key(expect.key.key)], 0, false, Instant::now())
+            .ok()
+            .and_then(|(v, _)| match v.first() {
+                Some(crate::store::AllocOutcome::Allocated { slot, .. }) => Some(*slot),
+                _ => None,
+            });
+        for (fp, k) in st.take_evicted() {
+            queue.push_back(Event::Evict { key: block_key(fp, k) });
+        }
+        let r = r?;
+        st.begin_commit(FETCH_SESSION, &[r]).ok()?.pop().flatten()?;
+        Some(to_core(r))
+    }
+
+    async fn read_task(
+        self: Arc<Self>,
+        op: OpId,
+        from: NodeId,
+        remote: CoreSlot,
+        expect: CoreMeta,
+        dest: CoreSlot,
+        deadline: u64,
+    ) {
+        let result = self.read_slot(from, remote, &expect, dest, deadline).await;
+        let (dest, result) = match result {
+            Ok(image) => (Some(dest), Ok(image)),
+            Err(TransferError::Timeout) => {
+                // UCX may still write the slot: never reuse it.
+                self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
+                self.inner.lock().fetching.remove(&dest);
+                self.store.lock().quarantine_core(to_store(dest));
+                (None, Err(TransferError::Timeout))
+            }
+            Err(e) => {
+                self.counters.transfer_failures.fetch_add(1, Ordering::Relaxed);
+                (Some(dest), Err(e))
+            }
+        };
+        self.feed(Event::TransferDone { op, dest, result });
+    }
+
+    /// Moves the holder's whole slot into `dest` and reports what arrived
+    /// (the core validates it against the grant).
+    async fn read_slot(
+        &self,
+        from: NodeId,
+        remote: CoreSlot,
+        expect: &CoreMeta,
+        dest: CoreSlot,
+        deadline: u64,
+    ) -> Result<SlotImage, TransferError> {
+        let Some((inc, pools, client)) = self.peers.conn_info(from).await else {
+            return Err(TransferError::PeerGone);
+        };
+        let d = to_store(dest);
+        let rs = to_store(remote);
+        let (stride, cap, mapping) = {
+            let st = self.store.lock();
+            let p = st.pools().get(d.pool as usize).ok_or(TransferError::NoSpace)?;
+            (p.stride, p.slot_payload_bytes, Arc::clone(&p.mapping))
+        };
+        // Whole slots are copied: the holder's pool must have our layout.
+        if !pools.iter().any(|p| p.index == rs.pool && p.slot_stride_bytes == stride && p.slot_payload_bytes == cap) {
+            tracing::warn!(peer = from, pool = rs.pool, "peer pool layout differs from ours; cannot read its slot");
+            return Err(TransferError::PeerGone);
+        }
+        let limit = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
+        let until = self.instant_of(deadline).min(limit);
+        let tag = self.peers.next_tag();
+        let item = TransferItem {
+            remote_pool: rs.pool,
+            remote_offset: rs.slot as u64 * stride,
+            len: stride,
+            local_pool: d.pool,
+            local_offset: d.slot as u64 * stride,
+            tag,
+        };
+        let dp = self.peers.dataplane();
+        let mode = self.peers.mode();
+        let (batch, mut rx) = dp.transfer_stream(mode, from, inc, vec![item], until);
+        if mode == Mode::Recv {
+            let req = pb::SendRequest {
+                node_id: self.id,
+                incarnation: self.incarnation,
+                holder_incarnation: inc,
+                items: vec![pb::SendItem { pool: rs.pool, slot: rs.slot, generation: rs.generation, tag }],
+            };
+            let mut c = client;
+            let dp2 = Arc::clone(dp);
+            tokio::spawn(async move {
+                let sent = match c.send(req).await {
+                    Ok(r) => r.into_inner().sent.iter().all(|&b| b),
+                    Err(s) => {
+                        tracing::debug!(peer = from, "send request failed: {}", s.message());
+                        false
+                    }
+                };
+                if !sent {
+                    dp2.cancel(batch);
+                }
+            });
+        }
+        match rx.recv().await {
+            Some((_, TransferOutcome::Done)) => {}
+            Some((_, TransferOutcome::TimedOut)) => return Err(TransferError::Timeout),
+            Some((_, TransferOutcome::Failed(e))) => {
+                tracing::debug!(peer = from, "transfer failed: {e}");
+                if !matches!(mode, Mode::Recv) {
+                    self.peers.reset(from).await;
+                }
+                return Err(TransferError::PeerGone);
+            }
+            None => return Err(TransferError::PeerGone),
+        }
+        let bytes = mapping.read(d.slot as u64 * stride, stride).map_err(|_| TransferError::NoSpace)?;
+        Ok(slot_image(&bytes, cap, expect.key.ns))
+    }
+
+    // ----- streams -----
+
+    async fn link_task(self: Arc<Self>, entry: PeerEntry, mut rx: mpsc::Receiver<pb::Frame>) {
+        let heartbeat = Duration::from_millis(self.cfg.heartbeat_ms);
+        loop {
+            match self.run_link(&entry, &mut rx, heartbeat).await {
+                Ok(()) => return, // the driver is gone
+                Err(e) => tracing::debug!(peer = entry.id, "coherence stream down: {e}"),
+            }
+            // Frames queued while down are for a stream that no longer
+            // exists; the protocol retransmits what matters.
+            let mut dropped = 0;
+            while rx.try_recv().is_ok() {
+                dropped += 1;
+            }
+            self.counters.queue_drops.fetch_add(dropped, Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn run_link(
+        &self,
+        entry: &PeerEntry,
+        rx: &mut mpsc::Receiver<pb::Frame>,
+        heartbeat: Duration,
+    ) -> Result<(), String> {
+        let ep = tonic::transport::Endpoint::from_shared(format!("http://{}", entry.addr))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(crate::dataplane::CONTROL_TIMEOUT)
+            .tcp_nodelay(true);
+        let channel = ep.connect().await.map_err(|e| format!("connect: {e}"))?;
+        let mut client = pb::peer_client::PeerClient::new(channel).max_decoding_message_size(64 << 20);
+        let (tx, out) = mpsc::channel::<pb::Frame>(256);
+        let hello = pb::StreamHello { node_id: self.id, incarnation: self.incarnation };
+        tx.send(pb::Frame { body: Some(pb::frame::Body::Hello(hello)) }).await.map_err(|e| e.to_string())?;
+        let resp = tokio::time::timeout(
+            crate::dataplane::CONTROL_TIMEOUT,
+            client.exchange(tokio_stream::wrappers::ReceiverStream::new(out)),
+        )
+        .await
+        .map_err(|_| "stream open timed out".to_string())?
+        .map_err(|s| format!("exchange: {}", s.message()))?;
+        let mut inbound = resp.into_inner();
+        tracing::info!(peer = entry.id, "coherence stream up");
+        let mut ping = tokio::time::interval(heartbeat);
+        ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_pong = Instant::now();
+        let mut seq = 0u64;
+        loop {
+            tokio::select! {
+                f = rx.recv() => {
+                    let Some(f) = f else { return Ok(()) };
+                    tx.send(f).await.map_err(|_| "stream closed".to_string())?;
+                }
+                m = inbound.message() => match m {
+                    Ok(Some(pb::Frame { body: Some(pb::frame::Body::Pong(_)) })) => last_pong = Instant::now(),
+                    Ok(Some(_)) => {}
+                    Ok(None) => return Err("peer closed the stream".into()),
+                    Err(s) => return Err(format!("stream error: {}", s.message())),
+                },
+                _ = ping.tick() => {
+                    if last_pong.elapsed() > 3 * heartbeat {
+                        return Err("no pong for three heartbeats".into());
+                    }
+                    seq += 1;
+                    tx.send(pb::Frame { body: Some(pb::frame::Body::Ping(seq)) }).await.map_err(|_| "stream closed".to_string())?;
+                }
+            }
+        }
+    }
+
+    /// Serves a stream a peer dialled: its frames in, pongs out.
+    pub async fn serve_stream(
+        self: Arc<Self>,
+        mut inbound: tonic::Streaming<pb::Frame>,
+    ) -> Result<FrameStream, Status> {
+        let first = tokio::time::timeout(crate::dataplane::CONTROL_TIMEOUT, inbound.message())
+            .await
+            .map_err(|_| Status::deadline_exceeded("no hello on the coherence stream"))??;
+        let Some(pb::Frame { body: Some(pb::frame::Body::Hello(hello)) }) = first else {
+            return Err(Status::invalid_argument("the first frame of a coherence stream must be a hello"));
+        };
+        let from = hello.node_id;
+        if !self.links.contains_key(&from) {
+            return Err(Status::permission_denied(format!("node {from} is not in this daemon's peer list")));
+        }
+        tracing::debug!(peer = from, incarnation = hello.incarnation, "coherence stream from peer");
+        let (tx, rx) = mpsc::channel::<Result<pb::Frame, Status>>(64);
+        tokio::spawn(async move {
+            loop {
+                match inbound.message().await {
+                    Ok(Some(f)) => self.on_frame(from, hello.incarnation, f, &tx),
+                    Ok(None) => break,
+                    Err(s) => {
+                        tracing::debug!(peer = from, "coherence stream ended: {}", s.message());
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+    }
+
+    fn on_frame(self: &Arc<Self>, from: NodeId, incarnation: u64, f: pb::Frame, pong: &mpsc::Sender<Result<pb::Frame, Status>>) {
+        use pb::frame::Body;
+        match f.body {
+            Some(Body::Batch(bytes)) => match Batch::decode(&bytes) {
+                Ok(batch) => {
+                    self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
+                    self.release_grants(from, &batch);
+                    self.feed(Event::Receive { from, batch });
+                }
+                Err(e) => {
+                    self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = from, "undecodable coherence batch: {e}");
+                }
+            },
+            Some(Body::Keepalive(ka)) => {
+                let mut g = self.inner.lock();
+                let Membership::Local(c) = &mut g.membership else {
+                    tracing::warn!(peer = from, "keepalive received, but this daemon is not the coordinator");
+                    return;
+                };
+                let changed = c.keepalive(from, ka.incarnation, ka.capacity.max(1), ka.epoch_seen, Instant::now());
+                let view = c.view();
+                if changed {
+                    self.publish_view(&view);
+                    g.epoch_seen = g.epoch_seen.max(view.epoch);
+                    self.feed_locked(&mut g, Event::View(view.clone()));
+                } else {
+                    let ack = pb::KeepAliveAck { sent_at_us: ka.sent_at_us, view: Some(pb_view(&view)) };
+                    self.send_frame(from, pb::Frame { body: Some(Body::KeepaliveAck(ack)) });
+                    return;
+                }
+                drop(g);
+                let ack = pb::KeepAliveAck { sent_at_us: ka.sent_at_us, view: Some(pb_view(&view)) };
+                self.send_frame(from, pb::Frame { body: Some(Body::KeepaliveAck(ack)) });
+                self.timer.notify_one();
+            }
+            Some(Body::KeepaliveAck(ack)) => {
+                if let Some(v) = ack.view {
+                    self.on_view(from_pb_view(&v));
+                }
+                self.feed(Event::KeepAliveAck { sent_at: ack.sent_at_us });
+            }
+            Some(Body::View(v)) => self.on_view(from_pb_view(&v)),
+            Some(Body::Ping(x)) => {
+                let _ = pong.try_send(Ok(pb::Frame { body: Some(Body::Pong(x)) }));
+            }
+            Some(Body::Hello(_)) | Some(Body::Pong(_)) | None => {
+                tracing::debug!(peer = from, incarnation, "unexpected frame on a coherence stream");
+            }
+        }
+    }
+
+    fn on_view(self: &Arc<Self>, view: View) {
+        let newer = {
+            let mut g = self.inner.lock();
+            let newer = view.epoch > g.node.view().epoch;
+            g.epoch_seen = g.epoch_seen.max(view.epoch);
+            if newer {
+                self.feed_locked(&mut g, Event::View(view.clone()));
+            }
+            newer
+        };
+        self.timer.notify_one();
+        if newer {
+            // Handshakes with members that restarted are stale.
+            let me = Arc::clone(self);
+            tokio::spawn(async move {
+                for m in &view.members {
+                    if m.id == me.id {
+                        continue;
+                    }
+                    if let Some((inc, _, _)) = me.peers.conn_info(m.id).await
+                        && inc != m.incarnation
+                    {
+                        me.peers.reset(m.id).await;
+                    }
+                }
+            });
+        }
+    }
+
+    async fn timer_task(self: Arc<Self>) {
+        let keepalive = Duration::from_millis(self.cfg.keepalive_ms);
+        let mut next_housekeeping = Instant::now();
+        loop {
+            let next = self.inner.lock().node.next_timeout();
+            let mut wake = Instant::now() + keepalive;
+            if let Some(t) = next {
+                wake = wake.min(self.instant_of(t));
+            }
+            wake = wake.min(next_housekeeping);
+            tokio::select! {
+                _ = tokio::time::sleep_until(wake.into()) => {}
+                _ = self.timer.notified() => continue,
+            }
+            let now = Instant::now();
+            if now >= next_housekeeping {
+                next_housekeeping = now + keepalive;
+                self.housekeeping(now);
+            }
+            self.feed(Event::Tick);
+        }
+    }
+
+    /// Coordinator expiry of silent members; forgetting expired grant pins.
+    fn housekeeping(self: &Arc<Self>, now: Instant) {
+        let mut g = self.inner.lock();
+        g.grant_pins.retain(|_, (_, until)| *until > now);
+        let Membership::Local(c) = &mut g.membership else { return };
+        if c.expire(now) {
+            let view = c.view();
+            self.publish_view(&view);
+            g.epoch_seen = g.epoch_seen.max(view.epoch);
+            self.feed_locked(&mut g, Event::View(view));
+        }
+    }
+
+    // ----- engine calls -----
+
+    /// Registers ops and feeds their events under one lock.
+    fn submit(self: &Arc<Self>, ops: Vec<(WaitKind, Box<dyn FnOnce(OpId) -> Event + '_>)>) -> Vec<oneshot::Receiver<OpResult>> {
+        let mut rxs = Vec::with_capacity(ops.len());
+        {
+            let mut g = self.inner.lock();
+            for (kind, make) in ops {
+                let op = g.next_op;
+                g.next_op += 1;
+                let (tx, rx) = oneshot::channel();
+                g.waiters.insert(op, Waiter { kind, tx });
+                rxs.push(rx);
+                self.feed_locked(&mut g, make(op));
+            }
+        }
+        self.timer.notify_one();
+        rxs
+    }
+
+    async fn collect(&self, rxs: Vec<oneshot::Receiver<OpResult>>) -> Vec<OpResult> {
+        // Every op has a deadline in the core; this bound only guards
+        // against a driver bug leaving a waiter behind.
+        let bound = Duration::from_millis(self.cfg.op_timeout_ms) * 2 + Duration::from_secs(1);
+        let mut out = Vec::with_capacity(rxs.len());
+        for rx in rxs {
+            out.push(match tokio::time::timeout(bound, rx).await {
+                Ok(Ok(r)) => r,
+                _ => OpResult::Error(ErrorKind::Timeout),
+            });
+        }
+        out
+    }
+
+    /// Gets blocks for an engine session: local copies or fetched from
+    /// their holders; each hit is pinned for `session`.
+    pub async fn get(
+        self: &Arc<Self>,
+        session: SessionId,
+        fingerprint: u64,
+        keys: &[Key],
+        lease_ms: u64,
+    ) -> Vec<Option<PinOutcome>> {
+        let ops = keys
+            .iter()
+            .map(|&k| {
+                let key = block_key(fingerprint, k);
+                (
+                    WaitKind::Get { session, lease_ms },
+                    Box::new(move |op| Event::ClientGet { op, key }) as Box<dyn FnOnce(OpId) -> Event>,
+                )
+            })
+            .collect();
+        let rxs = self.submit(ops);
+        self.collect(rxs)
+            .await
+            .into_iter()
+            .map(|r| match r {
+                OpResult::Hit(p) => Some(p),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Publishes written slots (checksummed) as the keys' next versions.
+    pub async fn publish(self: &Arc<Self>, items: &[(SlotRef, u64, Key, u64)]) -> Vec<Result<u64, String>> {
+        let ops = items
+            .iter()
+            .map(|&(slot, fingerprint, k, checksum)| {
+                let key = block_key(fingerprint, k);
+                (
+                    WaitKind::Other,
+                    Box::new(move |op| Event::ClientPut { op, key, slot: to_core(slot), checksum })
+                        as Box<dyn FnOnce(OpId) -> Event>,
+                )
+            })
+            .collect();
+        let rxs = self.submit(ops);
+        self.collect(rxs)
+            .await
+            .into_iter()
+            .map(|r| match r {
+                OpResult::Stored(v) => Ok(v),
+                OpResult::Error(e) => Err(error_text(e)),
+                other => Err(format!("unexpected outcome {other:?}")),
+            })
+            .collect()
+    }
+
+    /// Invalidates keys cluster-wide; retries keys that were busy (another
+    /// change in progress) until `deadline`. Returns (done, failed, first
+    /// error).
+    pub async fn invalidate(self: &Arc<Self>, keys: Vec<BlockKey>, deadline: Instant) -> (u64, u64, String) {
+        let mut pending = keys;
+        let mut done = 0u64;
+        let mut first_error = String::new();
+        let chunk = (self.cfg.ops_max / 2).max(1);
+        loop {
+            let mut retry = Vec::new();
+            for part in pending.chunks(chunk) {
+                let ops = part
+                    .iter()
+                    .map(|&key| {
+                        (
+                            WaitKind::Other,
+                            Box::new(move |op| Event::ClientInvalidate { op, key }) as Box<dyn FnOnce(OpId) -> Event>,
+                        )
+                    })
+                    .collect();
+                let rxs = self.submit(ops);
+                for (key, r) in part.iter().zip(self.collect(rxs).await) {
+                    match r {
+                        OpResult::Invalidated => done += 1,
+                        OpResult::Error(e) => {
+                            if first_error.is_empty() {
+                                first_error = error_text(e);
+                            }
+                            retry.push(*key);
+                        }
+                        other => {
+                            first_error = format!("unexpected outcome {other:?}");
+                            retry.push(*key);
+                        }
+                    }
+                }
+            }
+            if retry.is_empty() {
+                return (done, 0, String::new());
+            }
+            if Instant::now() + Duration::from_millis(20) >= deadline {
+                return (done, retry.len() as u64, first_error);
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            pending = retry;
+        }
+    }
+
+    /// Every key of a namespace known to any daemon of the cluster. Fails
+    /// when a member cannot be asked (its keys would be missed).
+    pub async fn namespace_keys(self: &Arc<Self>, fingerprint: u64) -> Result<Vec<BlockKey>, String> {
+        let mut keys: HashSet<BlockKey> = self.local_keys(fingerprint).into_iter().collect();
+        let members: Vec<NodeId> =
+            self.inner.lock().node.view().members.iter().map(|m| m.id).filter(|&id| id != self.id).collect();
+        for id in members {
+            let Some((_, _, mut client)) = self.peers.conn_info(id).await else {
+                return Err(format!("member node {id} is not connected: its keys cannot be listed"));
+            };
+            let r = client
+                .list_keys(pb::ListKeysRequest { namespace_fingerprint: fingerprint })
+                .await
+                .map_err(|s| format!("node {id}: list keys: {}", s.message()))?;
+            for b in r.into_inner().keys {
+                if b.namespace_fingerprint == fingerprint {
+                    keys.insert(block_key(fingerprint, Key::from_parts(b.key_hi, b.key_lo)));
+                }
+            }
+        }
+        let mut v: Vec<BlockKey> = keys.into_iter().collect();
+        v.sort();
+        Ok(v)
+    }
+
+    /// Keys of a namespace this daemon knows: directory entries it keeps as
+    /// home (still held somewhere or changing) and its Valid copies.
+    pub fn local_keys(&self, fingerprint: u64) -> Vec<BlockKey> {
+        let g = self.inner.lock();
+        let mut out: Vec<BlockKey> = g
+            .node
+            .directory()
+            .filter(|(k, d)| k.ns == fingerprint && (!d.holders.is_empty() || d.changing))
+            .map(|(k, _)| k)
+            .chain(g.node.copies().filter(|(k, _, _)| k.ns == fingerprint).map(|(k, _, _)| k))
+            .collect();
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// Drops this daemon's copies of keys (engine `Remove`): per key whether
+    /// a copy was dropped. A copy pinned or granted stays.
+    pub fn evict(self: &Arc<Self>, fingerprint: u64, keys: &[Key]) -> Vec<bool> {
+        let mut out = Vec::with_capacity(keys.len());
+        {
+            let mut g = self.inner.lock();
+            for &k in keys {
+                let key = block_key(fingerprint, k);
+                let can = g.node.can_evict(&key);
+                if can {
+                    self.feed_locked(&mut g, Event::Evict { key });
+                }
+                out.push(can);
+            }
+        }
+        self.timer.notify_one();
+        out
+    }
+
+    /// Reserves slots for an engine's put (see `Store::allocate_detached`);
+    /// blocks evicted to make room are dropped from the protocol too.
+    pub fn allocate(
+        self: &Arc<Self>,
+        session: SessionId,
+        ns: u32,
+        keys: &[Key],
+        lease_ms: u64,
+        overwrite: bool,
+    ) -> Result<(Vec<crate::store::AllocOutcome>, Instant), crate::Error> {
+        let mut g = self.inner.lock();
+        let (res, evicted) = {
+            let mut st = self.store.lock();
+            let res = st.allocate_detached(session, ns, keys, lease_ms, !overwrite, Instant::now());
+            (res, st.take_evicted())
+        };
+        for (fp, k) in evicted {
+            self.feed_locked(&mut g, Event::Evict { key: block_key(fp, k) });
+        }
+        drop(g);
+        self.timer.notify_one();
+        res
+    }
+
+    /// What `kvmesh stats` shows about coherence.
+    pub fn stats(&self) -> kvmesh_proto::engine::v1::CoherenceStats {
+        let g = self.inner.lock();
+        let m = g.node.metrics();
+        let h = &m.inval_to_ack_us;
+        kvmesh_proto::engine::v1::CoherenceStats {
+            serving: g.node.serving_at(self.now_us()),
+            epoch: g.node.view().epoch,
+            members: g.node.view().members.len() as u32,
+            batches_sent: m.batches_sent,
+            msgs_sent: m.msgs_sent,
+            invalidates_sent: m.invalidates_sent,
+            acks_sent: m.acks_sent,
+            ack_batches_sent: m.ack_batches_sent,
+            stale_epoch_drops: m.stale_epoch_drops,
+            validation_failures: m.validation_failures,
+            late_transfers: m.late_transfers,
+            grants_outstanding: m.grants_outstanding,
+            changes_completed: m.changes_completed,
+            inval_to_ack_count: h.count,
+            inval_to_ack_p50_us: h.quantile_upper_bound(0.5),
+            inval_to_ack_p99_us: h.quantile_upper_bound(0.99),
+            inval_to_ack_max_us: h.max,
+            peer_queue_drops: self.counters.queue_drops.load(Ordering::Relaxed),
+            decode_errors: self.counters.decode_errors.load(Ordering::Relaxed),
+            batches_received: self.counters.batches_received.load(Ordering::Relaxed),
+            ops_in_flight: g.node.ops_in_flight() as u32,
+            ignored_acks: m.ignored_acks,
+        }
+    }
+
+    /// Deadline of an engine's `Invalidate`.
+    pub fn invalidate_deadline(&self) -> Instant {
+        Instant::now() + Duration::from_millis(self.cfg.invalidate_timeout_ms)
+    }
+}
+
+fn error_text(e: ErrorKind) -> String {
+    match e {
+        ErrorKind::Busy => "busy: another write or invalidation of the key is in progress, or the cluster is \
+                            rebuilding its directory after a membership change; retry"
+            .into(),
+        ErrorKind::Timeout => "timed out waiting for the key's home daemon".into(),
+        ErrorKind::NotMember => "this daemon is not a serving cluster member (no membership lease)".into(),
+        ErrorKind::Overloaded => "too many coherence operations in flight (coherence.ops_max)".into(),
+    }
+}
+
+fn pb_view(v: &View) -> pb::View {
+    pb::View {
+        epoch: v.epoch,
+        members: v
+            .members
+            .iter()
+            .map(|m| pb::Member { id: m.id, incarnation: m.incarnation, capacity: m.capacity })
+            .collect(),
+    }
+}
+
+fn from_pb_view(v: &pb::View) -> View {
+    View {
+        epoch: v.epoch,
+        members: v
+            .members
+            .iter()
+            .map(|m| Member { id: m.id, incarnation: m.incarnation, capacity: m.capacity.max(1) })
+            .collect(),
+    }
+}
+
+/// What a slot copy holds, as the core compares it with a grant. An
+/// unreadable header or trailer becomes an image that matches nothing.
+fn slot_image(bytes: &[u8], cap: u64, fingerprint: u64) -> SlotImage {
+    let none = CoreMeta { key: BlockKey { ns: 0, key: 0 }, version: 0, generation: 0, checksum: 0 };
+    let core = |m: &LayoutMeta| {
+        if m.state != SlotState::Valid || m.namespace != fingerprint || m.payload_len > cap {
+            none
+        } else {
+            CoreMeta { key: block_key(m.namespace, m.key), version: m.version, generation: m.generation, checksum: m.checksum }
+        }
+    };
+    let t = trailer_offset(cap) as usize;
+    let (Ok(h), Ok(tr)) = (
+        LayoutMeta::decode_header(&bytes[..HEADER_BYTES]),
+        LayoutMeta::decode_trailer(&bytes[t..t + TRAILER_BYTES]),
+    ) else {
+        return SlotImage { header: none, trailer: none, payload_checksum: 1 };
+    };
+    let len = h.payload_len.min(cap) as usize;
+    let payload_checksum = kvmesh_common::checksum(&bytes[HEADER_BYTES..HEADER_BYTES + len]);
+    let mut header = core(&h);
+    let trailer = core(&tr);
+    if h.payload_len != tr.payload_len {
+        header = none;
+    }
+    SlotImage { header, trailer, payload_checksum }
+}
