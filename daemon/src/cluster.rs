@@ -86,6 +86,13 @@ pub enum OpResult {
     Error(ErrorKind),
 }
 
+/// An engine call to feed the core (the op id is assigned on submission).
+enum Call {
+    Get(BlockKey),
+    Put(BlockKey, CoreSlot, u64),
+    Invalidate(BlockKey),
+}
+
 enum WaitKind {
     Get { session: SessionId, lease_ms: u64 },
     Other,
@@ -304,20 +311,14 @@ impl Cluster {
                 self.note_grants(g, to, &mut batch);
                 self.send_frame(to, pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) });
             }
-            Action::StartRead { op, from, remote, expect, deadline } => {
-                match self.alloc_fetch_slot(&expect, queue) {
-                    Some(dest) => {
-                        g.fetching.insert(dest, expect);
-                        let me = Arc::clone(self);
-                        tokio::spawn(async move { me.read_task(op, from, remote, expect, dest, deadline).await });
-                    }
-                    None => queue.push_back(Event::TransferDone {
-                        op,
-                        dest: None,
-                        result: Err(TransferError::NoSpace),
-                    }),
+            Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
+                Some(dest) => {
+                    g.fetching.insert(dest, expect);
+                    let me = Arc::clone(self);
+                    tokio::spawn(async move { me.read_task(op, from, remote, expect, dest, deadline).await });
                 }
-            }
+                None => queue.push_back(Event::TransferDone { op, dest: None, result: Err(TransferError::NoSpace) }),
+            },
             Action::CommitSlot { slot, meta } => {
                 if !self.store.lock().commit_core(to_store(slot), meta.version, meta.checksum, false) {
                     tracing::error!(?slot, "coherence: commit of a slot the store does not hold for it");
@@ -340,7 +341,8 @@ impl Cluster {
                         queue.push_back(Event::KeepAliveAck { sent_at });
                     }
                     Membership::Remote(to) => {
-                        let ka = pb::KeepAlive { sent_at_us: sent_at, incarnation: self.incarnation, epoch_seen, capacity };
+                        let ka =
+                            pb::KeepAlive { sent_at_us: sent_at, incarnation: self.incarnation, epoch_seen, capacity };
                         self.send_frame(*to, pb::Frame { body: Some(pb::frame::Body::Keepalive(ka)) });
                     }
                 }
@@ -681,7 +683,13 @@ impl Cluster {
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
-    fn on_frame(self: &Arc<Self>, from: NodeId, incarnation: u64, f: pb::Frame, pong: &mpsc::Sender<Result<pb::Frame, Status>>) {
+    fn on_frame(
+        self: &Arc<Self>,
+        from: NodeId,
+        incarnation: u64,
+        f: pb::Frame,
+        pong: &mpsc::Sender<Result<pb::Frame, Status>>,
+    ) {
         use pb::frame::Body;
         match f.body {
             Some(Body::Batch(bytes)) => match Batch::decode(&bytes) {
@@ -801,7 +809,7 @@ impl Cluster {
     // ----- engine calls -----
 
     /// Registers ops and feeds their events under one lock.
-    fn submit(self: &Arc<Self>, ops: Vec<(WaitKind, Box<dyn FnOnce(OpId) -> Event + '_>)>) -> Vec<oneshot::Receiver<OpResult>> {
+    fn submit(self: &Arc<Self>, ops: Vec<(WaitKind, Call)>) -> Vec<oneshot::Receiver<OpResult>> {
         let mut rxs = Vec::with_capacity(ops.len());
         {
             let mut g = self.inner.lock();
@@ -811,7 +819,12 @@ impl Cluster {
                 let (tx, rx) = oneshot::channel();
                 g.waiters.insert(op, Waiter { kind, tx });
                 rxs.push(rx);
-                self.feed_locked(&mut g, make(op));
+                let ev = match make {
+                    Call::Get(key) => Event::ClientGet { op, key },
+                    Call::Put(key, slot, checksum) => Event::ClientPut { op, key, slot, checksum },
+                    Call::Invalidate(key) => Event::ClientInvalidate { op, key },
+                };
+                self.feed_locked(&mut g, ev);
             }
         }
         self.timer.notify_one();
@@ -845,10 +858,7 @@ impl Cluster {
             .iter()
             .map(|&k| {
                 let key = block_key(fingerprint, k);
-                (
-                    WaitKind::Get { session, lease_ms },
-                    Box::new(move |op| Event::ClientGet { op, key }) as Box<dyn FnOnce(OpId) -> Event>,
-                )
+                (WaitKind::Get { session, lease_ms }, Call::Get(key))
             })
             .collect();
         let rxs = self.submit(ops);
@@ -868,11 +878,7 @@ impl Cluster {
             .iter()
             .map(|&(slot, fingerprint, k, checksum)| {
                 let key = block_key(fingerprint, k);
-                (
-                    WaitKind::Other,
-                    Box::new(move |op| Event::ClientPut { op, key, slot: to_core(slot), checksum })
-                        as Box<dyn FnOnce(OpId) -> Event>,
-                )
+                (WaitKind::Other, Call::Put(key, to_core(slot), checksum))
             })
             .collect();
         let rxs = self.submit(ops);
@@ -898,15 +904,7 @@ impl Cluster {
         loop {
             let mut retry = Vec::new();
             for part in pending.chunks(chunk) {
-                let ops = part
-                    .iter()
-                    .map(|&key| {
-                        (
-                            WaitKind::Other,
-                            Box::new(move |op| Event::ClientInvalidate { op, key }) as Box<dyn FnOnce(OpId) -> Event>,
-                        )
-                    })
-                    .collect();
+                let ops = part.iter().map(|&key| (WaitKind::Other, Call::Invalidate(key))).collect();
                 let rxs = self.submit(ops);
                 for (key, r) in part.iter().zip(self.collect(rxs).await) {
                     match r {
@@ -1097,14 +1095,18 @@ fn slot_image(bytes: &[u8], cap: u64, fingerprint: u64) -> SlotImage {
         if m.state != SlotState::Valid || m.namespace != fingerprint || m.payload_len > cap {
             none
         } else {
-            CoreMeta { key: block_key(m.namespace, m.key), version: m.version, generation: m.generation, checksum: m.checksum }
+            CoreMeta {
+                key: block_key(m.namespace, m.key),
+                version: m.version,
+                generation: m.generation,
+                checksum: m.checksum,
+            }
         }
     };
     let t = trailer_offset(cap) as usize;
-    let (Ok(h), Ok(tr)) = (
-        LayoutMeta::decode_header(&bytes[..HEADER_BYTES]),
-        LayoutMeta::decode_trailer(&bytes[t..t + TRAILER_BYTES]),
-    ) else {
+    let (Ok(h), Ok(tr)) =
+        (LayoutMeta::decode_header(&bytes[..HEADER_BYTES]), LayoutMeta::decode_trailer(&bytes[t..t + TRAILER_BYTES]))
+    else {
         return SlotImage { header: none, trailer: none, payload_checksum: 1 };
     };
     let len = h.payload_len.min(cap) as usize;

@@ -411,7 +411,8 @@ pub async fn run(
     });
 
     // The coherence driver runs on every clustered daemon.
-    let cluster = peers.as_ref().map(|p| crate::cluster::Cluster::start(coherence_cfg, Arc::clone(p), Arc::clone(&store)));
+    let cluster =
+        peers.as_ref().map(|p| crate::cluster::Cluster::start(coherence_cfg, Arc::clone(p), Arc::clone(&store)));
     let peer_server = match (peer_listener, &peers) {
         (Some(l), Some(p)) => {
             let svc = kvmesh_proto::peer::v1::peer_server::PeerServer::new(crate::peers::PeerService {

@@ -289,10 +289,12 @@ impl pb::engine_server::Engine for EngineService {
             // daemon serves the previous one.
             let items: Vec<(SlotRef, u64, Key, u64)> = {
                 let st = store.lock();
-                done.iter().map(|&(r, c)| {
-                    let (fp, key) = st.slot_block(r);
-                    (r, fp, key, c)
-                }).collect()
+                done.iter()
+                    .map(|&(r, c)| {
+                        let (fp, key) = st.slot_block(r);
+                        (r, fp, key, c)
+                    })
+                    .collect()
             };
             let mut results = cluster.publish(&items).await.into_iter();
             sums.into_iter()
