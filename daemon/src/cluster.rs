@@ -1045,6 +1045,7 @@ impl Cluster {
             batches_received: self.counters.batches_received.load(Ordering::Relaxed),
             ops_in_flight: g.node.ops_in_flight() as u32,
             ignored_acks: m.ignored_acks,
+            directory_ready: g.node.directory_ready(),
         }
     }
 

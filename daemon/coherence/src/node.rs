@@ -252,6 +252,13 @@ impl Node {
         })
     }
 
+    /// Whether this node's directory is complete for its epoch (every
+    /// member announced its copies); until then, as a home, it answers
+    /// busy.
+    pub fn directory_ready(&self) -> bool {
+        self.ready
+    }
+
     /// Client operations not yet answered.
     pub fn ops_in_flight(&self) -> usize {
         self.ops.len()

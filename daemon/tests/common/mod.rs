@@ -60,6 +60,23 @@ impl Daemon {
         d
     }
 
+    /// Starts the daemon again on the same config, socket and log (after a
+    /// kill).
+    pub fn restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let log = std::fs::OpenOptions::new().append(true).open(self.dir.0.join("kvmeshd.log")).unwrap();
+        self.child = Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+            .arg("--config")
+            .arg(self.dir.0.join("kvmeshd.toml"))
+            .env("KVMESH_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn kvmeshd");
+        self.wait_ready();
+    }
+
     fn wait_ready(&self) {
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_secs(20) {
@@ -143,7 +160,7 @@ impl Daemon {
         let t0 = Instant::now();
         loop {
             let s = c.stats().await.unwrap();
-            let member = s.coherence.as_ref().is_some_and(|c| c.serving && c.members > n);
+            let member = s.coherence.as_ref().is_some_and(|c| c.serving && c.members > n && c.directory_ready);
             if s.peers_connected >= n && member {
                 return;
             }

@@ -1,0 +1,322 @@
+//! A real three-daemon cluster (three `kvmeshd` processes, UCX on
+//! loopback, the coherence protocol on gRPC streams): writers overwrite
+//! mutable keys, readers on every daemon pin and check every byte, a
+//! namespace is invalidated mid-run, then one daemon is SIGKILLed and
+//! restarted. Pass condition: zero wrong reads and zero reads of a version
+//! older than one whose commit (or invalidation) had already returned when
+//! the read started. Misses and explicit errors are counted, not failures.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, free_port, peer_config, pool};
+use kvmesh_client::{Client, CommitOutcome, Key, Namespace};
+use rand::{Rng, SeedableRng};
+
+const BLOCK: usize = 4096;
+
+/// Block of `key` at writer sequence `seq`: key and seq up front, the rest
+/// derived from both, so a read can be checked completely.
+fn content(key: Key, seq: u64) -> Vec<u8> {
+    let mut v = Vec::with_capacity(BLOCK);
+    v.extend_from_slice(&key.0.to_le_bytes());
+    v.extend_from_slice(&seq.to_le_bytes());
+    let mut x = (key.0 as u64) ^ ((key.0 >> 64) as u64).rotate_left(17) ^ seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    while v.len() < BLOCK {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(BLOCK);
+    v
+}
+
+/// The writer sequence of a block read for `key`, or why it is wrong.
+fn check(key: Key, bytes: &[u8]) -> Result<u64, String> {
+    if bytes.len() != BLOCK {
+        return Err(format!("{key}: {} bytes", bytes.len()));
+    }
+    let k = u128::from_le_bytes(bytes[..16].try_into().unwrap());
+    if k != key.0 {
+        return Err(format!("{key}: block of another key {k:x}"));
+    }
+    let seq = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
+    if bytes != content(key, seq) {
+        return Err(format!("{key}: bytes differ from version seq {seq}"));
+    }
+    Ok(seq)
+}
+
+#[derive(Default)]
+struct Tally {
+    reads: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    errors: AtomicU64,
+    wrong: AtomicU64,
+    stale: AtomicU64,
+    writes: AtomicU64,
+    refused: AtomicU64,
+    doomed_hits_after: AtomicU64,
+}
+
+struct Shared {
+    mutable: Vec<Key>,
+    doomed: Vec<Key>,
+    /// Highest seq of each mutable key whose commit returned.
+    acked: HashMap<Key, AtomicU64>,
+    /// The doomed namespace's invalidation returned.
+    invalidated: AtomicBool,
+    stop: AtomicBool,
+    tally: Tally,
+    first_failure: parking_lot::Mutex<Option<String>>,
+}
+
+impl Shared {
+    fn fail(&self, counter: &AtomicU64, what: String) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        self.first_failure.lock().get_or_insert(what);
+    }
+}
+
+async fn connect_ns(socket: &std::path::Path) -> Option<(Client, Namespace, Namespace)> {
+    let c = Client::connect(socket).await.ok()?;
+    let m = c.register_namespace("mutable", BLOCK as u64, "t").await.ok()?;
+    let d = c.register_namespace("doomed", BLOCK as u64, "t").await.ok()?;
+    Some((c, m, d))
+}
+
+async fn reader(socket: std::path::PathBuf, sh: Arc<Shared>, seed: u64) {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut conn = None;
+    while !sh.stop.load(Ordering::Relaxed) {
+        if conn.is_none() {
+            conn = connect_ns(&socket).await;
+            if conn.is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        }
+        let (c, m, d) = conn.as_ref().unwrap();
+        let doomed_batch = rng.random_bool(0.3);
+        let (ns, pool) = if doomed_batch { (d, &sh.doomed) } else { (m, &sh.mutable) };
+        let keys: Vec<Key> = (0..8).map(|_| pool[rng.random_range(0..pool.len())]).collect();
+        // What had been acknowledged before this read started.
+        let floors: Vec<u64> = keys.iter().map(|k| sh.acked.get(k).map_or(0, |a| a.load(Ordering::SeqCst))).collect();
+        let invalidated = sh.invalidated.load(Ordering::SeqCst);
+        match c.pin(ns, &keys).await {
+            Ok(blocks) => {
+                for ((b, k), floor) in blocks.iter().zip(&keys).zip(&floors) {
+                    sh.tally.reads.fetch_add(1, Ordering::Relaxed);
+                    let Some(b) = b else {
+                        sh.tally.misses.fetch_add(1, Ordering::Relaxed);
+                        continue;
+                    };
+                    sh.tally.hits.fetch_add(1, Ordering::Relaxed);
+                    match check(*k, &b[..]) {
+                        Err(e) => sh.fail(&sh.tally.wrong, format!("wrong read: {e}")),
+                        Ok(seq) if seq < *floor => sh
+                            .fail(&sh.tally.stale, format!("stale read of {k}: seq {seq} after seq {floor} was acked")),
+                        Ok(_) if doomed_batch && invalidated => sh.fail(
+                            &sh.tally.doomed_hits_after,
+                            format!("{k} of the invalidated namespace served after the invalidation returned"),
+                        ),
+                        Ok(_) => {}
+                    }
+                }
+            }
+            Err(_) => {
+                sh.tally.errors.fetch_add(keys.len() as u64, Ordering::Relaxed);
+                conn = None; // the daemon may have died: reconnect
+            }
+        }
+    }
+}
+
+async fn writer(socket: std::path::PathBuf, sh: Arc<Shared>, keys: Vec<Key>, seed: u64) {
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
+    let mut seqs: HashMap<Key, u64> = keys.iter().map(|k| (*k, 0)).collect();
+    let mut conn = None;
+    while !sh.stop.load(Ordering::Relaxed) {
+        if conn.is_none() {
+            conn = connect_ns(&socket).await;
+            if conn.is_none() {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        }
+        let (c, m, _) = conn.as_ref().unwrap();
+        let key = keys[rng.random_range(0..keys.len())];
+        let seq = seqs[&key] + 1;
+        seqs.insert(key, seq);
+        let data = content(key, seq);
+        let allocs = match c.allocate_overwrite(m, &[key]).await {
+            Ok(a) => a,
+            Err(_) => {
+                conn = None;
+                continue;
+            }
+        };
+        let Some(kvmesh_client::Allocation::Allocated(mut w)) = allocs.into_iter().next() else { continue };
+        w.copy_from_slice(&data);
+        match c.commit(vec![w]).await {
+            Ok(o) => match &o[0] {
+                CommitOutcome::Committed { .. } => {
+                    sh.tally.writes.fetch_add(1, Ordering::Relaxed);
+                    sh.acked[&key].fetch_max(seq, Ordering::SeqCst);
+                }
+                _ => {
+                    sh.tally.refused.fetch_add(1, Ordering::Relaxed);
+                }
+            },
+            Err(_) => conn = None,
+        }
+        tokio::time::sleep(Duration::from_millis(rng.random_range(0..3))).await;
+    }
+}
+
+async fn wait_members(c: &Client, n: u32, what: &str) {
+    let t0 = Instant::now();
+    loop {
+        if let Ok(s) = c.stats().await
+            && s.coherence.is_some_and(|c| c.serving && c.members == n && c.directory_ready)
+        {
+            eprintln!("{what}: {n} members after {:?}", t0.elapsed());
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "{what}: no view of {n} serving members");
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+async fn run_cluster(transports: &str) {
+    let ports = [free_port(), free_port(), free_port()];
+    let pools = pool("p4k", "16MiB", "4KiB");
+    let mut nodes: Vec<Daemon> = (1..=3)
+        .map(|id| Daemon::start(&format!("cl-{transports}-{id}"), &peer_config(id, &ports, transports, &pools)))
+        .collect();
+    let admin: Vec<Client> = {
+        let mut v = Vec::new();
+        for n in &nodes {
+            v.push(n.client().await);
+        }
+        v
+    };
+    for c in &admin {
+        wait_members(c, 3, "start").await;
+    }
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(42);
+    let mutable: Vec<Key> = (0..48).map(|_| Key(rng.random())).collect();
+    let doomed: Vec<Key> = (0..150).map(|_| Key(rng.random())).collect();
+    // The doomed namespace: written once (spread over the daemons), then
+    // read everywhere until it is invalidated.
+    for (i, chunk) in doomed.chunks(50).enumerate() {
+        let (c, _, d) = connect_ns(&nodes[i % 3].socket).await.unwrap();
+        let data: Vec<Vec<u8>> = chunk.iter().map(|&k| content(k, 1)).collect();
+        let items: Vec<(Key, &[u8])> = chunk.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+        let s = c.put(&d, &items).await.unwrap();
+        assert_eq!(s.stored as usize, chunk.len(), "{s:?}");
+    }
+    let sh = Arc::new(Shared {
+        acked: mutable.iter().map(|k| (*k, AtomicU64::new(0))).collect(),
+        mutable: mutable.clone(),
+        doomed,
+        invalidated: AtomicBool::new(false),
+        stop: AtomicBool::new(false),
+        tally: Tally::default(),
+        first_failure: parking_lot::Mutex::new(None),
+    });
+    let mut tasks = Vec::new();
+    for (i, n) in nodes.iter().enumerate() {
+        // One writer per daemon, owning a third of the mutable keys.
+        let mine: Vec<Key> = mutable.iter().copied().skip(i).step_by(3).collect();
+        tasks.push(tokio::spawn(writer(n.socket.clone(), Arc::clone(&sh), mine, 100 + i as u64)));
+        for r in 0..2 {
+            tasks.push(tokio::spawn(reader(n.socket.clone(), Arc::clone(&sh), 200 + 10 * i as u64 + r)));
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Invalidate the doomed namespace mid-run, from daemon 2.
+    let (c2, _, d2) = connect_ns(&nodes[1].socket).await.unwrap();
+    let inv = c2.invalidate_namespace(&d2).await.unwrap();
+    assert_eq!(inv.failed, 0, "invalidation incomplete: {inv:?}");
+    assert!(inv.invalidated >= 150, "{inv:?}");
+    sh.invalidated.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // SIGKILL daemon 3 (not the membership coordinator), restart it.
+    nodes[2].child.kill().unwrap();
+    nodes[2].child.wait().unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    nodes[2].restart();
+    let c3 = nodes[2].client().await;
+    wait_members(&c3, 3, "after restart").await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sh.stop.store(true, Ordering::SeqCst);
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let t = &sh.tally;
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    let mut coherence = Vec::new();
+    for (i, c) in [&admin[0], &admin[1], &c3].into_iter().enumerate() {
+        let s = c.stats().await.unwrap();
+        coherence.push(format!("node {}: {:?}", i + 1, s.coherence));
+    }
+    eprintln!(
+        "{transports}: reads {} hits {} misses {} errors {} wrong {} stale {} doomed-after {} writes {} refused {}\n{}",
+        get(&t.reads),
+        get(&t.hits),
+        get(&t.misses),
+        get(&t.errors),
+        get(&t.wrong),
+        get(&t.stale),
+        get(&t.doomed_hits_after),
+        get(&t.writes),
+        get(&t.refused),
+        coherence.join("\n")
+    );
+    let first = sh.first_failure.lock().clone();
+    assert_eq!(get(&t.wrong), 0, "{first:?}");
+    assert_eq!(get(&t.stale), 0, "{first:?}");
+    assert_eq!(get(&t.doomed_hits_after), 0, "{first:?}");
+    // The run exercised what it claims to.
+    assert!(get(&t.writes) >= 100, "too few overwrites to mean anything");
+    assert!(get(&t.hits) >= 500, "too few hits to mean anything");
+    let fetched: u64 = {
+        let mut n = 0;
+        for c in [&admin[0], &admin[1], &c3] {
+            n += c.stats().await.unwrap().remote_fetched;
+        }
+        n
+    };
+    assert!(fetched > 0, "no block ever moved between daemons");
+    // After the dust settles every daemon serves the latest acked version.
+    for (i, n) in nodes.iter().enumerate() {
+        let (c, m, _) = connect_ns(&n.socket).await.unwrap();
+        for chunk in mutable.chunks(16) {
+            let floors: Vec<u64> = chunk.iter().map(|k| sh.acked[k].load(Ordering::SeqCst)).collect();
+            let got = c.pin(&m, chunk).await.unwrap();
+            for ((b, k), f) in got.iter().zip(chunk).zip(floors) {
+                if let Some(b) = b {
+                    let seq = check(*k, &b[..]).unwrap_or_else(|e| panic!("node {}: {e}", i + 1));
+                    assert!(seq >= f, "node {}: {k} at seq {seq}, {f} acked", i + 1);
+                }
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_daemons_never_serve_wrong_or_stale_blocks_sm() {
+    run_cluster("sm").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_daemons_never_serve_wrong_or_stale_blocks_tcp() {
+    run_cluster("tcp").await;
+}
