@@ -229,7 +229,7 @@ impl Cluster {
             drift_ppm: cfg.drift_ppm,
             drift_margin_us: cfg.drift_margin_ms * 1000,
             ops_max: cfg.ops_max,
-            bug: None,
+            bug: planted_bug(),
             trace: false,
         };
         let coordinator =
@@ -1052,6 +1052,25 @@ impl Cluster {
     /// Deadline of an engine's `Invalidate`.
     pub fn invalidate_deadline(&self) -> Instant {
         Instant::now() + Duration::from_millis(self.cfg.invalidate_timeout_ms)
+    }
+}
+
+/// A protocol bug planted for tests (`KVMESH_TEST_BUG`), to prove the
+/// cluster test's checks can fail. Never set in production.
+fn planted_bug() -> Option<kvmesh_coherence::Bug> {
+    let name = std::env::var("KVMESH_TEST_BUG").ok()?;
+    match kvmesh_coherence::Bug::parse(&name) {
+        Some(b) => {
+            tracing::warn!("TEST HOOK ACTIVE: coherence bug {name:?} planted; this daemon may serve stale blocks");
+            Some(b)
+        }
+        None => {
+            tracing::error!(
+                "KVMESH_TEST_BUG={name:?} names no bug (known: {:?}); ignored",
+                kvmesh_coherence::Bug::NAMES
+            );
+            None
+        }
     }
 }
 

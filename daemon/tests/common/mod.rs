@@ -62,7 +62,7 @@ impl Daemon {
 
     /// Starts the daemon again on the same config, socket and log (after a
     /// kill).
-    pub fn restart(&mut self) {
+    pub fn restart(&mut self, env: &[(&str, &str)]) {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let log = std::fs::OpenOptions::new().append(true).open(self.dir.0.join("kvmeshd.log")).unwrap();
@@ -70,6 +70,7 @@ impl Daemon {
             .arg("--config")
             .arg(self.dir.0.join("kvmeshd.toml"))
             .env("KVMESH_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
