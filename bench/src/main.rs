@@ -8,6 +8,7 @@
 //! single-thread `memcpy` of the same bytes in the same order.
 #![forbid(unsafe_code)]
 
+mod coherence;
 mod transfer;
 
 use std::hint::black_box;
@@ -79,6 +80,23 @@ enum Cmd {
         #[arg(long)]
         no_perftest: bool,
     },
+    /// Daemons all holding the same keys; one call invalidates them all:
+    /// ack batching, invalidate -> ack latency, wrong reads (baseline: the
+    /// same run with batching off).
+    Coherence {
+        /// Print only the final JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Daemons in the cluster.
+        #[arg(long, default_value_t = 4)]
+        daemons: u32,
+        /// Keys held on every daemon and invalidated.
+        #[arg(long, default_value_t = 10_000)]
+        keys: usize,
+        /// Skip the unbatched baseline cluster.
+        #[arg(long)]
+        no_baseline: bool,
+    },
     /// A raw UCX target for the transfer baseline (prints its address, then
     /// progresses until stdin closes).
     #[command(hide = true)]
@@ -119,6 +137,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Transfer { json, pool_mib, block_kib, transports, bytes_mib, no_perftest } => {
             transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest)
         }
+        Cmd::Coherence { json, daemons, keys, no_baseline } => coherence::run(json, daemons, keys, !no_baseline),
         Cmd::UcxTarget { transport, bytes } => transfer::ucx_target(&transport, bytes),
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

@@ -39,6 +39,8 @@ use kvmesh_common::slot::{SlotMeta, SlotState, validate_slot};
 pub use kvmesh_common::{Key, ValidationError};
 use kvmesh_ffi_os::{ReadRegion, SharedMapping, ShmError, WriteRegion};
 use kvmesh_proto::engine::v1 as pb;
+/// Coherence figures of a clustered daemon (`Stats::coherence`).
+pub use kvmesh_proto::engine::v1::CoherenceStats;
 pub use kvmesh_proto::engine::v1::StatsResponse as Stats;
 use pb::engine_client::EngineClient;
 use tokio::sync::{mpsc, oneshot};

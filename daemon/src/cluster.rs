@@ -513,6 +513,11 @@ impl Cluster {
         dest: CoreSlot,
         deadline: u64,
     ) -> Result<SlotImage, TransferError> {
+        // The holder is a live member that just granted us this read: if the
+        // background handshake has not reached it yet, do it now.
+        if self.peers.conn_info(from).await.is_none() {
+            self.peers.connect_to(from).await;
+        }
         let Some((inc, pools, client)) = self.peers.conn_info(from).await else {
             return Err(TransferError::PeerGone);
         };
@@ -770,26 +775,59 @@ impl Cluster {
         }
     }
 
+    /// Wakes the core when it needs time to pass. `Node::next_timeout` is
+    /// O(state) (ops, directory, slots): it is recomputed at most once per
+    /// `FULL_TIMEOUT_EVERY` while events arrive, which delays a
+    /// retransmission or a deadline (all tens of milliseconds or more) by
+    /// at most that much; flush windows (hundreds of microseconds) come
+    /// from the O(peers) `Node::next_flush` after every event.
     async fn timer_task(self: Arc<Self>) {
+        const FULL_TIMEOUT_EVERY: Duration = Duration::from_millis(1);
         let keepalive = Duration::from_millis(self.cfg.keepalive_ms);
         let mut next_housekeeping = Instant::now();
+        let mut full: Option<u64> = None;
+        let mut full_at = Instant::now() - FULL_TIMEOUT_EVERY;
+        let mut dirty = true;
         loop {
-            let next = self.inner.lock().node.next_timeout();
-            let mut wake = Instant::now() + keepalive;
-            if let Some(t) = next {
+            let now = Instant::now();
+            let flush = {
+                let g = self.inner.lock();
+                if dirty && now >= full_at + FULL_TIMEOUT_EVERY {
+                    full = g.node.next_timeout();
+                    full_at = now;
+                    dirty = false;
+                }
+                g.node.next_flush()
+            };
+            let mut wake = (now + keepalive).min(next_housekeeping);
+            if let Some(t) = full {
                 wake = wake.min(self.instant_of(t));
             }
-            wake = wake.min(next_housekeeping);
+            if let Some(t) = flush {
+                wake = wake.min(self.instant_of(t));
+            }
+            if dirty {
+                wake = wake.min(full_at + FULL_TIMEOUT_EVERY);
+            }
             tokio::select! {
                 _ = tokio::time::sleep_until(wake.into()) => {}
-                _ = self.timer.notified() => continue,
+                _ = self.timer.notified() => {
+                    dirty = true;
+                    continue;
+                }
             }
             let now = Instant::now();
             if now >= next_housekeeping {
                 next_housekeeping = now + keepalive;
                 self.housekeeping(now);
             }
-            self.feed(Event::Tick);
+            if full.is_some_and(|t| self.instant_of(t) <= now) || now >= full_at + keepalive {
+                self.feed(Event::Tick);
+                full = None;
+            } else if flush.is_some_and(|t| self.instant_of(t) <= now) {
+                self.feed(Event::Flush);
+            }
+            dirty = true;
         }
     }
 
@@ -900,7 +938,8 @@ impl Cluster {
         let mut pending = keys;
         let mut done = 0u64;
         let mut first_error = String::new();
-        let chunk = (self.cfg.ops_max / 2).max(1);
+        let chunk =
+            std::env::var("KVMESH_INV_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(self.cfg.ops_max / 2).max(1);
         loop {
             let mut retry = Vec::new();
             for part in pending.chunks(chunk) {
@@ -940,6 +979,9 @@ impl Cluster {
         let members: Vec<NodeId> =
             self.inner.lock().node.view().members.iter().map(|m| m.id).filter(|&id| id != self.id).collect();
         for id in members {
+            if self.peers.conn_info(id).await.is_none() {
+                self.peers.connect_to(id).await;
+            }
             let Some((_, _, mut client)) = self.peers.conn_info(id).await else {
                 return Err(format!("member node {id} is not connected: its keys cannot be listed"));
             };
@@ -1046,6 +1088,7 @@ impl Cluster {
             ops_in_flight: g.node.ops_in_flight() as u32,
             ignored_acks: m.ignored_acks,
             directory_ready: g.node.directory_ready(),
+            inval_to_ack_buckets: h.buckets.clone(),
         }
     }
 

@@ -215,6 +215,15 @@ impl Peers {
         g.as_ref().map(|c| (c.incarnation, c.pools.clone(), c.client.clone()))
     }
 
+    /// Shakes hands with `id` now if not connected (and no attempt is in
+    /// progress or failed just before); true when connected.
+    pub async fn connect_to(&self, id: u32) -> bool {
+        match self.peers.iter().find(|p| p.entry.id == id) {
+            Some(p) => self.ensure(p).await,
+            None => false,
+        }
+    }
+
     /// Forgets the handshake with `id` (it restarted or failed); the
     /// background task shakes hands again.
     pub async fn reset(&self, id: u32) {

@@ -18,7 +18,10 @@ mod msg;
 mod node;
 
 pub use codec::{CODEC_VERSION, DECODE_ENTRIES_MAX, DecodeError};
-pub use metrics::{Histogram, Metrics};
+pub use metrics::{
+    HISTOGRAM_BUCKETS, HISTOGRAM_SUB_BUCKETS, Histogram, Metrics, histogram_bucket, histogram_bucket_end,
+    quantile_of_buckets,
+};
 pub use msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
 pub use node::{DirView, Node, Trace};
 
@@ -286,6 +289,10 @@ pub enum Event {
     },
     /// Time passed.
     Tick,
+    /// Time passed, and only batches whose flush window ended need to go
+    /// (O(peers); `Tick` does everything, in O(state)). For drivers that
+    /// wake for `Node::next_flush` more often than for `next_timeout`.
+    Flush,
 }
 
 /// What a client call ended with.

@@ -1,11 +1,17 @@
 //! Counters the core keeps for the daemon to export.
 
-/// A log2-bucketed histogram of microsecond latencies (bucket i counts
-/// values in [2^i, 2^(i+1))).
+/// Sub-buckets per power of two in [`Histogram`].
+pub const HISTOGRAM_SUB_BUCKETS: usize = 16;
+/// Buckets of a [`Histogram`] (values up to 2^40 us).
+pub const HISTOGRAM_BUCKETS: usize = 40 * HISTOGRAM_SUB_BUCKETS;
+
+/// A histogram of microsecond latencies with buckets of 1/16 of a power of
+/// two (HDR-style: about 6% resolution at every scale). Bucket
+/// `e * 16 + s` holds values in `[2^e * (16 + s) / 16, 2^e * (17 + s) / 16)`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Histogram {
     /// Counts per bucket.
-    pub buckets: [u64; 40],
+    pub buckets: Vec<u64>,
     /// Number of samples.
     pub count: u64,
     /// Largest sample.
@@ -14,33 +20,58 @@ pub struct Histogram {
 
 impl Default for Histogram {
     fn default() -> Self {
-        Histogram { buckets: [0; 40], count: 0, max: 0 }
+        Histogram { buckets: vec![0; HISTOGRAM_BUCKETS], count: 0, max: 0 }
     }
+}
+
+/// The bucket holding `v`.
+pub fn histogram_bucket(v: u64) -> usize {
+    let v = v.max(1);
+    let e = 63 - v.leading_zeros() as usize;
+    let sub = if e >= 4 { (v >> (e - 4)) as usize & 15 } else { (v << (4 - e)) as usize & 15 };
+    (e * HISTOGRAM_SUB_BUCKETS + sub).min(HISTOGRAM_BUCKETS - 1)
+}
+
+/// Smallest value above bucket `i` (its exclusive upper bound).
+pub fn histogram_bucket_end(i: usize) -> u64 {
+    let (e, s) = (i / HISTOGRAM_SUB_BUCKETS, i % HISTOGRAM_SUB_BUCKETS);
+    let end = ((1u128 << e) * (17 + s as u128)).div_ceil(16);
+    end.min(u64::MAX as u128) as u64
+}
+
+/// Upper bound of quantile `q` (0..=1) of bucket counts laid out like
+/// [`Histogram::buckets`] (for histograms merged from several nodes).
+pub fn quantile_of_buckets(buckets: &[u64], q: f64) -> u64 {
+    let total: u64 = buckets.iter().sum();
+    if total == 0 {
+        return 0;
+    }
+    let target = ((total as f64) * q).ceil().max(1.0) as u64;
+    let mut seen = 0;
+    for (i, &c) in buckets.iter().enumerate() {
+        seen += c;
+        if seen >= target {
+            return histogram_bucket_end(i);
+        }
+    }
+    u64::MAX
 }
 
 impl Histogram {
     /// Adds a sample.
     pub fn record(&mut self, v: u64) {
-        let b = (64 - v.max(1).leading_zeros() - 1) as usize;
-        self.buckets[b.min(39)] += 1;
+        self.buckets[histogram_bucket(v)] += 1;
         self.count += 1;
         self.max = self.max.max(v);
     }
 
-    /// Upper bound of the bucket holding quantile `q` (0..=1).
+    /// Upper bound of the bucket holding quantile `q` (0..=1), at most the
+    /// largest sample.
     pub fn quantile_upper_bound(&self, q: f64) -> u64 {
         if self.count == 0 {
             return 0;
         }
-        let target = ((self.count as f64) * q).ceil().max(1.0) as u64;
-        let mut seen = 0;
-        for (i, &c) in self.buckets.iter().enumerate() {
-            seen += c;
-            if seen >= target {
-                return (1u64 << (i + 1)).min(self.max.max(1));
-            }
-        }
-        self.max
+        quantile_of_buckets(&self.buckets, q).min(self.max.max(1))
     }
 }
 
@@ -91,7 +122,24 @@ mod tests {
             h.record(v);
         }
         assert_eq!(h.count, 1000);
-        assert!(h.quantile_upper_bound(0.5) >= 500 && h.quantile_upper_bound(0.5) <= 1024);
+        let p50 = h.quantile_upper_bound(0.5);
+        assert!((500..=532).contains(&p50), "p50 bound {p50}");
         assert_eq!(h.quantile_upper_bound(1.0), 1000);
+    }
+
+    #[test]
+    fn buckets_cover_every_value_in_order() {
+        let mut last = 0;
+        for v in (1..5000u64).chain([1 << 20, (1 << 20) + 1, 5_000_000, u64::MAX >> 30]) {
+            let b = histogram_bucket(v);
+            assert!(b >= last || v > 5000, "bucket order broke at {v}");
+            last = b;
+            assert!(histogram_bucket_end(b) > v, "value {v} not below the end of its bucket {b}");
+            if b > 0 {
+                assert!(histogram_bucket_end(b - 1) <= v, "value {v} belongs to an earlier bucket");
+            }
+            // About 6% resolution.
+            assert!(histogram_bucket_end(b) as f64 <= v as f64 * 1.0625 + 1.0, "bucket of {v} too wide");
+        }
     }
 }

@@ -274,6 +274,17 @@ impl Node {
         self.copies.get(key).is_some_and(|c| self.slots.get(&c.slot).is_none_or(|h| h.pins == 0 && h.grants.is_empty()))
     }
 
+    /// When a queued batch's flush window ends (local clock), if any are
+    /// queued: O(peers), for drivers that recompute `next_timeout` (O(state))
+    /// less often than they feed events.
+    pub fn next_flush(&self) -> Option<Time> {
+        self.out
+            .values()
+            .filter(|q| !q.msgs.is_empty())
+            .map(|q| (q.since + self.cfg.ack_flush_delay_us_max).max(self.now))
+            .min()
+    }
+
     /// When the node next needs a `Tick` (local clock), if ever.
     pub fn next_timeout(&self) -> Option<Time> {
         let mut t = Time::MAX;
@@ -340,6 +351,7 @@ impl Node {
                 self.lease_until = Some(self.lease_until.map_or(until, |u| u.max(until)));
             }
             Event::Tick => self.tick(),
+            Event::Flush => {}
         }
         self.drain_inbox();
         self.flush(false);
