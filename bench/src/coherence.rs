@@ -133,6 +133,12 @@ async fn phase(tag: &str, nodes: u32, keys: usize, extra: &str) -> anyhow::Resul
         }
         c.flush_releases().await;
     }
+    if let Ok(secs) = std::env::var("KVMESH_BENCH_PAUSE_S") {
+        // For attaching a profiler to the daemons around the invalidation.
+        let pids: Vec<u32> = daemons.iter().map(|(d, _)| d.pid()).collect();
+        eprintln!("daemon pids {pids:?}; invalidating in {secs} s");
+        tokio::time::sleep(Duration::from_secs(secs.parse().unwrap_or(2))).await;
+    }
     let before: Vec<Stats> = futures_stats(&clients).await?;
     // One engine call invalidates the namespace on every daemon.
     let t = Instant::now();
@@ -190,14 +196,20 @@ async fn futures_stats(clients: &[Client]) -> anyhow::Result<Vec<Stats>> {
     Ok(v)
 }
 
-pub(crate) fn run(json: bool, nodes: u32, keys: usize, baseline: bool) -> anyhow::Result<()> {
+pub(crate) fn run(json: bool, nodes: u32, keys: usize, window: usize, baseline: bool) -> anyhow::Result<()> {
     if nodes < 2 {
         bail!("--daemons must be at least 2");
     }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let main = rt.block_on(phase("batched", nodes, keys, ""))?;
+    let w = format!("invalidate_window = {window}\n");
+    let main = rt.block_on(phase("batched", nodes, keys, &w))?;
     let base = if baseline {
-        Some(rt.block_on(phase("unbatched", nodes, keys, "batch_entries_max = 1\nflush_delay_us = 1\n"))?)
+        Some(rt.block_on(phase(
+            "unbatched",
+            nodes,
+            keys,
+            &format!("{w}batch_entries_max = 1\nflush_delay_us = 1\n"),
+        ))?)
     } else {
         None
     };
@@ -228,6 +240,7 @@ pub(crate) fn run(json: bool, nodes: u32, keys: usize, baseline: bool) -> anyhow
         "bench": "coherence",
         "daemons": nodes,
         "keys": keys,
+        "invalidate_window": window,
         "wrong_reads": main.wrong_reads,
         "invalidations": main.invalidated,
         "invalidate_messages": main.invalidates_sent,

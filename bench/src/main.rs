@@ -93,6 +93,10 @@ enum Cmd {
         /// Keys held on every daemon and invalidated.
         #[arg(long, default_value_t = 10_000)]
         keys: usize,
+        /// Keys of the invalidation in flight at a time (the daemons'
+        /// `coherence.invalidate_window`).
+        #[arg(long, default_value_t = 512)]
+        invalidate_window: usize,
         /// Skip the unbatched baseline cluster.
         #[arg(long)]
         no_baseline: bool,
@@ -137,7 +141,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Transfer { json, pool_mib, block_kib, transports, bytes_mib, no_perftest } => {
             transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest)
         }
-        Cmd::Coherence { json, daemons, keys, no_baseline } => coherence::run(json, daemons, keys, !no_baseline),
+        Cmd::Coherence { json, daemons, keys, invalidate_window, no_baseline } => {
+            coherence::run(json, daemons, keys, invalidate_window, !no_baseline)
+        }
         Cmd::UcxTarget { transport, bytes } => transfer::ucx_target(&transport, bytes),
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
@@ -153,6 +159,13 @@ fn main() -> anyhow::Result<()> {
 pub(crate) struct DaemonProc {
     child: Child,
     dir: PathBuf,
+}
+
+impl DaemonProc {
+    /// Process id of the daemon.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Drop for DaemonProc {

@@ -296,13 +296,38 @@ impl Cluster {
     }
 
     fn feed_locked(self: &Arc<Self>, g: &mut Inner, ev: Event) {
+        self.feed_locked_at(g, ev, self.now_us());
+    }
+
+    /// Feeds at a given time: the events of one input unit (an engine call's
+    /// keys) share one instant, so no flush window ends in the middle.
+    fn feed_locked_at(self: &Arc<Self>, g: &mut Inner, ev: Event, now: u64) {
         let mut queue = VecDeque::from([ev]);
         while let Some(ev) = queue.pop_front() {
-            let actions = g.node.handle(self.now_us(), ev);
+            let actions = g.node.handle(now, ev);
             for a in actions {
                 self.execute(g, a, &mut queue);
             }
         }
+    }
+
+    /// The input ran dry: what it produced leaves now, one batch per peer,
+    /// instead of waiting for the flush timer (whose resolution is a
+    /// millisecond). Under load inputs come in bursts, and a burst's
+    /// output is one batch per peer.
+    fn flush_locked(self: &Arc<Self>, g: &mut Inner) {
+        let mut queue = VecDeque::new();
+        for a in g.node.flush_now(self.now_us()) {
+            self.execute(g, a, &mut queue);
+        }
+        while let Some(ev) = queue.pop_front() {
+            self.feed_locked(g, ev);
+        }
+    }
+
+    fn flush(self: &Arc<Self>) {
+        let mut g = self.inner.lock();
+        self.flush_locked(&mut g);
     }
 
     fn execute(self: &Arc<Self>, g: &mut Inner, a: Action, queue: &mut VecDeque<Event>) {
@@ -674,9 +699,31 @@ impl Cluster {
         tracing::debug!(peer = from, incarnation = hello.incarnation, "coherence stream from peer");
         let (tx, rx) = mpsc::channel::<Result<pb::Frame, Status>>(64);
         tokio::spawn(async move {
+            let mut unflushed = false;
             loop {
-                match inbound.message().await {
-                    Ok(Some(f)) => self.on_frame(from, hello.incarnation, f, &tx),
+                // Another frame already here? Process it before flushing, so
+                // a burst's answers leave together.
+                let next = tokio::select! {
+                    biased;
+                    m = inbound.message() => Some(m),
+                    _ = std::future::ready(()) => None,
+                };
+                let m = match next {
+                    Some(m) => m,
+                    None => {
+                        if unflushed && self.cfg.flush_when_idle {
+                            self.flush();
+                            self.timer.notify_one();
+                        }
+                        unflushed = false;
+                        inbound.message().await
+                    }
+                };
+                match m {
+                    Ok(Some(f)) => {
+                        unflushed |= matches!(f.body, Some(pb::frame::Body::Batch(_)));
+                        self.on_frame(from, hello.incarnation, f, &tx);
+                    }
                     Ok(None) => break,
                     Err(s) => {
                         tracing::debug!(peer = from, "coherence stream ended: {}", s.message());
@@ -851,6 +898,7 @@ impl Cluster {
         let mut rxs = Vec::with_capacity(ops.len());
         {
             let mut g = self.inner.lock();
+            let now = self.now_us();
             for (kind, make) in ops {
                 let op = g.next_op;
                 g.next_op += 1;
@@ -862,7 +910,10 @@ impl Cluster {
                     Call::Put(key, slot, checksum) => Event::ClientPut { op, key, slot, checksum },
                     Call::Invalidate(key) => Event::ClientInvalidate { op, key },
                 };
-                self.feed_locked(&mut g, ev);
+                self.feed_locked_at(&mut g, ev, now);
+            }
+            if self.cfg.flush_when_idle {
+                self.flush_locked(&mut g);
             }
         }
         self.timer.notify_one();
@@ -938,8 +989,10 @@ impl Cluster {
         let mut pending = keys;
         let mut done = 0u64;
         let mut first_error = String::new();
-        let chunk =
-            std::env::var("KVMESH_INV_WINDOW").ok().and_then(|v| v.parse().ok()).unwrap_or(self.cfg.ops_max / 2).max(1);
+        // Paced: a window of keys in flight at a time. The same throughput
+        // as one burst (the work is the same), but each change waits behind
+        // a window's worth of work, not behind the whole call's.
+        let chunk = self.cfg.invalidate_window.min(self.cfg.ops_max / 2).max(1);
         loop {
             let mut retry = Vec::new();
             for part in pending.chunks(chunk) {

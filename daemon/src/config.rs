@@ -109,6 +109,10 @@ pub struct CoherenceConfig {
     pub batch_entries_max: usize,
     /// Longest an entry waits for company before its batch leaves.
     pub flush_delay_us: u64,
+    /// Also send what a burst of input produced (received batches, the
+    /// keys of one engine call) as soon as the input runs dry, instead of
+    /// waiting out `flush_delay_us` (a timer of millisecond resolution).
+    pub flush_when_idle: bool,
     /// Deadline of one protocol operation (get, publish, invalidation of
     /// one key).
     pub op_timeout_ms: u64,
@@ -133,6 +137,9 @@ pub struct CoherenceConfig {
     pub heartbeat_ms: u64,
     /// Deadline of an engine's `Invalidate` call.
     pub invalidate_timeout_ms: u64,
+    /// Keys of one `Invalidate` call in flight at a time (pacing: a large
+    /// invalidation does not queue every change behind all the others).
+    pub invalidate_window: usize,
 }
 
 impl Default for CoherenceConfig {
@@ -142,6 +149,7 @@ impl Default for CoherenceConfig {
             capacity: 1,
             batch_entries_max: 512,
             flush_delay_us: 200,
+            flush_when_idle: true,
             op_timeout_ms: 2_000,
             retransmit_ms: 50,
             membership_lease_ms: 1_500,
@@ -152,6 +160,7 @@ impl Default for CoherenceConfig {
             peer_queue_frames: 4096,
             heartbeat_ms: 250,
             invalidate_timeout_ms: 15_000,
+            invalidate_window: 512,
         }
     }
 }
@@ -403,6 +412,7 @@ impl Config {
             ("peer_queue_frames", c.peer_queue_frames as u64),
             ("heartbeat_ms", c.heartbeat_ms),
             ("invalidate_timeout_ms", c.invalidate_timeout_ms),
+            ("invalidate_window", c.invalidate_window as u64),
         ] {
             if v == 0 {
                 return Err(format!("coherence.{name}: must be greater than 0"));

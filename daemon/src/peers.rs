@@ -217,10 +217,18 @@ impl Peers {
 
     /// Shakes hands with `id` now if not connected (and no attempt is in
     /// progress or failed just before); true when connected.
+    /// Waits (up to the control timeout) for an attempt already in flight.
     pub async fn connect_to(&self, id: u32) -> bool {
-        match self.peers.iter().find(|p| p.entry.id == id) {
-            Some(p) => self.ensure(p).await,
-            None => false,
+        let Some(p) = self.peers.iter().find(|p| p.entry.id == id) else { return false };
+        let until = Instant::now() + CONTROL_TIMEOUT;
+        loop {
+            if self.ensure(p).await {
+                return true;
+            }
+            if Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 

@@ -197,7 +197,7 @@ async fn killed_peer(transports: &str) {
     let t0 = Instant::now();
     loop {
         let s = cb.stats().await.unwrap();
-        let c = s.coherence.unwrap();
+        let c = s.coherence.clone().unwrap();
         if c.serving && c.members == 1 {
             break;
         }

@@ -274,6 +274,16 @@ impl Node {
         self.copies.get(key).is_some_and(|c| self.slots.get(&c.slot).is_none_or(|h| h.pins == 0 && h.grants.is_empty()))
     }
 
+    /// Sends everything queued now, whatever the flush windows say: for
+    /// drivers that flush when their input runs dry (a burst of received
+    /// batches processed, one engine call's keys fed), so a batch holds
+    /// what the burst produced without waiting for a timer.
+    pub fn flush_now(&mut self, now: Time) -> Vec<Action> {
+        self.now = self.now.max(now);
+        self.flush(true);
+        std::mem::take(&mut self.actions)
+    }
+
     /// When a queued batch's flush window ends (local clock), if any are
     /// queued: O(peers), for drivers that recompute `next_timeout` (O(state))
     /// less often than they feed events.
