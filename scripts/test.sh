@@ -37,4 +37,11 @@ for bug in skip-ack-wait skip-validation reuse-granted-slot ack-without-invalida
 done
 echo "== benchmark smoke run (small pools; verifies content, ignores timing)" >&2
 cargo run --locked -q -p kvmesh-bench -- local --json --pool-mib 32 --block-kib 64,256 --bytes-mib 64 --pin-batches-min 4 >/dev/null
+echo "== coherence benchmark smoke run (3 daemons, 600 keys; checks wrong_reads, ignores timing)" >&2
+out=$(cargo run --locked -q -p kvmesh-bench -- coherence --json --daemons 3 --keys 600 --no-baseline | tail -1)
+echo "$out" >&2
+if ! grep -q '"wrong_reads":0' <<<"$out"; then
+    echo "coherence bench: wrong reads (or no result)" >&2
+    exit 1
+fi
 echo "== all tests passed" >&2

@@ -100,6 +100,39 @@ async fn remote_round_trip(transports: &str) {
     let (rc, _, err) = run_cli(&b.socket, &["get", "--namespace", "small", &k.to_string(), out.to_str().unwrap()]);
     assert_eq!(rc, 0, "{err}");
     assert_eq!(std::fs::read(&out).unwrap(), block_bytes(k, 16384));
+    // Overwrite on B from the CLI: A then serves the new bytes, never the old.
+    let newer = b.dir.0.join("newer");
+    std::fs::write(&newer, vec![0xabu8; 16384]).unwrap();
+    let (rc, _, err) = run_cli(
+        &b.socket,
+        &["put", "--overwrite", "--namespace", "small", "--block-size", "16384", &k.to_string(), newer.to_str().unwrap()],
+    );
+    assert_eq!(rc, 0, "{err}");
+    let got = ca.pin(&sa, &[k]).await.unwrap();
+    assert_eq!(&got[0].as_ref().expect("A serves the new version")[..], &[0xabu8; 16384][..]);
+    drop(got);
+    ca.flush_releases().await;
+    // `kvmesh invalidate` on A: returns once no daemon serves the key.
+    let (rc, stdout, err) = run_cli(&a.socket, &["invalidate", "--namespace", "small", &k.to_string()]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(stdout.contains("invalidated 1 keys"), "{stdout}");
+    for (c, ns) in [(&ca, &sa), (&cb, &sb)] {
+        assert!(c.pin(ns, &[k]).await.unwrap()[0].is_none(), "an invalidated key was served");
+    }
+    let (rc, _, _) = run_cli(&b.socket, &["get", "--namespace", "small", &k.to_string(), out.to_str().unwrap()]);
+    assert_eq!(rc, 3, "CLI get of an invalidated key must miss");
+    // The whole namespace: every key put on A is gone everywhere.
+    let (rc, stdout, err) = run_cli(&b.socket, &["invalidate", "--namespace", "small"]);
+    assert_eq!(rc, 0, "{err}");
+    assert!(stdout.contains("invalidated 600 keys"), "{stdout}");
+    assert!(cb.pin(&sb, &small[..50]).await.unwrap().iter().all(|b| b.is_none()));
+    assert!(ca.pin(&sa, &small[..50]).await.unwrap().iter().all(|b| b.is_none()));
+    // Bad input: unknown namespace, bad key.
+    let (rc, _, err) = run_cli(&b.socket, &["invalidate", "--namespace", "nope"]);
+    assert_eq!(rc, 1);
+    assert!(err.contains("not registered"), "{err}");
+    let (rc, _, err) = run_cli(&b.socket, &["invalidate", "--namespace", "small", "xyz"]);
+    assert_eq!(rc, 1, "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
