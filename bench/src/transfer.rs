@@ -356,9 +356,18 @@ fn daemon_gets(
         let ca = Client::connect(&sock_a).await?;
         let cb = Client::connect(&sock_b).await?;
         let t0 = Instant::now();
-        while cb.stats().await?.peers_connected == 0 {
+        loop {
+            let mut ready = true;
+            for c in [&ca, &cb] {
+                let s = c.stats().await?;
+                ready &= s.peers_connected == 1
+                    && s.coherence.is_some_and(|c| c.serving && c.members == 2 && c.directory_ready);
+            }
+            if ready {
+                break;
+            }
             if t0.elapsed() > Duration::from_secs(30) {
-                bail!("daemons did not connect over {transport}");
+                bail!("daemons did not form a cluster over {transport}");
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
@@ -372,7 +381,10 @@ fn daemon_gets(
             let block = vec![0x5au8; size as usize];
             for chunk in keys.chunks(64) {
                 let items: Vec<(Key, &[u8])> = chunk.iter().map(|&k| (k, &block[..])).collect();
-                ca.put(&na, &items).await?;
+                let s = ca.put(&na, &items).await?;
+                if s.stored as usize != chunk.len() {
+                    bail!("put on A over {transport}: {s:?}");
+                }
             }
             for &batch in batches {
                 let rounds = (bytes_target / (size * batch as u64)).clamp(8, 2000) as usize;

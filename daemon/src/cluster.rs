@@ -210,6 +210,8 @@ pub struct Cluster {
     timer: Notify,
     /// Driver counters.
     pub counters: ClusterCounters,
+    /// Reads in flight (when the last one ends, what they produced leaves).
+    reads_in_flight: AtomicU64,
 }
 
 impl Cluster {
@@ -269,6 +271,7 @@ impl Cluster {
             links,
             timer: Notify::new(),
             counters: ClusterCounters::default(),
+            reads_in_flight: AtomicU64::new(0),
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
@@ -333,6 +336,7 @@ impl Cluster {
     fn execute(self: &Arc<Self>, g: &mut Inner, a: Action, queue: &mut VecDeque<Event>) {
         match a {
             Action::Send { to, mut batch } => {
+                tracing::trace!(to, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "send batch");
                 self.note_grants(g, to, &mut batch);
                 self.send_frame(to, pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) });
             }
@@ -510,7 +514,9 @@ impl Cluster {
         dest: CoreSlot,
         deadline: u64,
     ) {
+        let t0 = Instant::now();
         let result = self.read_slot(from, remote, &expect, dest, deadline).await;
+        tracing::trace!(op, from, us = t0.elapsed().as_micros() as u64, ok = result.is_ok(), "read done");
         let (dest, result) = match result {
             Ok(image) => (Some(dest), Ok(image)),
             Err(TransferError::Timeout) => {
@@ -525,7 +531,17 @@ impl Cluster {
                 (Some(dest), Err(e))
             }
         };
-        self.feed(Event::TransferDone { op, dest, result });
+        let last = self.reads_in_flight.fetch_sub(1, Ordering::SeqCst) == 1;
+        {
+            let mut g = self.inner.lock();
+            self.feed_locked(&mut g, Event::TransferDone { op, dest, result });
+            // The last read of a burst ended: its registrations and grant
+            // releases leave now, together.
+            if last && self.cfg.flush_when_idle {
+                self.flush_locked(&mut g);
+            }
+        }
+        self.timer.notify_one();
     }
 
     /// Moves the holder's whole slot into `dest` and reports what arrived
@@ -746,6 +762,7 @@ impl Cluster {
         match f.body {
             Some(Body::Batch(bytes)) => match Batch::decode(&bytes) {
                 Ok(batch) => {
+                    tracing::trace!(from, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "received batch");
                     self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
                     self.release_grants(from, &batch);
                     self.feed(Event::Receive { from, batch });

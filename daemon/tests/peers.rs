@@ -105,7 +105,16 @@ async fn remote_round_trip(transports: &str) {
     std::fs::write(&newer, vec![0xabu8; 16384]).unwrap();
     let (rc, _, err) = run_cli(
         &b.socket,
-        &["put", "--overwrite", "--namespace", "small", "--block-size", "16384", &k.to_string(), newer.to_str().unwrap()],
+        &[
+            "put",
+            "--overwrite",
+            "--namespace",
+            "small",
+            "--block-size",
+            "16384",
+            &k.to_string(),
+            newer.to_str().unwrap(),
+        ],
     );
     assert_eq!(rc, 0, "{err}");
     let got = ca.pin(&sa, &[k]).await.unwrap();
