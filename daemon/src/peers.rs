@@ -301,6 +301,9 @@ async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item =
     outs.into_iter().map(|o| o.expect("every future finished")).collect()
 }
 
+/// Most keys one `ListKeys` answer carries (about 32 MiB on the wire).
+pub const LIST_KEYS_MAX: usize = 1 << 20;
+
 /// The peer gRPC service.
 pub struct PeerService {
     /// Shared peer state.
@@ -413,8 +416,14 @@ impl pb::peer_server::Peer for PeerService {
 
     async fn list_keys(&self, req: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
         let cluster = self.cluster.as_ref().ok_or_else(|| Status::unavailable("coherence is not running"))?;
-        let keys = cluster
-            .local_keys(req.into_inner().namespace_fingerprint)
+        let keys = cluster.local_keys(req.into_inner().namespace_fingerprint);
+        if keys.len() > LIST_KEYS_MAX {
+            return Err(Status::resource_exhausted(format!(
+                "{} keys in the namespace here, more than one listing carries ({LIST_KEYS_MAX}); invalidate by key",
+                keys.len()
+            )));
+        }
+        let keys = keys
             .into_iter()
             .map(|k| pb::BlockRef { namespace_fingerprint: k.ns, key_hi: (k.key >> 64) as u64, key_lo: k.key as u64 })
             .collect();

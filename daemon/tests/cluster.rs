@@ -273,9 +273,21 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)]) -> Verdict {
     let t = &sh.tally;
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let mut coherence = Vec::new();
+    let mut changes = 0;
     for (i, c) in [&admin[0], &admin[1], &c3].into_iter().enumerate() {
         let s = c.stats().await.unwrap();
+        let k = s.coherence.clone().expect("clustered daemons report coherence");
+        if env.is_empty() {
+            // Nothing a healthy cluster should see, whatever the timing.
+            assert_eq!(k.validation_failures, 0, "node {}: {k:?}", i + 1);
+            assert_eq!(k.decode_errors, 0, "node {}: {k:?}", i + 1);
+            assert!(k.serving && k.members == 3, "node {}: {k:?}", i + 1);
+        }
+        changes += k.changes_completed;
         coherence.push(format!("node {}: {:?}", i + 1, s.coherence));
+    }
+    if env.is_empty() {
+        assert!(changes >= 100, "homes completed only {changes} changes");
     }
     eprintln!(
         "{transports}: reads {} hits {} misses {} errors {} wrong {} stale {} doomed-after {} writes {} refused {}\n{}",

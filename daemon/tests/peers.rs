@@ -100,6 +100,21 @@ async fn remote_round_trip(transports: &str) {
     let (rc, _, err) = run_cli(&b.socket, &["get", "--namespace", "small", &k.to_string(), out.to_str().unwrap()]);
     assert_eq!(rc, 0, "{err}");
     assert_eq!(std::fs::read(&out).unwrap(), block_bytes(k, 16384));
+    // `kvmesh stats --json` shows the coherence figures.
+    let (rc, stdout, err) = run_cli(&b.socket, &["stats", "--json"]);
+    assert_eq!(rc, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    let c = &v["coherence"];
+    assert_eq!(c["serving"], true, "{v}");
+    assert_eq!(c["members"], 2, "{v}");
+    assert!(c["batching_factor"].as_f64().unwrap() >= 1.0, "{v}");
+    assert!(c["batches_sent"].as_u64().unwrap() > 0, "{v}");
+    for field in
+        ["inval_to_ack_p50_us", "inval_to_ack_p99_us", "stale_epoch_drops", "validation_failures", "grants_outstanding"]
+    {
+        assert!(c[field].is_u64(), "{field} missing: {v}");
+    }
+    assert_eq!(c["validation_failures"], 0, "{v}");
     // Overwrite on B from the CLI: A then serves the new bytes, never the old.
     let newer = b.dir.0.join("newer");
     std::fs::write(&newer, vec![0xabu8; 16384]).unwrap();
