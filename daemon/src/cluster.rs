@@ -587,6 +587,7 @@ impl Cluster {
         };
         let dp = self.peers.dataplane();
         let mode = self.peers.mode();
+        let t_post = Instant::now();
         let (batch, mut rx) = dp.transfer_stream(mode, from, inc, vec![item], until);
         if mode == Mode::Recv {
             let req = pb::SendRequest {
@@ -622,8 +623,16 @@ impl Cluster {
             }
             None => return Err(TransferError::PeerGone),
         }
+        let t_moved = Instant::now();
         let bytes = mapping.read(d.slot as u64 * stride, stride).map_err(|_| TransferError::NoSpace)?;
-        Ok(slot_image(&bytes, cap, expect.key.ns))
+        let image = slot_image(&bytes, cap, expect.key.ns);
+        tracing::trace!(
+            from,
+            move_us = (t_moved - t_post).as_micros() as u64,
+            check_us = t_moved.elapsed().as_micros() as u64,
+            "slot read"
+        );
+        Ok(image)
     }
 
     // ----- streams -----

@@ -436,6 +436,14 @@ impl Config {
                 c.drift_margin_ms, c.membership_lease_ms
             ));
         }
+        let clustered = self.peer.listen.is_some() || !self.peers.is_empty();
+        if clustered && self.peer.grant_lease_ms + 2 * c.drift_margin_ms >= self.limits.lease_ms_max {
+            return Err(format!(
+                "limits.lease_ms_max ({}) must exceed peer.grant_lease_ms ({}) plus twice coherence.drift_margin_ms \
+                 ({}): a granted slot is held by a pin of that lease",
+                self.limits.lease_ms_max, self.peer.grant_lease_ms, c.drift_margin_ms
+            ));
+        }
         if let Some(co) = c.coordinator
             && co != self.node.id
             && !self.peers.iter().any(|p| p.id == co)
@@ -552,6 +560,17 @@ mod tests {
                     "[[peers]]\nid = 2\naddr = \"127.0.0.1:1\"\n[[peers]]\nid = 2\naddr = \"127.0.0.1:2\"\n{pool}"
                 ),
                 "duplicate peer id",
+            ),
+            (&format!("[coherence]\nbatch_entries_max = 0\n{pool}"), "coherence.batch_entries_max"),
+            (&format!("[coherence]\nkeepalive_ms = 600\n{pool}"), "coherence.keepalive_ms"),
+            (&format!("[coherence]\ndrift_margin_ms = 500\n{pool}"), "coherence.drift_margin_ms"),
+            (&format!("[coherence]\ncoordinator = 9\n{pool}"), "coherence.coordinator"),
+            (&format!("[coherence]\nflush_delay = 9\n{pool}"), "flush_delay"),
+            (
+                &format!(
+                    "[limits]\nlease_ms_max = 5000\nlease_ms_default = 100\n[peer]\nlisten = \"127.0.0.1:1\"\n{pool}"
+                ),
+                "limits.lease_ms_max",
             ),
         ];
         for (text, want) in cases {

@@ -584,6 +584,11 @@ impl Store {
                 self.cfg.limits.pins_per_session_max
             )));
         }
+        if session < PEER_SESSION_BASE && !self.sessions.contains_key(&session) {
+            // The engine's connection closed while its call was in flight:
+            // nothing to pin for (and no session to resurrect).
+            return Ok((vec![None; refs.len()], now));
+        }
         let deadline = now + self.lease(lease_ms);
         let lease = self.new_lease(deadline, session, LeaseKind::Pin);
         let mut sess = self.sessions.remove(&session).unwrap_or_default();
