@@ -1109,6 +1109,9 @@ impl Cluster {
                 }
                 out.push(can);
             }
+            if self.cfg.flush_when_idle {
+                self.flush_locked(&mut g);
+            }
         }
         self.timer.notify_one();
         out
@@ -1130,8 +1133,12 @@ impl Cluster {
             let res = st.allocate_detached(session, ns, keys, lease_ms, !overwrite, Instant::now());
             (res, st.take_evicted())
         };
+        let any = !evicted.is_empty();
         for (fp, k) in evicted {
             self.feed_locked(&mut g, Event::Evict { key: block_key(fp, k) });
+        }
+        if any && self.cfg.flush_when_idle {
+            self.flush_locked(&mut g);
         }
         drop(g);
         self.timer.notify_one();
