@@ -66,6 +66,8 @@ pub struct RunStats {
     pub invalidated: u64,
     /// Validation failures caught by the core.
     pub validation_failures: u64,
+    /// Grants a home gave of its own copy in answer to a locate.
+    pub locate_grants: u64,
     /// Membership epochs.
     pub epochs: u64,
     /// Crashes injected.
@@ -825,6 +827,8 @@ impl World {
         self.check_liveness()?;
         self.stats.validation_failures =
             self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().validation_failures).sum();
+        self.stats.locate_grants =
+            self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().locate_grants).sum();
         Ok(self.stats)
     }
 

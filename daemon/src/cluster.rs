@@ -1175,6 +1175,7 @@ impl Cluster {
             ignored_acks: m.ignored_acks,
             directory_ready: g.node.directory_ready(),
             inval_to_ack_buckets: h.buckets.clone(),
+            locate_grants: m.locate_grants,
         }
     }
 

@@ -58,6 +58,7 @@ fn main() -> std::process::ExitCode {
     let cfg = SimConfig { nodes: a.nodes, keys: a.keys, slots: a.slots, steps: a.steps, bug };
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
+    let mut locate_grants = 0u64;
     let mut violations = 0u64;
     let mut seeds_run = 0u64;
     let mut first_violation = None;
@@ -74,6 +75,7 @@ fn main() -> std::process::ExitCode {
                 stored += s.stored;
                 invalidated += s.invalidated;
                 vfail += s.validation_failures;
+                locate_grants += s.locate_grants;
                 crashes += s.crashes;
                 epochs += s.epochs;
             }
@@ -96,7 +98,8 @@ fn main() -> std::process::ExitCode {
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
         "{seeds_run} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
-         {vfail} bad transfers caught, {crashes} crashes, {epochs} epochs",
+         {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {crashes} crashes, \
+         {epochs} epochs",
         events as f64 / secs
     );
     println!(

@@ -102,6 +102,9 @@ pub struct Metrics {
     pub inval_to_ack_us: Histogram,
     /// Overwrites and invalidations completed at this home.
     pub changes_completed: u64,
+    /// Reads this home granted of its own copy in answer to a locate (one
+    /// round trip saved each).
+    pub locate_grants: u64,
 }
 
 impl Metrics {

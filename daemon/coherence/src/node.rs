@@ -30,10 +30,31 @@ struct SlotHold {
 
 #[derive(Debug)]
 enum GetStage {
-    Locating,
-    Granting { holder: NodeId, version: u64, sent_at: Time },
-    Reading { holder: NodeId, version: u64, remote: SlotRef, expect: SlotMeta, grant: u64, read_deadline: Time },
-    Registering { version: u64, dest: SlotRef, meta: SlotMeta, copy: u64 },
+    /// Asked `home` at `sent_at`. A home that holds the block itself may
+    /// answer with a grant straight away (one round trip less).
+    Locating {
+        home: NodeId,
+        sent_at: Time,
+    },
+    Granting {
+        holder: NodeId,
+        version: u64,
+        sent_at: Time,
+    },
+    Reading {
+        holder: NodeId,
+        version: u64,
+        remote: SlotRef,
+        expect: SlotMeta,
+        grant: u64,
+        read_deadline: Time,
+    },
+    Registering {
+        version: u64,
+        dest: SlotRef,
+        meta: SlotMeta,
+        copy: u64,
+    },
 }
 
 #[derive(Debug)]
@@ -510,7 +531,15 @@ impl Node {
         };
         self.ops.insert(
             op,
-            Op { deadline, kind: OpKind::Get { key, stage: GetStage::Locating, waiters: Vec::new(), doomed: false } },
+            Op {
+                deadline,
+                kind: OpKind::Get {
+                    key,
+                    stage: GetStage::Locating { home, sent_at: self.now },
+                    waiters: Vec::new(),
+                    doomed: false,
+                },
+            },
         );
         self.fetching.insert(key, op);
         self.send(home, Msg::LocateReq { op, key });
@@ -1074,6 +1103,20 @@ impl Node {
     }
 
     fn on_locate_req(&mut self, r: NodeId, op: OpId, key: BlockKey) {
+        // The home holds the current version itself: grant it right away
+        // (the reader treats it as the answer of a grant request).
+        if self.ready
+            && r != self.id
+            && self.is_home(&key)
+            && let Some(e) = self.dir.get(&key)
+            && e.change.is_none()
+            && e.holders.contains_key(&self.id)
+            && self.copies.get(&key).is_some_and(|c| c.meta.version == e.version)
+        {
+            let version = e.version;
+            self.metrics.locate_grants += 1;
+            return self.on_grant_req(r, op, key, version);
+        }
         let result = if !self.ready || !self.is_home(&key) {
             LocateResult::Busy
         } else {
@@ -1093,7 +1136,7 @@ impl Node {
         let now = self.now;
         let me = self.id;
         let Some((stage, k, _)) = self.get_stage(op) else { return };
-        if k != key || !matches!(stage, GetStage::Locating) {
+        if k != key || !matches!(stage, GetStage::Locating { .. }) {
             return;
         }
         match result {
@@ -1127,6 +1170,15 @@ impl Node {
         let staged = match self.get_stage(op) {
             Some((stage, key, _)) => match *stage {
                 GetStage::Granting { holder: h, version, sent_at } if h == holder => {
+                    Some((stage, key, version, sent_at))
+                }
+                // The home granted its own copy in answer to the locate: the
+                // version is the one it granted (its current one).
+                GetStage::Locating { home, sent_at } if home == holder => {
+                    let version = match result {
+                        GrantResult::Granted { meta, .. } => meta.version,
+                        GrantResult::Refused => 0,
+                    };
                     Some((stage, key, version, sent_at))
                 }
                 _ => None,

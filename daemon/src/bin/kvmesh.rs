@@ -236,6 +236,7 @@ fn stats_json(s: &kvmesh_client::Stats) -> String {
                 "inval_to_ack_p99_us": c.inval_to_ack_p99_us, "inval_to_ack_max_us": c.inval_to_ack_max_us,
                 "peer_queue_drops": c.peer_queue_drops, "decode_errors": c.decode_errors,
                 "batches_received": c.batches_received, "ops_in_flight": c.ops_in_flight,
+                "directory_ready": c.directory_ready, "locate_grants": c.locate_grants,
             })
         }),
     })
