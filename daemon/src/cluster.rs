@@ -343,6 +343,7 @@ impl Cluster {
             Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
                 Some(dest) => {
                     g.fetching.insert(dest, expect);
+                    self.reads_in_flight.fetch_add(1, Ordering::SeqCst);
                     let me = Arc::clone(self);
                     tokio::spawn(async move { me.read_task(op, from, remote, expect, dest, deadline).await });
                 }
