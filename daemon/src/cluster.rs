@@ -556,13 +556,25 @@ impl Cluster {
         deadline: u64,
     ) -> Result<SlotImage, TransferError> {
         // The holder is a live member that just granted us this read: if the
-        // background handshake has not reached it yet, do it now.
-        if self.peers.conn_info(from).await.is_none() {
-            self.peers.connect_to(from).await;
+        // background handshake has not reached it yet, or reached an earlier
+        // incarnation (its pool is gone), shake hands now.
+        let member_inc = self.inner.lock().node.view().member(from).map(|m| m.incarnation);
+        match self.peers.conn_info(from).await {
+            Some((inc, _, _)) if Some(inc) == member_inc => {}
+            Some((stale, _, _)) => {
+                self.peers.reset_if(from, stale).await;
+                self.peers.connect_to(from).await;
+            }
+            None => {
+                self.peers.connect_to(from).await;
+            }
         }
         let Some((inc, pools, client)) = self.peers.conn_info(from).await else {
             return Err(TransferError::PeerGone);
         };
+        if Some(inc) != member_inc {
+            return Err(TransferError::PeerGone);
+        }
         let d = to_store(dest);
         let rs = to_store(remote);
         let (stride, cap, mapping) = {

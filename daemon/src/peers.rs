@@ -240,6 +240,18 @@ impl Peers {
         }
     }
 
+    /// Forgets the handshake with `id` only if it is with incarnation
+    /// `inc` (so concurrent callers do not drop a fresh one).
+    pub async fn reset_if(&self, id: u32, inc: u64) {
+        if let Some(p) = self.peers.iter().find(|p| p.entry.id == id) {
+            let mut g = p.conn.lock().await;
+            if g.as_ref().is_some_and(|c| c.incarnation == inc) {
+                *g = None;
+                *p.retry_at.lock() = Instant::now();
+            }
+        }
+    }
+
     /// The configured peers.
     pub fn entries(&self) -> impl Iterator<Item = &PeerEntry> {
         self.peers.iter().map(|p| &p.entry)

@@ -258,6 +258,15 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)]) -> Verdict {
     assert!(inv.invalidated >= 150, "{inv:?}");
     sh.invalidated.store(true, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Until now nothing died: no transferred slot may have failed validation.
+    // (Reads in flight from daemon 3 when it is killed may read a dying
+    // pool: those must fail validation, and are allowed to from here on.)
+    if env.is_empty() {
+        for (i, c) in admin.iter().enumerate() {
+            let k = c.stats().await.unwrap().coherence.unwrap();
+            assert_eq!(k.validation_failures, 0, "node {} before the kill: {k:?}", i + 1);
+        }
+    }
     // SIGKILL daemon 3 (not the membership coordinator), restart it.
     nodes[2].child.kill().unwrap();
     nodes[2].child.wait().unwrap();
@@ -279,12 +288,19 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)]) -> Verdict {
         let k = s.coherence.clone().expect("clustered daemons report coherence");
         if env.is_empty() {
             // Nothing a healthy cluster should see, whatever the timing.
-            assert_eq!(k.validation_failures, 0, "node {}: {k:?}", i + 1);
             assert_eq!(k.decode_errors, 0, "node {}: {k:?}", i + 1);
             assert!(k.serving && k.members == 3, "node {}: {k:?}", i + 1);
         }
         changes += k.changes_completed;
-        coherence.push(format!("node {}: {:?}", i + 1, s.coherence));
+        coherence.push(format!(
+            "node {}: epoch {} changes {} validation failures {} stale-epoch drops {} locate grants {}",
+            i + 1,
+            k.epoch,
+            k.changes_completed,
+            k.validation_failures,
+            k.stale_epoch_drops,
+            k.locate_grants
+        ));
     }
     if env.is_empty() {
         assert!(changes >= 100, "homes completed only {changes} changes");
