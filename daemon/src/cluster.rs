@@ -23,13 +23,13 @@
 //!   send time), removes a member silent for the lease plus twice the
 //!   margin, and publishes a new view (epoch + 1) on every change. A
 //!   restarted coordinator continues above the highest epoch its members
-//!   report. The coordinator is reached only through [`Membership`]; etcd
-//!   will fill the same role.
+//!   report. The driver reaches it only through the
+//!   [`crate::membership::Membership`] trait; etcd will implement it too.
 //!
 //! Lock order: `Cluster::inner`, then the store. Everything under `inner`
 //! is synchronous and short; transfers run in tasks of their own.
 
-use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,6 +48,7 @@ use tonic::Status;
 
 use crate::config::{CoherenceConfig, PeerEntry};
 use crate::dataplane::{Mode, TransferItem, TransferOutcome};
+use crate::membership::{KeepAlive, Membership, MembershipAction, static_membership};
 use crate::peers::{Peers, TestHook};
 use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
 
@@ -103,74 +104,11 @@ struct Waiter {
     tx: oneshot::Sender<OpResult>,
 }
 
-/// The membership coordinator (on the one daemon configured for it).
-struct Coordinator {
-    epoch: u64,
-    members: BTreeMap<NodeId, (u64, u32, Instant)>,
-    /// Silence after which a member is removed.
-    removal: Duration,
-}
-
-impl Coordinator {
-    /// Records a keepalive; true when the view changed (new epoch).
-    fn keepalive(&mut self, id: NodeId, incarnation: u64, capacity: u32, epoch_seen: u64, now: Instant) -> bool {
-        let mut changed = self.members.get(&id).is_none_or(|m| m.0 != incarnation || m.1 != capacity);
-        if epoch_seen > self.epoch {
-            // Restarted coordinator: continue above what members saw.
-            self.epoch = epoch_seen;
-            changed = true;
-        }
-        self.members.insert(id, (incarnation, capacity, now));
-        if changed {
-            self.epoch += 1;
-        }
-        changed
-    }
-
-    /// Removes silent members; true when the view changed.
-    fn expire(&mut self, now: Instant) -> bool {
-        let before = self.members.len();
-        let removal = self.removal;
-        self.members.retain(|id, m| {
-            let keep = now.duration_since(m.2) <= removal;
-            if !keep {
-                tracing::warn!(node = id, "membership: node silent past its lease, removed from the view");
-            }
-            keep
-        });
-        if self.members.len() != before {
-            self.epoch += 1;
-            return true;
-        }
-        false
-    }
-
-    fn view(&self) -> View {
-        View {
-            epoch: self.epoch,
-            members: self
-                .members
-                .iter()
-                .map(|(&id, &(incarnation, capacity, _))| Member { id, incarnation, capacity })
-                .collect(),
-        }
-    }
-}
-
-/// Where keepalives go and views come from. The static implementation is a
-/// coordinator daemon; etcd will implement the same interface.
-enum Membership {
-    /// This daemon is the coordinator.
-    Local(Coordinator),
-    /// Keepalives go to this peer.
-    Remote(NodeId),
-}
-
 struct Inner {
     node: Node,
     next_op: OpId,
     waiters: HashMap<OpId, Waiter>,
-    membership: Membership,
+    membership: Box<dyn Membership>,
     /// Highest epoch seen (reported in keepalives).
     epoch_seen: u64,
     /// Slots being fetched: what the grant promised (the checksum is
@@ -236,12 +174,10 @@ impl Cluster {
         };
         let coordinator =
             cfg.coordinator.unwrap_or_else(|| peers.entries().map(|e| e.id).chain([id]).min().expect("self"));
-        let membership = if coordinator == id {
-            let removal = Duration::from_millis(cfg.membership_lease_ms + 2 * cfg.drift_margin_ms);
-            Membership::Local(Coordinator { epoch: 0, members: BTreeMap::new(), removal })
-        } else {
-            Membership::Remote(coordinator)
-        };
+        // A member is removed after the lease plus twice the margin without
+        // a keepalive: by then it has stopped serving on its own clock.
+        let removal = Duration::from_millis(cfg.membership_lease_ms + 2 * cfg.drift_margin_ms);
+        let membership = static_membership(id, coordinator, removal);
         store.lock().set_coherent();
         let mut links = HashMap::new();
         let mut link_rx = Vec::new();
@@ -359,23 +295,15 @@ impl Cluster {
                 self.store.lock().free_core(to_store(slot));
             }
             Action::KeepAlive { sent_at } => {
-                let epoch_seen = g.epoch_seen;
-                let capacity = self.cfg.capacity;
-                match &mut g.membership {
-                    Membership::Local(c) => {
-                        if c.keepalive(self.id, self.incarnation, capacity, epoch_seen, Instant::now()) {
-                            let view = c.view();
-                            self.publish_view(&view);
-                            queue.push_back(Event::View(view));
-                        }
-                        queue.push_back(Event::KeepAliveAck { sent_at });
-                    }
-                    Membership::Remote(to) => {
-                        let ka =
-                            pb::KeepAlive { sent_at_us: sent_at, incarnation: self.incarnation, epoch_seen, capacity };
-                        self.send_frame(*to, pb::Frame { body: Some(pb::frame::Body::Keepalive(ka)) });
-                    }
-                }
+                let ka = KeepAlive {
+                    node: self.id,
+                    incarnation: self.incarnation,
+                    sent_at_us: sent_at,
+                    epoch_seen: g.epoch_seen,
+                    capacity: self.cfg.capacity,
+                };
+                let actions = g.membership.keepalive(ka, Instant::now());
+                self.membership_actions(g, actions, queue);
             }
             Action::ClientDone { op, outcome } => {
                 let waiter = g.waiters.remove(&op);
@@ -413,6 +341,46 @@ impl Cluster {
                     let _ = w.tx.send(result);
                 }
             }
+        }
+    }
+
+    /// Carries out what the membership service asks; views and local acks
+    /// become core events (`queue`).
+    fn membership_actions(&self, g: &mut Inner, actions: Vec<MembershipAction>, queue: &mut VecDeque<Event>) {
+        use pb::frame::Body;
+        for a in actions {
+            match a {
+                MembershipAction::Forward { to, ka } => {
+                    let k = pb::KeepAlive {
+                        sent_at_us: ka.sent_at_us,
+                        incarnation: ka.incarnation,
+                        epoch_seen: ka.epoch_seen,
+                        capacity: ka.capacity,
+                    };
+                    self.send_frame(to, pb::Frame { body: Some(Body::Keepalive(k)) });
+                }
+                MembershipAction::Ack { to, sent_at_us, view } => {
+                    let ack = pb::KeepAliveAck { sent_at_us, view: Some(pb_view(&view)) };
+                    self.send_frame(to, pb::Frame { body: Some(Body::KeepaliveAck(ack)) });
+                }
+                MembershipAction::AckLocal { sent_at_us } => {
+                    queue.push_back(Event::KeepAliveAck { sent_at: sent_at_us })
+                }
+                MembershipAction::Publish(view) => {
+                    self.publish_view(&view);
+                    g.epoch_seen = g.epoch_seen.max(view.epoch);
+                    queue.push_back(Event::View(view));
+                }
+            }
+        }
+    }
+
+    /// Runs membership actions outside an action loop.
+    fn run_membership(self: &Arc<Self>, g: &mut Inner, actions: Vec<MembershipAction>) {
+        let mut queue = VecDeque::new();
+        self.membership_actions(g, actions, &mut queue);
+        while let Some(ev) = queue.pop_front() {
+            self.feed_locked(g, ev);
         }
     }
 
@@ -795,25 +763,18 @@ impl Cluster {
                 }
             },
             Some(Body::Keepalive(ka)) => {
-                let mut g = self.inner.lock();
-                let Membership::Local(c) = &mut g.membership else {
-                    tracing::warn!(peer = from, "keepalive received, but this daemon is not the coordinator");
-                    return;
+                let ka = KeepAlive {
+                    node: from,
+                    incarnation: ka.incarnation,
+                    sent_at_us: ka.sent_at_us,
+                    epoch_seen: ka.epoch_seen,
+                    capacity: ka.capacity,
                 };
-                let changed = c.keepalive(from, ka.incarnation, ka.capacity.max(1), ka.epoch_seen, Instant::now());
-                let view = c.view();
-                if changed {
-                    self.publish_view(&view);
-                    g.epoch_seen = g.epoch_seen.max(view.epoch);
-                    self.feed_locked(&mut g, Event::View(view.clone()));
-                } else {
-                    let ack = pb::KeepAliveAck { sent_at_us: ka.sent_at_us, view: Some(pb_view(&view)) };
-                    self.send_frame(from, pb::Frame { body: Some(Body::KeepaliveAck(ack)) });
-                    return;
+                {
+                    let mut g = self.inner.lock();
+                    let actions = g.membership.peer_keepalive(ka, Instant::now());
+                    self.run_membership(&mut g, actions);
                 }
-                drop(g);
-                let ack = pb::KeepAliveAck { sent_at_us: ka.sent_at_us, view: Some(pb_view(&view)) };
-                self.send_frame(from, pb::Frame { body: Some(Body::KeepaliveAck(ack)) });
                 self.timer.notify_one();
             }
             Some(Body::KeepaliveAck(ack)) => {
@@ -917,17 +878,12 @@ impl Cluster {
         }
     }
 
-    /// Coordinator expiry of silent members; forgetting expired grant pins.
+    /// Membership failure detection; forgetting expired grant pins.
     fn housekeeping(self: &Arc<Self>, now: Instant) {
         let mut g = self.inner.lock();
         g.grant_pins.retain(|_, (_, until)| *until > now);
-        let Membership::Local(c) = &mut g.membership else { return };
-        if c.expire(now) {
-            let view = c.view();
-            self.publish_view(&view);
-            g.epoch_seen = g.epoch_seen.max(view.epoch);
-            self.feed_locked(&mut g, Event::View(view));
-        }
+        let actions = g.membership.tick(now);
+        self.run_membership(&mut g, actions);
     }
 
     // ----- engine calls -----
