@@ -1723,6 +1723,150 @@ mod tests {
         }
     }
 
+    /// Clustered mode, driven the way the coherence driver drives it: puts
+    /// and fetches outside the index, commits and frees chosen by a model
+    /// of the core, engine and grant pins on exact slots, evictions fed
+    /// back. After every step the accounting recounts, pinned and
+    /// core-owned slots are never reused, and the index names only Valid
+    /// slots the model holds.
+    #[test]
+    fn clustered_random_ops_keep_invariants() {
+        let mut st = store(48, "[eviction]\nhigh_watermark = 0.9\nlow_watermark = 0.8");
+        st.set_coherent();
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let fp = st.namespaces[0].fingerprint;
+        let mut seed = 0x0bad_cafe_1234_5678u64;
+        let mut rnd = move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let t0 = Instant::now();
+        // The model core: slots it owns (being written/fetched) and Valid
+        // copies it references, by key.
+        let mut owned: Vec<(SlotRef, Key)> = Vec::new();
+        let mut copies: HashMap<Key, SlotRef> = HashMap::new();
+        let mut pins: HashMap<(SessionId, SlotRef), (Key, u32)> = HashMap::new();
+        let mut version = 0u64;
+        let (mut commits, mut fetches, mut quarantined) = (0, 0, 0);
+        for step in 0..20_000u64 {
+            let now = t0 + Duration::from_millis(step);
+            let session = 1 + rnd(3);
+            st.open_session(session).unwrap();
+            let key = Key(rnd(120) as u128);
+            match rnd(12) {
+                0..=2 => {
+                    // A put or a fetch: a slot outside the index, owned by the core.
+                    let (who, exists_check) = if rnd(2) == 0 { (session, rnd(2) == 0) } else { (FETCH_SESSION, false) };
+                    if let Ok((out, _)) = st.allocate_detached(who, ns, &[key], 0, exists_check, now)
+                        && let AllocOutcome::Allocated { slot, payload_offset } = out[0]
+                    {
+                        st.pools[0].mapping.copy_in(payload_offset, &[(key.0 & 0xff) as u8; 4096]).unwrap();
+                        assert!(st.begin_commit(who, &[slot]).unwrap()[0].is_some());
+                        owned.push((slot, key));
+                    }
+                }
+                3 | 4 => {
+                    // The core makes an owned slot Valid (publish answered, or
+                    // a fetch registered) and drops the previous copy.
+                    if !owned.is_empty() {
+                        let (slot, key) = owned.swap_remove(rnd(owned.len() as u64) as usize);
+                        version += 1;
+                        let fetched = rnd(2) == 0;
+                        assert!(st.commit_core(slot, version, 7, fetched), "step {step}: owned slot lost");
+                        commits += 1;
+                        fetches += fetched as u64;
+                        if let Some(old) = copies.insert(key, slot) {
+                            st.free_core(old);
+                        }
+                    }
+                }
+                5 => {
+                    // The core gives an owned slot up (refused publish, bad
+                    // read), or quarantines it (timed-out read).
+                    if !owned.is_empty() {
+                        let (slot, _) = owned.swap_remove(rnd(owned.len() as u64) as usize);
+                        // (Quarantined slots are gone for good: only a few.)
+                        if quarantined < 8 && rnd(4) == 0 {
+                            st.quarantine_core(slot);
+                            quarantined += 1;
+                        } else {
+                            st.free_core(slot);
+                        }
+                    }
+                }
+                6 | 7 => {
+                    // A hit or a grant: the exact slot of a copy is pinned.
+                    if let Some(&slot) = copies.get(&key) {
+                        let who = if rnd(3) == 0 { PEER_SESSION_BASE + 2 } else { session };
+                        let (out, _) = st.pin_slots(who, &[slot], 0, now).unwrap();
+                        let p = out[0].expect("a copy the core references is Valid in the store");
+                        assert_eq!(p.slot, slot);
+                        pins.entry((who, slot)).or_insert((key, 0)).1 += 1;
+                    }
+                }
+                8 | 9 => {
+                    let all: Vec<_> = pins.keys().copied().collect();
+                    if let Some(&(s, r)) = all.get(rnd(all.len().max(1) as u64) as usize) {
+                        assert_eq!(st.unpin(s, &[r]).unwrap(), (1, 0));
+                        let e = pins.get_mut(&(s, r)).unwrap();
+                        e.1 -= 1;
+                        if e.1 == 0 {
+                            pins.remove(&(s, r));
+                        }
+                    }
+                }
+                10 => {
+                    // The core drops a copy (invalidation, eviction request).
+                    if let Some(slot) = copies.remove(&key) {
+                        st.free_core(slot);
+                    }
+                }
+                _ => {
+                    if rnd(40) == 0 {
+                        st.release_session(session);
+                        pins.retain(|(s, _), _| *s != session);
+                    }
+                }
+            }
+            // Evictions are reported; the core drops those copies (their
+            // slots are already gone: the free is a stale no-op).
+            for (f, k) in st.take_evicted() {
+                assert_eq!(f, fp);
+                let slot = copies.remove(&k).expect("only copies the core references are indexed");
+                assert!(!pins.keys().any(|(_, r)| *r == slot), "step {step}: a pinned slot was evicted");
+                st.free_core(slot);
+            }
+            st.check_invariants().unwrap_or_else(|e| panic!("step {step}: {e}"));
+            for (slot, key) in &owned {
+                let s = &st.pools[0].slots[slot.slot as usize];
+                assert!(
+                    s.generation == slot.generation && s.state == State::Committing,
+                    "step {step}: owned slot reused"
+                );
+                assert_eq!(s.key, *key);
+            }
+            for ((_, r), (key, _)) in &pins {
+                let slot = &st.pools[0].slots[r.slot as usize];
+                assert_eq!(slot.generation, r.generation, "step {step}: pinned slot reused");
+                assert!(matches!(slot.state, State::Valid | State::Zombie), "step {step}: {:?}", slot.state);
+                let mut b = [0u8; 1];
+                st.pools[0].mapping.copy_out(st.pools[0].payload_offset(r.slot), &mut b).unwrap();
+                assert_eq!(b[0], (key.0 & 0xff) as u8, "step {step}: pinned bytes changed");
+            }
+            for (&(n, k), &(p, s)) in &st.index {
+                let slot = &st.pools[p as usize].slots[s as usize];
+                assert_eq!(slot.state, State::Valid, "step {step}: index names a {:?} slot", slot.state);
+                assert_eq!(copies.get(&k).map(|r| (r.pool, r.slot)), Some((p, s)), "step {step}: index vs core");
+                assert_eq!(n, ns);
+            }
+        }
+        assert!(commits > 1000 && fetches > 300 && quarantined == 8, "{commits} {fetches} {quarantined}");
+        assert_eq!(st.counters.quarantined, 8);
+        assert!(st.counters.evictions > 50, "the test must exercise eviction: {}", st.counters.evictions);
+    }
+
     #[test]
     fn s3fifo_keeps_reused_blocks_over_one_hit_scans() {
         let mut st = store(100, "[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0");
