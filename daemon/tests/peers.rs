@@ -309,3 +309,63 @@ async fn unreachable_peer_never_slows_a_miss() {
     assert_eq!(&cb.pin(&sb, &[k]).await.unwrap()[0].as_ref().unwrap()[..], &data[..]);
     drop(blackhole);
 }
+
+/// The coherence stream refuses what it must and survives garbage: a
+/// stream without a hello, a hello from a node not in the peer list, and
+/// undecodable batches (counted, the stream and the daemon keep working).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn coherence_stream_refuses_bad_input() {
+    use kvmesh_proto::peer::v1 as pb;
+    let (a, b) = pair("badstream", "sm", &[]);
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let addr = {
+        // A's peer address is in B's config.
+        let cfg = std::fs::read_to_string(b.dir.0.join("kvmeshd.toml")).unwrap();
+        let line = cfg.lines().find(|l| l.starts_with("addr = ")).unwrap().to_string();
+        line.trim_start_matches("addr = ").trim_matches('"').to_string()
+    };
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let mut client = pb::peer_client::PeerClient::new(channel);
+    let frame = |body| pb::Frame { body: Some(body) };
+    let open = |frames: Vec<pb::Frame>| {
+        let mut c = client.clone();
+        async move { c.exchange(tokio_stream::iter(frames)).await }
+    };
+    // No hello first.
+    let err = open(vec![frame(pb::frame::Body::Ping(1))]).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument, "{err:?}");
+    // A node A does not know.
+    let hello = |id| frame(pb::frame::Body::Hello(pb::StreamHello { node_id: id, incarnation: 1 }));
+    let err = open(vec![hello(99)]).await.unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
+    // Garbage batches from a known node id: counted, nothing else happens.
+    let before = a.client().await.stats().await.unwrap().coherence.unwrap().decode_errors;
+    let frames = vec![
+        hello(2),
+        frame(pb::frame::Body::Batch(vec![])),
+        frame(pb::frame::Body::Batch(vec![7; 100])),
+        frame(pb::frame::Body::Batch(vec![1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255])),
+        frame(pb::frame::Body::Ping(5)),
+    ];
+    let mut replies = open(frames).await.unwrap().into_inner();
+    let pong = replies.message().await.unwrap().unwrap();
+    assert_eq!(pong.body, Some(pb::frame::Body::Pong(5)));
+    let ca = a.client().await;
+    let t0 = Instant::now();
+    loop {
+        let k = ca.stats().await.unwrap().coherence.unwrap();
+        if k.decode_errors >= before + 3 {
+            assert!(k.serving, "{k:?}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "decode errors not counted: {k:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The cluster still works.
+    let (sa, _) = namespaces(&ca).await;
+    let cb = b.client().await;
+    let (sb, _) = namespaces(&cb).await;
+    put_all(&ca, &sa, &[Key(11)]).await;
+    assert_eq!(&cb.pin(&sb, &[Key(11)]).await.unwrap()[0].as_ref().unwrap()[..], &block_bytes(Key(11), 16384)[..]);
+}
