@@ -326,7 +326,7 @@ async fn coherence_stream_refuses_bad_input() {
         line.trim_start_matches("addr = ").trim_matches('"').to_string()
     };
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
-    let mut client = pb::peer_client::PeerClient::new(channel);
+    let client = pb::peer_client::PeerClient::new(channel);
     let frame = |body| pb::Frame { body: Some(body) };
     let open = |frames: Vec<pb::Frame>| {
         let mut c = client.clone();
