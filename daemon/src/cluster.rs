@@ -826,10 +826,13 @@ impl Cluster {
     /// O(state) (ops, directory, slots): it is recomputed at most once per
     /// `FULL_TIMEOUT_EVERY` while events arrive, which delays a
     /// retransmission or a deadline (all tens of milliseconds or more) by
-    /// at most that much; flush windows (hundreds of microseconds) come
-    /// from the O(peers) `Node::next_flush` after every event.
+    /// at most that much — never a safety matter: the core checks leases
+    /// and grant deadlines against the current time on every event, so a
+    /// late tick only frees held state later. Flush windows (hundreds of
+    /// microseconds) come from the O(peers) `Node::next_flush` after every
+    /// event.
     async fn timer_task(self: Arc<Self>) {
-        const FULL_TIMEOUT_EVERY: Duration = Duration::from_millis(1);
+        const FULL_TIMEOUT_EVERY: Duration = Duration::from_millis(4);
         let keepalive = Duration::from_millis(self.cfg.keepalive_ms);
         let mut next_housekeeping = Instant::now();
         let mut full: Option<u64> = None;
