@@ -117,6 +117,20 @@ struct Inner {
     /// Read grants this daemon gave: (peer, grant id) -> store pin and its
     /// expiry.
     grant_pins: HashMap<(NodeId, u64), (SlotRef, Instant)>,
+    /// Reads the core started while handling the current input, sent to
+    /// the data plane as one batch per holder when the input is done.
+    pending_reads: Vec<Read>,
+}
+
+/// One read the core asked for, with the local slot reserved for it.
+#[derive(Clone, Copy, Debug)]
+struct Read {
+    op: OpId,
+    from: NodeId,
+    remote: CoreSlot,
+    expect: CoreMeta,
+    dest: CoreSlot,
+    deadline: u64,
 }
 
 /// Counters of the driver (the core counts the protocol).
@@ -201,6 +215,7 @@ impl Cluster {
                 epoch_seen: 0,
                 fetching: HashMap::new(),
                 grant_pins: HashMap::new(),
+                pending_reads: Vec::new(),
             }),
             store,
             peers,
@@ -248,6 +263,23 @@ impl Cluster {
                 self.execute(g, a, &mut queue);
             }
         }
+        self.dispatch_reads(g);
+    }
+
+    /// Sends the reads started by the input just handled to the data plane:
+    /// one batch per holder (posted and progressed together).
+    fn dispatch_reads(self: &Arc<Self>, g: &mut Inner) {
+        if g.pending_reads.is_empty() {
+            return;
+        }
+        let mut by_holder: HashMap<NodeId, Vec<Read>> = HashMap::new();
+        for r in g.pending_reads.drain(..) {
+            by_holder.entry(r.from).or_default().push(r);
+        }
+        for (from, reads) in by_holder {
+            let me = Arc::clone(self);
+            tokio::spawn(async move { me.read_batch_task(from, reads).await });
+        }
     }
 
     /// The input ran dry: what it produced leaves now, one batch per peer,
@@ -280,8 +312,7 @@ impl Cluster {
                 Some(dest) => {
                     g.fetching.insert(dest, expect);
                     self.reads_in_flight.fetch_add(1, Ordering::SeqCst);
-                    let me = Arc::clone(self);
-                    tokio::spawn(async move { me.read_task(op, from, remote, expect, dest, deadline).await });
+                    g.pending_reads.push(Read { op, from, remote, expect, dest, deadline });
                 }
                 None => queue.push_back(Event::TransferDone { op, dest: None, result: Err(TransferError::NoSpace) }),
             },
@@ -474,36 +505,58 @@ impl Cluster {
         Some(to_core(r))
     }
 
-    async fn read_task(
-        self: Arc<Self>,
-        op: OpId,
-        from: NodeId,
-        remote: CoreSlot,
-        expect: CoreMeta,
-        dest: CoreSlot,
-        deadline: u64,
-    ) {
+    /// Reads a batch of slots from one holder; each read is reported to
+    /// the core as it ends.
+    async fn read_batch_task(self: Arc<Self>, from: NodeId, reads: Vec<Read>) {
         let t0 = Instant::now();
-        let result = self.read_slot(from, remote, &expect, dest, deadline).await;
-        tracing::trace!(op, from, us = t0.elapsed().as_micros() as u64, ok = result.is_ok(), "read done");
+        let n = reads.len();
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let mover = {
+            let me = Arc::clone(&self);
+            let reads = reads.clone();
+            async move { me.read_slots(from, &reads, tx).await }
+        };
+        let consume = async {
+            let mut done = 0usize;
+            while let Some((i, result)) = rx.recv().await {
+                done += 1;
+                self.read_ended(reads[i], result);
+            }
+            done
+        };
+        let (moved, done) = tokio::join!(mover, consume);
+        // Whatever the mover did not report ended with it.
+        if done < n {
+            for (i, r) in reads.iter().enumerate() {
+                if !moved.get(i).copied().unwrap_or(false) {
+                    self.read_ended(*r, Err(TransferError::PeerGone));
+                }
+            }
+        }
+        tracing::trace!(from, reads = n, us = t0.elapsed().as_micros() as u64, "read batch done");
+    }
+
+    /// One read ended: quarantine on timeout, then tell the core; the last
+    /// read in flight flushes what the reads produced.
+    fn read_ended(self: &Arc<Self>, r: Read, result: Result<SlotImage, TransferError>) {
         let (dest, result) = match result {
-            Ok(image) => (Some(dest), Ok(image)),
+            Ok(image) => (Some(r.dest), Ok(image)),
             Err(TransferError::Timeout) => {
                 // UCX may still write the slot: never reuse it.
                 self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
-                self.inner.lock().fetching.remove(&dest);
-                self.store.lock().quarantine_core(to_store(dest));
+                self.inner.lock().fetching.remove(&r.dest);
+                self.store.lock().quarantine_core(to_store(r.dest));
                 (None, Err(TransferError::Timeout))
             }
             Err(e) => {
                 self.counters.transfer_failures.fetch_add(1, Ordering::Relaxed);
-                (Some(dest), Err(e))
+                (Some(r.dest), Err(e))
             }
         };
         let last = self.reads_in_flight.fetch_sub(1, Ordering::SeqCst) == 1;
         {
             let mut g = self.inner.lock();
-            self.feed_locked(&mut g, Event::TransferDone { op, dest, result });
+            self.feed_locked(&mut g, Event::TransferDone { op: r.op, dest, result });
             // The last read of a burst ended: its registrations and grant
             // releases leave now, together.
             if last && self.cfg.flush_when_idle {
@@ -513,19 +566,23 @@ impl Cluster {
         self.timer.notify_one();
     }
 
-    /// Moves the holder's whole slot into `dest` and reports what arrived
-    /// (the core validates it against the grant).
-    async fn read_slot(
+    /// Moves the holder's whole slots into the reserved local slots, and
+    /// reports on `tx` what arrived for each (the core validates it against
+    /// the grant). Returns which reads were reported.
+    async fn read_slots(
         &self,
         from: NodeId,
-        remote: CoreSlot,
-        expect: &CoreMeta,
-        dest: CoreSlot,
-        deadline: u64,
-    ) -> Result<SlotImage, TransferError> {
-        // The holder is a live member that just granted us this read: if the
-        // background handshake has not reached it yet, or reached an earlier
-        // incarnation (its pool is gone), shake hands now.
+        reads: &[Read],
+        tx: tokio::sync::mpsc::UnboundedSender<(usize, Result<SlotImage, TransferError>)>,
+    ) -> Vec<bool> {
+        let mut reported = vec![false; reads.len()];
+        let report = |i: usize, r: Result<SlotImage, TransferError>, reported: &mut Vec<bool>| {
+            reported[i] = true;
+            let _ = tx.send((i, r));
+        };
+        // The holder is a live member that just granted us these reads: if
+        // the background handshake has not reached it yet, or reached an
+        // earlier incarnation (its pool is gone), shake hands now.
         let member_inc = self.inner.lock().node.view().member(from).map(|m| m.incarnation);
         match self.peers.conn_info(from).await {
             Some((inc, _, _)) if Some(inc) == member_inc => {}
@@ -537,45 +594,64 @@ impl Cluster {
                 self.peers.connect_to(from).await;
             }
         }
-        let Some((inc, pools, client)) = self.peers.conn_info(from).await else {
-            return Err(TransferError::PeerGone);
-        };
-        if Some(inc) != member_inc {
-            return Err(TransferError::PeerGone);
-        }
-        let d = to_store(dest);
-        let rs = to_store(remote);
-        let (stride, cap, mapping) = {
-            let st = self.store.lock();
-            let p = st.pools().get(d.pool as usize).ok_or(TransferError::NoSpace)?;
-            (p.stride, p.slot_payload_bytes, Arc::clone(&p.mapping))
+        let conn = self.peers.conn_info(from).await.filter(|(inc, _, _)| Some(*inc) == member_inc);
+        let Some((inc, pools, client)) = conn else {
+            for i in 0..reads.len() {
+                report(i, Err(TransferError::PeerGone), &mut reported);
+            }
+            return reported;
         };
         // Whole slots are copied: the holder's pool must have our layout.
-        if !pools.iter().any(|p| p.index == rs.pool && p.slot_stride_bytes == stride && p.slot_payload_bytes == cap) {
-            tracing::warn!(peer = from, pool = rs.pool, "peer pool layout differs from ours; cannot read its slot");
-            return Err(TransferError::PeerGone);
+        let mut items = Vec::with_capacity(reads.len());
+        let mut index = Vec::with_capacity(reads.len());
+        let mut send_items = Vec::new();
+        let mut geometry = Vec::with_capacity(reads.len());
+        for (i, r) in reads.iter().enumerate() {
+            let d = to_store(r.dest);
+            let rs = to_store(r.remote);
+            let local = {
+                let st = self.store.lock();
+                st.pools().get(d.pool as usize).map(|p| (p.stride, p.slot_payload_bytes, Arc::clone(&p.mapping)))
+            };
+            let Some((stride, cap, mapping)) = local else {
+                report(i, Err(TransferError::NoSpace), &mut reported);
+                continue;
+            };
+            if !pools.iter().any(|p| p.index == rs.pool && p.slot_stride_bytes == stride && p.slot_payload_bytes == cap)
+            {
+                tracing::warn!(peer = from, pool = rs.pool, "peer pool layout differs from ours; cannot read its slot");
+                report(i, Err(TransferError::PeerGone), &mut reported);
+                continue;
+            }
+            let tag = self.peers.next_tag();
+            items.push(TransferItem {
+                remote_pool: rs.pool,
+                remote_offset: rs.slot as u64 * stride,
+                len: stride,
+                local_pool: d.pool,
+                local_offset: d.slot as u64 * stride,
+                tag,
+            });
+            send_items.push(pb::SendItem { pool: rs.pool, slot: rs.slot, generation: rs.generation, tag });
+            index.push(i);
+            geometry.push((stride, cap, mapping));
+        }
+        if items.is_empty() {
+            return reported;
         }
         let limit = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
-        let until = self.instant_of(deadline).min(limit);
-        let tag = self.peers.next_tag();
-        let item = TransferItem {
-            remote_pool: rs.pool,
-            remote_offset: rs.slot as u64 * stride,
-            len: stride,
-            local_pool: d.pool,
-            local_offset: d.slot as u64 * stride,
-            tag,
-        };
+        let earliest = index.iter().map(|&i| reads[i].deadline).min().expect("non-empty");
+        let until = self.instant_of(earliest).min(limit);
         let dp = self.peers.dataplane();
         let mode = self.peers.mode();
         let t_post = Instant::now();
-        let (batch, mut rx) = dp.transfer_stream(mode, from, inc, vec![item], until);
+        let (batch, mut rx) = dp.transfer_stream(mode, from, inc, items, until);
         if mode == Mode::Recv {
             let req = pb::SendRequest {
                 node_id: self.id,
                 incarnation: self.incarnation,
                 holder_incarnation: inc,
-                items: vec![pb::SendItem { pool: rs.pool, slot: rs.slot, generation: rs.generation, tag }],
+                items: send_items,
             };
             let mut c = client;
             let dp2 = Arc::clone(dp);
@@ -592,28 +668,35 @@ impl Cluster {
                 }
             });
         }
-        match rx.recv().await {
-            Some((_, TransferOutcome::Done)) => {}
-            Some((_, TransferOutcome::TimedOut)) => return Err(TransferError::Timeout),
-            Some((_, TransferOutcome::Failed(e))) => {
-                tracing::debug!(peer = from, "transfer failed: {e}");
-                if !matches!(mode, Mode::Recv) {
-                    self.peers.reset(from).await;
+        let mut failed = false;
+        let mut pending = index.len();
+        while pending > 0 {
+            let Some((k, outcome)) = rx.recv().await else { break };
+            pending -= 1;
+            let i = index[k];
+            let result = match outcome {
+                TransferOutcome::Done => {
+                    let (stride, cap, mapping) = &geometry[k];
+                    let d = to_store(reads[i].dest);
+                    match mapping.read(d.slot as u64 * stride, *stride) {
+                        Ok(bytes) => Ok(slot_image(&bytes, *cap, reads[i].expect.key.ns)),
+                        Err(_) => Err(TransferError::NoSpace),
+                    }
                 }
-                return Err(TransferError::PeerGone);
-            }
-            None => return Err(TransferError::PeerGone),
+                TransferOutcome::TimedOut => Err(TransferError::Timeout),
+                TransferOutcome::Failed(e) => {
+                    tracing::debug!(peer = from, "transfer failed: {e}");
+                    failed = true;
+                    Err(TransferError::PeerGone)
+                }
+            };
+            report(i, result, &mut reported);
         }
-        let t_moved = Instant::now();
-        let bytes = mapping.read(d.slot as u64 * stride, stride).map_err(|_| TransferError::NoSpace)?;
-        let image = slot_image(&bytes, cap, expect.key.ns);
-        tracing::trace!(
-            from,
-            move_us = (t_moved - t_post).as_micros() as u64,
-            check_us = t_moved.elapsed().as_micros() as u64,
-            "slot read"
-        );
-        Ok(image)
+        tracing::trace!(from, reads = index.len(), move_us = t_post.elapsed().as_micros() as u64, "slots read");
+        if failed && mode != Mode::Recv {
+            self.peers.reset(from).await;
+        }
+        reported
     }
 
     // ----- streams -----
