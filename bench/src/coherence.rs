@@ -122,13 +122,32 @@ async fn phase(tag: &str, nodes: u32, keys: usize, extra: &str) -> anyhow::Resul
     let mut reads_before = 0u64;
     for (c, ns) in clients.iter().zip(&nss).skip(1) {
         for chunk in all.chunks(512) {
-            let got = c.pin(ns, chunk).await?;
-            for (b, k) in got.iter().zip(chunk) {
-                let b = b.as_ref().with_context(|| format!("{k} not fetched"))?;
-                reads_before += 1;
-                if b[..] != content(*k)[..] {
-                    wrong_reads += 1;
+            // A miss here is not a wrong read (e.g. a view change made a
+            // home busy for a moment): retry a few times before giving up.
+            let mut want: Vec<Key> = chunk.to_vec();
+            for attempt in 0..5 {
+                let got = c.pin(ns, &want).await?;
+                let mut missed = Vec::new();
+                for (b, k) in got.iter().zip(&want) {
+                    match b {
+                        Some(b) => {
+                            reads_before += 1;
+                            if b[..] != content(*k)[..] {
+                                wrong_reads += 1;
+                            }
+                        }
+                        None => missed.push(*k),
+                    }
                 }
+                drop(got);
+                want = missed;
+                if want.is_empty() {
+                    break;
+                }
+                if attempt == 4 {
+                    bail!("{} keys (first {}) not fetched after 5 attempts", want.len(), want[0]);
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
         c.flush_releases().await;
