@@ -533,32 +533,10 @@ impl Store {
         }
         let (ns, key, state) = (slot.ns, slot.key, slot.state);
         match state {
-            State::Committing => {
-                self.unindex(ns, key, r.pool, r.slot);
-                let pool = &mut self.pools[r.pool as usize];
-                pool.pending -= 1;
-                self.allocs_outstanding -= 1;
-                self.counters.aborts += 1;
-                self.free_slot(r.pool, r.slot);
-            }
+            State::Committing => self.drop_pending(r),
             State::Valid => {
                 self.unindex(ns, key, r.pool, r.slot);
-                let pool = &mut self.pools[r.pool as usize];
-                let slot = &mut pool.slots[r.slot as usize];
-                match slot.queue {
-                    Queue::Small => pool.small_live -= 1,
-                    Queue::Main => pool.main_live -= 1,
-                    Queue::None => {}
-                }
-                slot.queue = Queue::None;
-                pool.valid -= 1;
-                if slot.pins > 0 {
-                    slot.state = State::Zombie;
-                    pool.pinned -= 1;
-                    pool.zombie += 1;
-                } else {
-                    self.free_slot(r.pool, r.slot);
-                }
+                self.retire_valid(r.pool, r.slot);
             }
             State::Free | State::Zombie | State::Pending { .. } => {}
         }
@@ -1383,26 +1361,32 @@ impl Store {
                 continue;
             };
             self.index.remove(&(ns, key));
-            let pool = &mut self.pools[p as usize];
-            let slot = &mut pool.slots[s as usize];
-            match slot.queue {
-                Queue::Small => pool.small_live -= 1,
-                Queue::Main => pool.main_live -= 1,
-                Queue::None => {}
-            }
-            slot.queue = Queue::None;
-            pool.valid -= 1;
-            if slot.pins > 0 {
-                slot.state = State::Zombie;
-                pool.pinned -= 1;
-                pool.zombie += 1;
-            } else {
-                self.free_slot(p, s);
-            }
+            self.retire_valid(p, s);
             self.counters.removes += 1;
             out.push(true);
         }
         Ok(out)
+    }
+
+    /// A Valid slot (already out of the index) leaves the eviction queues:
+    /// freed now, or a zombie freed by its last pin.
+    fn retire_valid(&mut self, p: u32, s: u32) {
+        let pool = &mut self.pools[p as usize];
+        let slot = &mut pool.slots[s as usize];
+        match slot.queue {
+            Queue::Small => pool.small_live -= 1,
+            Queue::Main => pool.main_live -= 1,
+            Queue::None => {}
+        }
+        slot.queue = Queue::None;
+        pool.valid -= 1;
+        if slot.pins > 0 {
+            slot.state = State::Zombie;
+            pool.pinned -= 1;
+            pool.zombie += 1;
+        } else {
+            self.free_slot(p, s);
+        }
     }
 
     /// Releases everything `session` holds (its connection closed).

@@ -45,16 +45,7 @@ impl Daemon {
         let cfg = format!("[server]\nsocket = {:?}\n{extra}", socket.display().to_string());
         let cfg_path = dir.0.join("kvmeshd.toml");
         std::fs::write(&cfg_path, cfg).unwrap();
-        let log = std::fs::File::create(dir.0.join("kvmeshd.log")).unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-            .arg("--config")
-            .arg(&cfg_path)
-            .env("KVMESH_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn kvmeshd");
+        let child = spawn(&dir, env, false);
         let d = Daemon { child, socket, dir };
         d.wait_ready();
         d
@@ -65,16 +56,7 @@ impl Daemon {
     pub fn restart(&mut self, env: &[(&str, &str)]) {
         let _ = self.child.kill();
         let _ = self.child.wait();
-        let log = std::fs::OpenOptions::new().append(true).open(self.dir.0.join("kvmeshd.log")).unwrap();
-        self.child = Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-            .arg("--config")
-            .arg(self.dir.0.join("kvmeshd.toml"))
-            .env("KVMESH_LOG", "info")
-            .envs(env.iter().copied())
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("spawn kvmeshd");
+        self.child = spawn(&self.dir, env, true);
         self.wait_ready();
     }
 
@@ -96,6 +78,25 @@ impl Daemon {
     pub async fn client(&self) -> kvmesh_client::Client {
         kvmesh_client::Client::connect(&self.socket).await.expect("connect to kvmeshd")
     }
+}
+
+/// Runs kvmeshd on `dir/kvmeshd.toml`, logging to `dir/kvmeshd.log`.
+fn spawn(dir: &TempDir, env: &[(&str, &str)], append_log: bool) -> Child {
+    let log_path = dir.0.join("kvmeshd.log");
+    let log = if append_log {
+        std::fs::OpenOptions::new().append(true).open(&log_path).unwrap()
+    } else {
+        std::fs::File::create(&log_path).unwrap()
+    };
+    Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+        .arg("--config")
+        .arg(dir.0.join("kvmeshd.toml"))
+        .env("KVMESH_LOG", "info")
+        .envs(env.iter().copied())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .expect("spawn kvmeshd")
 }
 
 impl Drop for Daemon {
