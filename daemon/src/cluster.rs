@@ -146,6 +146,9 @@ pub struct ClusterCounters {
     pub transfer_failures: AtomicU64,
     /// Reads past their deadline.
     pub transfer_timeouts: AtomicU64,
+    /// Engine gets that found the key nowhere in the cluster (or could not
+    /// read it).
+    pub remote_misses: AtomicU64,
 }
 
 /// The coherence driver of one daemon.
@@ -363,7 +366,12 @@ impl Cluster {
                             None => OpResult::Miss,
                         }
                     }
-                    Outcome::Miss => OpResult::Miss,
+                    Outcome::Miss => {
+                        // Local copies answer Hit at once: a miss was asked of
+                        // the cluster.
+                        self.counters.remote_misses.fetch_add(1, Ordering::Relaxed);
+                        OpResult::Miss
+                    }
                     Outcome::Stored { version } => OpResult::Stored(version),
                     Outcome::Invalidated => OpResult::Invalidated,
                     Outcome::Error(e) => OpResult::Error(e),
@@ -446,8 +454,7 @@ impl Cluster {
     }
 
     /// Releases the store pins of grants a peer is done with.
-    fn release_grants(&self, from: NodeId, batch: &Batch) {
-        let mut g = self.inner.lock();
+    fn release_grants(&self, g: &mut Inner, from: NodeId, batch: &Batch) {
         let mut refs = Vec::new();
         for m in &batch.msgs {
             if let Msg::GrantRelease { grant, .. } = m
@@ -837,8 +844,12 @@ impl Cluster {
                 Ok(batch) => {
                     tracing::trace!(from, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "received batch");
                     self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
-                    self.release_grants(from, &batch);
-                    self.feed(Event::Receive { from, batch });
+                    {
+                        let mut g = self.inner.lock();
+                        self.release_grants(&mut g, from, &batch);
+                        self.feed_locked(&mut g, Event::Receive { from, batch });
+                    }
+                    self.timer.notify_one();
                 }
                 Err(e) => {
                     self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);

@@ -22,19 +22,6 @@ use crate::config::{PeerConfig, PeerEntry};
 use crate::dataplane::{CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, TransferItem, TransferOutcome};
 use crate::store::{PEER_SESSION_BASE, SlotRef, Store};
 
-/// Counters of remote traffic.
-#[derive(Default)]
-pub struct PeerCounters {
-    /// Keys asked of peers and found nowhere.
-    pub remote_misses: AtomicU64,
-    /// Transferred slots that failed validation.
-    pub validation_failures: AtomicU64,
-    /// Transfers that failed.
-    pub transfer_failures: AtomicU64,
-    /// Transfers past their deadline.
-    pub transfer_timeouts: AtomicU64,
-}
-
 struct Connected {
     client: PeerClient<Channel>,
     incarnation: u64,
@@ -64,8 +51,6 @@ pub struct Peers {
     dp: Arc<DataPlane>,
     store: Arc<Mutex<Store>>,
     peers: Vec<Arc<PeerState>>,
-    /// Remote traffic counters.
-    pub counters: PeerCounters,
     hook: Option<TestHook>,
     next_tag: AtomicU64,
 }
@@ -93,17 +78,7 @@ impl Peers {
                 Arc::new(PeerState { entry, conn: tokio::sync::Mutex::new(None), retry_at: Mutex::new(Instant::now()) })
             })
             .collect();
-        Peers {
-            node_id,
-            incarnation,
-            cfg,
-            dp,
-            store,
-            peers,
-            counters: PeerCounters::default(),
-            hook,
-            next_tag: AtomicU64::new(1),
-        }
+        Peers { node_id, incarnation, cfg, dp, store, peers, hook, next_tag: AtomicU64::new(1) }
     }
 
     /// How this node moves blocks it fetches.

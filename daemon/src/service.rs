@@ -169,21 +169,18 @@ impl pb::engine_server::Engine for EngineService {
                     ns.fingerprint
                 };
                 let mut out = cluster.get(session, fingerprint, &ks, r.lease_ms).await;
+                let mut st = self.store.lock();
                 if r.stop_at_first_miss
                     && let Some(first) = out.iter().position(|o| o.is_none())
                 {
                     let extra: Vec<SlotRef> = out[first..].iter().flatten().map(|p| p.slot).collect();
                     out.truncate(first + 1);
-                    self.store.lock().unpin(session, &extra)?;
+                    st.unpin(session, &extra)?;
                 }
-                let lease = self.store.lock().lease_duration(r.lease_ms);
-                {
-                    let mut st = self.store.lock();
-                    let hits = out.iter().flatten().count() as u64;
-                    st.counters.hits += hits;
-                    st.counters.misses += out.len() as u64 - hits;
-                }
-                (out, now + lease)
+                let hits = out.iter().flatten().count() as u64;
+                st.counters.hits += hits;
+                st.counters.misses += out.len() as u64 - hits;
+                (out, now + st.lease(r.lease_ms))
             }
         };
         let prefix_len = out.iter().take_while(|o| o.is_some()).count() as u32;
@@ -332,7 +329,7 @@ impl pb::engine_server::Engine for EngineService {
             Some(c) => {
                 let fp = {
                     let st = self.store.lock();
-                    st.check_batch_len(r.keys.len())?;
+                    st.check_batch(r.keys.len())?;
                     st.namespace_info(r.namespace_id)?.fingerprint
                 };
                 c.evict(fp, &keys(&r.keys))
@@ -353,7 +350,7 @@ impl pb::engine_server::Engine for EngineService {
             if r.whole_namespace && !r.keys.is_empty() {
                 return Err(Status::invalid_argument("give keys or whole_namespace, not both"));
             }
-            st.check_batch_len(r.keys.len())?;
+            st.check_batch(r.keys.len())?;
             (ns.fingerprint, keys(&r.keys))
         };
         let Some(cluster) = &self.cluster else {
@@ -384,14 +381,14 @@ impl pb::engine_server::Engine for EngineService {
             Some(p) => p.connected().await,
             None => 0,
         };
-        let (remote_misses, validation_failures, transfer_failures, transfer_timeouts) = match &self.cluster {
+        let coherence = self.cluster.as_ref().map(|c| c.stats());
+        let (remote_misses, transfer_failures, transfer_timeouts) = match &self.cluster {
             Some(c) => {
                 use std::sync::atomic::Ordering::Relaxed;
                 let k = &c.counters;
-                let core = c.stats();
-                (0, core.validation_failures, k.transfer_failures.load(Relaxed), k.transfer_timeouts.load(Relaxed))
+                (k.remote_misses.load(Relaxed), k.transfer_failures.load(Relaxed), k.transfer_timeouts.load(Relaxed))
             }
-            None => (0, 0, 0, 0),
+            None => (0, 0, 0),
         };
         Ok(Response::new(pb::StatsResponse {
             pools: s
@@ -428,14 +425,14 @@ impl pb::engine_server::Engine for EngineService {
             resource_exhausted: c.resource_exhausted,
             uptime_ms: self.started.elapsed().as_millis() as u64,
             remote_fetched: c.remote_fetched,
-            remote_validation_failures: validation_failures,
+            remote_validation_failures: coherence.as_ref().map_or(0, |c| c.validation_failures),
             transfer_failures,
             transfer_timeouts,
             slots_quarantined: c.quarantined,
             grants_given: c.grants_given,
             peers_connected,
             remote_misses,
-            coherence: self.cluster.as_ref().map(|c| c.stats()),
+            coherence,
         }))
     }
 }

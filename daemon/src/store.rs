@@ -553,14 +553,8 @@ impl Store {
         now: Instant,
     ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
         self.check_batch(refs.len())?;
-        let held = self.sessions.get(&session).map_or(0, |s| s.pins.len());
-        if session < PEER_SESSION_BASE && held + refs.len() > self.cfg.limits.pins_per_session_max as usize {
-            self.counters.resource_exhausted += 1;
-            return Err(Error::ResourceExhausted(format!(
-                "session holds {held} pins; {} more would exceed limits.pins_per_session_max ({})",
-                refs.len(),
-                self.cfg.limits.pins_per_session_max
-            )));
+        if session < PEER_SESSION_BASE {
+            self.check_pins_room(session, refs.len())?;
         }
         if session < PEER_SESSION_BASE && !self.sessions.contains_key(&session) {
             // The engine's connection closed while its call was in flight:
@@ -708,39 +702,6 @@ impl Store {
         self.namespace(id).cloned()
     }
 
-    /// Grants a peer reads of the blocks it asks for: each found block is
-    /// pinned under the peer's session for `lease_ms`.
-    pub fn grant(
-        &mut self,
-        peer: u32,
-        blocks: &[(u64, Key)],
-        lease_ms: u64,
-        now: Instant,
-    ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
-        let session = PEER_SESSION_BASE + peer as u64;
-        self.sessions.entry(session).or_default();
-        // One pin call (so one lease) per namespace in the request.
-        let mut by_ns: HashMap<u32, (Vec<usize>, Vec<Key>)> = HashMap::default();
-        for (i, &(fp, key)) in blocks.iter().enumerate() {
-            if let Some(&ns) = self.ns_by_fingerprint.get(&fp) {
-                let e = by_ns.entry(ns).or_default();
-                e.0.push(i);
-                e.1.push(key);
-            }
-        }
-        let mut out = vec![None; blocks.len()];
-        let mut deadline = now;
-        for (ns, (idx, keys)) in by_ns {
-            let (r, d) = self.pin(session, ns, &keys, lease_ms, false, now)?;
-            deadline = d;
-            for (i, o) in idx.into_iter().zip(r) {
-                out[i] = o;
-            }
-        }
-        self.counters.grants_given += out.iter().flatten().count() as u64;
-        Ok((out, deadline))
-    }
-
     /// The block (namespace fingerprint, key) a slot was allocated for.
     pub fn slot_block(&self, r: SlotRef) -> (u64, Key) {
         let slot = &self.pools[r.pool as usize].slots[r.slot as usize];
@@ -760,14 +721,14 @@ impl Store {
         Ok(v)
     }
 
-    /// Refuses a batch above `limits.batch_keys_max`.
-    pub fn check_batch_len(&self, n: usize) -> Result<(), Error> {
-        self.check_batch(n)
-    }
-
     /// Refuses a pin request that would exceed the session's pin limit.
     pub fn check_pin_request(&mut self, session: SessionId, n: usize) -> Result<(), Error> {
         self.check_batch(n)?;
+        self.check_pins_room(session, n)
+    }
+
+    /// Refuses `n` more pins for a session at `limits.pins_per_session_max`.
+    fn check_pins_room(&mut self, session: SessionId, n: usize) -> Result<(), Error> {
         let held = self.sessions.get(&session).map_or(0, |s| s.pins.len());
         if held + n > self.cfg.limits.pins_per_session_max as usize {
             self.counters.resource_exhausted += 1;
@@ -777,29 +738,6 @@ impl Store {
             )));
         }
         Ok(())
-    }
-
-    /// The lease a pin request of `lease_ms` gets.
-    pub fn lease_duration(&self, lease_ms: u64) -> Duration {
-        self.lease(lease_ms)
-    }
-
-    /// Keeps a slot reserved forever: a transfer into it timed out and may
-    /// still write it.
-    pub fn quarantine(&mut self, session: SessionId, r: SlotRef) {
-        if let Some(sess) = self.sessions.get_mut(&session)
-            && let Some(lease) = sess.allocs.remove(&r)
-        {
-            self.lease_unref(lease);
-            let pool = &mut self.pools[r.pool as usize];
-            let (ns, key) = (pool.slots[r.slot as usize].ns, pool.slots[r.slot as usize].key);
-            self.unindex(ns, key, r.pool, r.slot);
-            let pool = &mut self.pools[r.pool as usize];
-            pool.slots[r.slot as usize].state = State::Committing; // owned by nobody, never freed
-            self.allocs_outstanding -= 1;
-            self.counters.quarantined += 1;
-            tracing::warn!(?r, "slot quarantined: a timed-out transfer may still write it");
-        }
     }
 
     /// Clustered: keeps a slot being fetched reserved forever (a timed-out
@@ -853,7 +791,8 @@ impl Store {
         self.namespaces.get(id as usize).ok_or_else(|| Error::NotFound(format!("namespace id {id} is not registered")))
     }
 
-    fn check_batch(&self, n: usize) -> Result<(), Error> {
+    /// Refuses a batch above `limits.batch_keys_max`.
+    pub fn check_batch(&self, n: usize) -> Result<(), Error> {
         if n > self.cfg.limits.batch_keys_max as usize {
             return Err(Error::InvalidArgument(format!(
                 "batch of {n} keys exceeds limits.batch_keys_max ({})",
@@ -863,7 +802,8 @@ impl Store {
         Ok(())
     }
 
-    fn lease(&self, lease_ms: u64) -> Duration {
+    /// The lease a request of `lease_ms` gets (0: the default; clamped).
+    pub fn lease(&self, lease_ms: u64) -> Duration {
         let l = &self.cfg.limits;
         Duration::from_millis(if lease_ms == 0 { l.lease_ms_default } else { lease_ms.min(l.lease_ms_max) })
     }
@@ -871,14 +811,6 @@ impl Store {
     fn valid_slot(&self, ns: u32, key: Key) -> Option<(u32, u32)> {
         let &(p, s) = self.index.get(&(ns, key))?;
         (self.pools[p as usize].slots[s as usize].state == State::Valid).then_some((p, s))
-    }
-
-    /// The keys not cached here (no counters touched: a probe before a
-    /// remote fetch, not an engine lookup).
-    pub fn missing(&self, ns: u32, keys: &[Key]) -> Result<Vec<Key>, Error> {
-        self.namespace(ns)?;
-        self.check_batch(keys.len())?;
-        Ok(keys.iter().copied().filter(|&k| self.valid_slot(ns, k).is_none()).collect())
     }
 
     /// Per-key presence and the longest present prefix.
@@ -933,15 +865,7 @@ impl Store {
     ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
         self.namespace(ns)?;
         self.check_batch(keys.len())?;
-        let held = self.sessions.get(&session).map_or(0, |s| s.pins.len());
-        if held + keys.len() > self.cfg.limits.pins_per_session_max as usize {
-            self.counters.resource_exhausted += 1;
-            return Err(Error::ResourceExhausted(format!(
-                "session holds {held} pins; {} more would exceed limits.pins_per_session_max ({})",
-                keys.len(),
-                self.cfg.limits.pins_per_session_max
-            )));
-        }
+        self.check_pins_room(session, keys.len())?;
         let deadline = now + self.lease(lease_ms);
         let lease = self.new_lease(deadline, session, LeaseKind::Pin);
         let mut sess = self.sessions.remove(&session).unwrap_or_default();
@@ -1306,14 +1230,6 @@ impl Store {
         self.finish_commit_versioned(&with_version);
     }
 
-    /// Commit of blocks fetched from a peer: like `finish_commit`, with the
-    /// version the holder reported.
-    pub fn finish_fetch(&mut self, done: &[(SlotRef, u64, u64)]) {
-        let with_version: Vec<(SlotRef, Option<u64>, u64)> = done.iter().map(|&(r, v, c)| (r, Some(v), c)).collect();
-        self.finish_commit_versioned(&with_version);
-        self.counters.remote_fetched += done.len() as u64;
-    }
-
     fn finish_commit_versioned(&mut self, done: &[(SlotRef, Option<u64>, u64)]) {
         for &(r, version, checksum) in done {
             let ns_of = self.pools[r.pool as usize].slots[r.slot as usize].ns;
@@ -1603,6 +1519,16 @@ mod tests {
         Store::new(Config::parse(&text, "test").unwrap()).unwrap()
     }
 
+    /// A seeded xorshift: `rnd(n)` is in `0..n`.
+    fn xorshift(mut seed: u64) -> impl FnMut(u64) -> u64 {
+        move |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        }
+    }
+
     fn put(st: &mut Store, session: SessionId, ns: u32, key: Key, now: Instant) -> Option<SlotRef> {
         let (out, _) = st.allocate(session, ns, &[key], 0, now).ok()?;
         let AllocOutcome::Allocated { slot, payload_offset } = out[0] else {
@@ -1624,13 +1550,7 @@ mod tests {
     fn random_ops_keep_invariants() {
         let mut st = store(64, "[eviction]\nhigh_watermark = 0.9\nlow_watermark = 0.8");
         let ns = st.register_namespace("n", 4096, "").unwrap().id;
-        let mut seed = 0x1234_5678_9abc_def0u64;
-        let mut rnd = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rnd = xorshift(0x1234_5678_9abc_def0);
         let t0 = Instant::now();
         let mut pins: HashMap<(SessionId, SlotRef), (Key, u32)> = HashMap::new();
         let mut pending: Vec<(SessionId, SlotRef)> = Vec::new();
@@ -1719,13 +1639,7 @@ mod tests {
         st.set_coherent();
         let ns = st.register_namespace("n", 4096, "").unwrap().id;
         let fp = st.namespaces[0].fingerprint;
-        let mut seed = 0x0bad_cafe_1234_5678u64;
-        let mut rnd = move |n: u64| {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed % n
-        };
+        let mut rnd = xorshift(0x0bad_cafe_1234_5678);
         let t0 = Instant::now();
         // The model core: slots it owns (being written/fetched) and Valid
         // copies it references, by key.

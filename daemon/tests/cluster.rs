@@ -91,18 +91,26 @@ async fn connect_ns(socket: &std::path::Path) -> Option<(Client, Namespace, Name
     Some((c, m, d))
 }
 
+/// The connection, made again if it was dropped (the daemon may be down:
+/// then `None` after a short pause).
+async fn reconnect<'a>(
+    conn: &'a mut Option<(Client, Namespace, Namespace)>,
+    socket: &std::path::Path,
+) -> Option<&'a (Client, Namespace, Namespace)> {
+    if conn.is_none() {
+        *conn = connect_ns(socket).await;
+        if conn.is_none() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    conn.as_ref()
+}
+
 async fn reader(socket: std::path::PathBuf, sh: Arc<Shared>, seed: u64) {
     let mut rng = rand::rngs::SmallRng::seed_from_u64(seed);
     let mut conn = None;
     while !sh.stop.load(Ordering::Relaxed) {
-        if conn.is_none() {
-            conn = connect_ns(&socket).await;
-            if conn.is_none() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        }
-        let (c, m, d) = conn.as_ref().unwrap();
+        let Some((c, m, d)) = reconnect(&mut conn, &socket).await else { continue };
         let doomed_batch = rng.random_bool(0.3);
         let (ns, pool) = if doomed_batch { (d, &sh.doomed) } else { (m, &sh.mutable) };
         let keys: Vec<Key> = (0..8).map(|_| pool[rng.random_range(0..pool.len())]).collect();
@@ -143,14 +151,7 @@ async fn writer(socket: std::path::PathBuf, sh: Arc<Shared>, keys: Vec<Key>, see
     let mut seqs: HashMap<Key, u64> = keys.iter().map(|k| (*k, 0)).collect();
     let mut conn = None;
     while !sh.stop.load(Ordering::Relaxed) {
-        if conn.is_none() {
-            conn = connect_ns(&socket).await;
-            if conn.is_none() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        }
-        let (c, m, _) = conn.as_ref().unwrap();
+        let Some((c, m, _)) = reconnect(&mut conn, &socket).await else { continue };
         let key = keys[rng.random_range(0..keys.len())];
         let seq = seqs[&key] + 1;
         seqs.insert(key, seq);

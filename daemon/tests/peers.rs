@@ -302,6 +302,7 @@ async fn unreachable_peer_never_slows_a_miss() {
     let s = cb.stats().await.unwrap();
     assert_eq!(s.peers_connected, 0);
     assert_eq!(s.remote_fetched, 0);
+    assert!(s.remote_misses >= 10, "every miss asked the cluster: {s:?}");
     // B still serves its own blocks.
     let k = Key(3);
     let data = block_bytes(k, 16384);
