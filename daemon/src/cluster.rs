@@ -30,6 +30,7 @@
 //! is synchronous and short; transfers run in tasks of their own.
 
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -48,9 +49,9 @@ use tonic::Status;
 
 use crate::config::{CoherenceConfig, PeerEntry};
 use crate::dataplane::{Mode, TransferItem, TransferOutcome};
-use crate::membership::{KeepAlive, Membership, MembershipAction, static_membership};
 use crate::peers::{Peers, TestHook};
 use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
+use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
 
 /// Response stream of `Exchange`.
 pub type FrameStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::Frame, Status>> + Send>>;
@@ -111,6 +112,8 @@ struct Inner {
     membership: Box<dyn Membership>,
     /// Highest epoch seen (reported in keepalives).
     epoch_seen: u64,
+    /// Where the coordinator persists the epoch of every view it publishes.
+    epoch_file: PathBuf,
     /// Slots being fetched: what the grant promised (the checksum is
     /// needed to commit them).
     fetching: HashMap<CoreSlot, CoreMeta>,
@@ -149,12 +152,18 @@ pub struct ClusterCounters {
     /// Engine gets that found the key nowhere in the cluster (or could not
     /// read it).
     pub remote_misses: AtomicU64,
+    /// Keepalive acknowledgements and views dropped because they came from
+    /// a daemon that is not the coordinator.
+    pub membership_foreign_drops: AtomicU64,
+    /// Views whose epoch could not be persisted (coordinator).
+    pub epoch_persist_failures: AtomicU64,
 }
 
 /// The coherence driver of one daemon.
 pub struct Cluster {
     id: NodeId,
     incarnation: u64,
+    coordinator: NodeId,
     start: Instant,
     cfg: CoherenceConfig,
     grant_lease: Duration,
@@ -171,7 +180,12 @@ pub struct Cluster {
 
 impl Cluster {
     /// Starts the driver: peer links, timers, membership.
-    pub fn start(cfg: CoherenceConfig, peers: Arc<Peers>, store: Arc<Mutex<Store>>) -> Arc<Cluster> {
+    pub fn start(
+        cfg: CoherenceConfig,
+        state_dir: &Path,
+        peers: Arc<Peers>,
+        store: Arc<Mutex<Store>>,
+    ) -> anyhow::Result<Arc<Cluster>> {
         let id = peers.node_id();
         let incarnation = peers.incarnation();
         let grant_lease = Duration::from_millis(peers.config().grant_lease_ms);
@@ -192,9 +206,29 @@ impl Cluster {
         let coordinator =
             cfg.coordinator.unwrap_or_else(|| peers.entries().map(|e| e.id).chain([id]).min().expect("self"));
         // A member is removed after the lease plus twice the margin without
-        // a keepalive: by then it has stopped serving on its own clock.
-        let removal = Duration::from_millis(cfg.membership_lease_ms + 2 * cfg.drift_margin_ms);
-        let membership = static_membership(id, coordinator, removal);
+        // a keepalive: by then it has stopped serving on its own clock. A
+        // (re)started coordinator waits as long before its first lease.
+        let removal_us = (cfg.membership_lease_ms + 2 * cfg.drift_margin_ms) * 1000;
+        let epoch_file = state_dir.join(format!("node-{id}.coordinator-epoch"));
+        let epoch_floor = if id == coordinator { read_epoch(&epoch_file)? } else { 0 };
+        let membership = static_membership(
+            StaticConfig {
+                me: id,
+                coordinator,
+                removal_us,
+                epoch_floor,
+                skip_restart_wait: core_cfg.bug == Some(kvmesh_coherence::Bug::CoordinatorNoWait),
+            },
+            0,
+        );
+        if id == coordinator {
+            tracing::info!(
+                epoch_floor,
+                wait_ms = removal_us / 1000,
+                file = %epoch_file.display(),
+                "membership coordinator: no lease and no view until every lease a previous incarnation could have granted has run out"
+            );
+        }
         store.lock().set_coherent();
         let mut links = HashMap::new();
         let mut link_rx = Vec::new();
@@ -207,6 +241,7 @@ impl Cluster {
         let cluster = Arc::new(Cluster {
             id,
             incarnation,
+            coordinator,
             start: Instant::now(),
             cfg,
             grant_lease,
@@ -216,6 +251,7 @@ impl Cluster {
                 waiters: HashMap::new(),
                 membership,
                 epoch_seen: 0,
+                epoch_file,
                 fetching: HashMap::new(),
                 grant_pins: HashMap::new(),
                 pending_reads: Vec::new(),
@@ -231,7 +267,7 @@ impl Cluster {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
         }
         tokio::spawn(Arc::clone(&cluster).timer_task());
-        cluster
+        Ok(cluster)
     }
 
     fn now_us(&self) -> u64 {
@@ -336,7 +372,7 @@ impl Cluster {
                     epoch_seen: g.epoch_seen,
                     capacity: self.cfg.capacity,
                 };
-                let actions = g.membership.keepalive(ka, Instant::now());
+                let actions = g.membership.keepalive(ka, self.now_us());
                 self.membership_actions(g, actions, queue);
             }
             Action::ClientDone { op, outcome } => {
@@ -404,6 +440,15 @@ impl Cluster {
                 }
                 MembershipAction::AckLocal { sent_at_us } => {
                     queue.push_back(Event::KeepAliveAck { sent_at: sent_at_us })
+                }
+                MembershipAction::Persist(epoch) => {
+                    if let Err(e) = write_epoch(&g.epoch_file, epoch) {
+                        // Epochs still continue above what members report;
+                        // only a restart that no member witnesses could
+                        // reuse an epoch.
+                        self.counters.epoch_persist_failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::error!(file = %g.epoch_file.display(), epoch, "membership: cannot persist the epoch: {e}");
+                    }
                 }
                 MembershipAction::Publish(view) => {
                     self.publish_view(&view);
@@ -866,10 +911,16 @@ impl Cluster {
                 };
                 {
                     let mut g = self.inner.lock();
-                    let actions = g.membership.peer_keepalive(ka, Instant::now());
+                    let actions = g.membership.peer_keepalive(ka, self.now_us());
                     self.run_membership(&mut g, actions);
                 }
                 self.timer.notify_one();
+            }
+            Some(Body::KeepaliveAck(_)) | Some(Body::View(_)) if from != self.coordinator => {
+                // Only the configured coordinator grants leases and
+                // publishes views.
+                self.counters.membership_foreign_drops.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = from, "membership frame from a daemon that is not the coordinator; dropped");
             }
             Some(Body::KeepaliveAck(ack)) => {
                 if let Some(v) = ack.view {
@@ -979,7 +1030,7 @@ impl Cluster {
     fn housekeeping(self: &Arc<Self>, now: Instant) {
         let mut g = self.inner.lock();
         g.grant_pins.retain(|_, (_, until)| *until > now);
-        let actions = g.membership.tick(now);
+        let actions = g.membership.tick(self.now_us());
         self.run_membership(&mut g, actions);
     }
 
@@ -1242,6 +1293,10 @@ impl Cluster {
             directory_ready: g.node.directory_ready(),
             inval_to_ack_buckets: h.buckets.clone(),
             locate_grants: m.locate_grants,
+            membership_recovering: g.membership.recovering(),
+            unsolicited_keepalive_acks: m.unsolicited_keepalive_acks,
+            membership_foreign_drops: self.counters.membership_foreign_drops.load(Ordering::Relaxed),
+            epoch_persist_failures: self.counters.epoch_persist_failures.load(Ordering::Relaxed),
         }
     }
 
@@ -1249,6 +1304,36 @@ impl Cluster {
     pub fn invalidate_deadline(&self) -> Instant {
         Instant::now() + Duration::from_millis(self.cfg.invalidate_timeout_ms)
     }
+}
+
+/// The epoch a previous incarnation of this coordinator persisted (0 when
+/// there is no file: a first start).
+fn read_epoch(path: &Path) -> anyhow::Result<u64> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => s.trim().parse::<u64>().map_err(|e| {
+            anyhow::anyhow!(
+                "{}: expected the last published membership epoch (an integer), found {s:?}: {e}",
+                path.display()
+            )
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Err(e) => Err(anyhow::anyhow!("cannot read the membership epoch file {}: {e}", path.display())),
+    }
+}
+
+/// Durably replaces the epoch file (write a temporary file, fsync, rename,
+/// fsync the directory).
+fn write_epoch(path: &Path, epoch: u64) -> std::io::Result<()> {
+    use std::io::Write;
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp)?;
+    writeln!(f, "{epoch}")?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
 }
 
 /// A protocol bug planted for tests (`KVMESH_TEST_BUG`), to prove the

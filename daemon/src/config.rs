@@ -140,6 +140,10 @@ pub struct CoherenceConfig {
     /// Keys of one `Invalidate` call in flight at a time (pacing: a large
     /// invalidation does not queue every change behind all the others).
     pub invalidate_window: usize,
+    /// Directory where the membership coordinator persists the epoch of
+    /// every view it publishes (a restarted coordinator continues above
+    /// it). Default: the directory of the engine socket.
+    pub state_dir: Option<PathBuf>,
 }
 
 impl Default for CoherenceConfig {
@@ -161,6 +165,7 @@ impl Default for CoherenceConfig {
             heartbeat_ms: 250,
             invalidate_timeout_ms: 15_000,
             invalidate_window: 512,
+            state_dir: None,
         }
     }
 }

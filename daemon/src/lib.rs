@@ -12,7 +12,6 @@ pub mod cluster;
 pub mod config;
 pub mod dataplane;
 pub mod error;
-pub mod membership;
 pub mod peers;
 pub mod server;
 pub mod service;

@@ -411,8 +411,14 @@ pub async fn run(
     });
 
     // The coherence driver runs on every clustered daemon.
-    let cluster =
-        peers.as_ref().map(|p| crate::cluster::Cluster::start(coherence_cfg, Arc::clone(p), Arc::clone(&store)));
+    let state_dir = match &coherence_cfg.state_dir {
+        Some(d) => d.clone(),
+        None => path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from(".")),
+    };
+    let cluster = match &peers {
+        Some(p) => Some(crate::cluster::Cluster::start(coherence_cfg, &state_dir, Arc::clone(p), Arc::clone(&store))?),
+        None => None,
+    };
     let peer_server = match (peer_listener, &peers) {
         (Some(l), Some(p)) => {
             let svc = kvmesh_proto::peer::v1::peer_server::PeerServer::new(crate::peers::PeerService {

@@ -13,6 +13,7 @@
 #![forbid(unsafe_code)]
 
 mod codec;
+pub mod membership;
 mod metrics;
 mod msg;
 mod node;
@@ -196,6 +197,10 @@ pub enum Bug {
     ReuseGrantedSlot,
     /// A holder acks an invalidation but keeps serving its copy.
     AckWithoutInvalidate,
+    /// A restarted static coordinator grants leases and publishes views at
+    /// once, without waiting out the leases its previous incarnation
+    /// granted (read by the membership, not by the core).
+    CoordinatorNoWait,
 }
 
 impl Bug {
@@ -206,12 +211,13 @@ impl Bug {
             "skip-validation" => Bug::SkipValidation,
             "reuse-granted-slot" => Bug::ReuseGrantedSlot,
             "ack-without-invalidate" => Bug::AckWithoutInvalidate,
+            "coordinator-no-wait" => Bug::CoordinatorNoWait,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 4] =
-        ["skip-ack-wait", "skip-validation", "reuse-granted-slot", "ack-without-invalidate"];
+    pub const NAMES: [&'static str; 5] =
+        ["skip-ack-wait", "skip-validation", "reuse-granted-slot", "ack-without-invalidate", "coordinator-no-wait"];
 }
 
 /// Why a transfer failed.

@@ -105,6 +105,9 @@ pub struct Metrics {
     /// Reads this home granted of its own copy in answer to a locate (one
     /// round trip saved each).
     pub locate_grants: u64,
+    /// Keepalive acknowledgements dropped because this node never sent a
+    /// keepalive at the echoed time (forged, or from a previous life).
+    pub unsolicited_keepalive_acks: u64,
 }
 
 impl Metrics {

@@ -8,6 +8,11 @@ use crate::{
     Time, TransferError, View,
 };
 
+/// Keepalive send times remembered to check acknowledgements against (a
+/// few leases' worth at the configured ratio; an older acknowledgement
+/// would grant no lease anyway).
+const KEEPALIVES_REMEMBERED: usize = 64;
+
 /// A Valid local copy.
 #[derive(Clone, Copy, Debug)]
 struct Copy {
@@ -160,6 +165,8 @@ pub struct Node {
     now: Time,
     lease_until: Option<Time>,
     last_keepalive: Option<Time>,
+    /// Send times of the last keepalives (an acknowledgement must echo one).
+    keepalives_sent: VecDeque<Time>,
     copies: BTreeMap<BlockKey, Copy>,
     slots: BTreeMap<SlotRef, SlotHold>,
     next_grant: u64,
@@ -194,6 +201,7 @@ impl Node {
             now: 0,
             lease_until: None,
             last_keepalive: None,
+            keepalives_sent: VecDeque::new(),
             copies: BTreeMap::new(),
             slots: BTreeMap::new(),
             next_grant: 0,
@@ -361,6 +369,13 @@ impl Node {
     /// Feeds one event at local time `now`; returns the actions to carry out.
     pub fn handle(&mut self, now: Time, ev: Event) -> Vec<Action> {
         self.now = self.now.max(now);
+        // A lapsed lease ends every copy before anything else is done: the
+        // membership may have moved on without this node (a restarted
+        // coordinator, a removal), so nothing held under the lapsed lease
+        // may be served, granted or re-announced into a later view.
+        if !self.copies.is_empty() && !self.serving() {
+            self.drop_all_copies();
+        }
         match ev {
             Event::ClientGet { op, key } => self.client_get(op, key),
             Event::ClientPut { op, key, slot, checksum } => self.client_put(op, key, slot, checksum),
@@ -375,6 +390,9 @@ impl Node {
             Event::Receive { from, batch } => self.receive(from, batch),
             Event::TransferDone { op, dest, result } => self.transfer_done(op, dest, result),
             Event::View(v) => self.new_view(v),
+            Event::KeepAliveAck { sent_at } if !self.keepalives_sent.contains(&sent_at) => {
+                self.metrics.unsolicited_keepalive_acks += 1;
+            }
             Event::KeepAliveAck { sent_at } => {
                 let lease = self.cfg.membership_lease_us;
                 let shrink = lease * 2 * self.cfg.drift_ppm / 1_000_000 + self.cfg.drift_margin_us;
@@ -676,6 +694,10 @@ impl Node {
         let now = self.now;
         if self.last_keepalive.is_none_or(|l| now >= l + self.cfg.keepalive_us) {
             self.last_keepalive = Some(now);
+            if self.keepalives_sent.len() >= KEEPALIVES_REMEMBERED {
+                self.keepalives_sent.pop_front();
+            }
+            self.keepalives_sent.push_back(now);
             self.actions.push(Action::KeepAlive { sent_at: now });
         }
         if !self.serving() && !self.copies.is_empty() {

@@ -17,6 +17,8 @@ struct Net {
     mem: BTreeMap<(NodeId, SlotRef), SlotMeta>,
     next_slot: u32,
     freed: Vec<(NodeId, SlotRef)>,
+    /// Keepalives sent: node, send time.
+    keepalives: Vec<(NodeId, u64)>,
 }
 
 fn key(k: u128) -> BlockKey {
@@ -34,13 +36,15 @@ impl Net {
             mem: BTreeMap::new(),
             next_slot: 0,
             freed: Vec::new(),
+            keepalives: Vec::new(),
         };
         let view =
             View { epoch: 1, members: (0..n as NodeId).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
         for i in 0..n as NodeId {
             net.drive(i, Event::View(view.clone()));
-            let now = net.now;
-            net.drive(i, Event::KeepAliveAck { sent_at: now });
+            net.drive(i, Event::Tick);
+            let sent_at = net.last_keepalive(i).expect("a keepalive on the first tick");
+            net.drive(i, Event::KeepAliveAck { sent_at });
         }
         net.settle();
         net
@@ -62,7 +66,7 @@ impl Net {
                     self.mem.remove(&(n, slot));
                     self.freed.push((n, slot));
                 }
-                Action::KeepAlive { .. } => {}
+                Action::KeepAlive { sent_at } => self.keepalives.push((n, sent_at)),
             }
         }
     }
@@ -119,6 +123,10 @@ impl Net {
             };
             self.drive(reader, Event::TransferDone { op, dest: Some(dest), result });
         }
+    }
+
+    fn last_keepalive(&self, n: NodeId) -> Option<u64> {
+        self.keepalives.iter().rev().find(|k| k.0 == n).map(|k| k.1)
     }
 
     fn outcome(&self, n: NodeId, op: u64) -> Option<Outcome> {
@@ -277,4 +285,49 @@ fn invalidated_key_cannot_be_registered_by_a_late_reader() {
     net.serve_reads(false);
     net.settle();
     assert_ne!(net.outcome(1, 2).map(|o| matches!(o, Outcome::Hit { .. })), Some(true), "stale block served");
+}
+
+#[test]
+fn a_keepalive_ack_this_node_never_asked_for_grants_no_lease() {
+    let mut net = Net::new(2, Config::default());
+    let lease = Config::default().membership_lease_us;
+    // Far past the lease; node 1 has sent keepalives, but an ack echoing a
+    // time it never sent (forged, or meant for a previous life) is dropped.
+    net.now += 2 * lease;
+    let forged = net.now;
+    net.drive(1, Event::KeepAliveAck { sent_at: forged });
+    assert_eq!(net.nodes[1].metrics().unsolicited_keepalive_acks, 1);
+    assert!(!net.nodes[1].serving(), "no lease from an unsolicited ack");
+    // Its own next keepalive, acknowledged, does grant one.
+    net.drive(1, Event::Tick);
+    let sent_at = net.last_keepalive(1).expect("keepalive");
+    net.drive(1, Event::KeepAliveAck { sent_at });
+    assert!(net.nodes[1].serving());
+    assert_eq!(net.nodes[1].metrics().unsolicited_keepalive_acks, 1);
+}
+
+#[test]
+fn copies_held_under_a_lapsed_lease_are_never_announced_into_a_new_view() {
+    let mut net = Net::new(2, Config::default());
+    net.put(1, 1, key(3), 9);
+    net.settle();
+    assert!(matches!(net.outcome(1, 1), Some(Outcome::Stored { .. })));
+    assert_eq!(net.nodes[1].copies().count(), 1);
+    // Node 1 stalls (no tick) past its lease; the first thing it then
+    // handles is a new view (from a coordinator that moved on).
+    net.now += 2 * Config::default().membership_lease_us;
+    let view = View { epoch: 2, members: (0..2).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
+    net.drive(1, Event::View(view));
+    assert_eq!(net.nodes[1].copies().count(), 0, "a lapsed lease drops the copies before the view is adopted");
+    let announced: Vec<_> = net
+        .wire
+        .iter()
+        .filter(|(from, _, _)| *from == 1)
+        .flat_map(|(_, _, b)| b.msgs.iter())
+        .filter_map(|m| match m {
+            Msg::Announce { entries } => Some(entries.len()),
+            _ => None,
+        })
+        .collect();
+    assert!(announced.iter().all(|&n| n == 0), "announced entries {announced:?}");
 }

@@ -237,6 +237,10 @@ fn stats_json(s: &kvmesh_client::Stats) -> String {
                 "peer_queue_drops": c.peer_queue_drops, "decode_errors": c.decode_errors,
                 "batches_received": c.batches_received, "ops_in_flight": c.ops_in_flight,
                 "directory_ready": c.directory_ready, "locate_grants": c.locate_grants,
+                "membership_recovering": c.membership_recovering,
+                "unsolicited_keepalive_acks": c.unsolicited_keepalive_acks,
+                "membership_foreign_drops": c.membership_foreign_drops,
+                "epoch_persist_failures": c.epoch_persist_failures,
             })
         }),
     })

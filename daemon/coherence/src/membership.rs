@@ -1,0 +1,373 @@
+//! Membership: who is in the cluster, as the coherence core needs it — a
+//! view (epoch, members with incarnations) and acknowledgements of a node's
+//! keepalives (its lease runs from the send time of the last acknowledged
+//! one).
+//!
+//! [`Membership`] is the interface a driver (the daemon's `cluster.rs`, or
+//! the simulator) talks to, sans-IO like the core: it is handed keepalives
+//! and time (microseconds on the local clock), and answers with
+//! [`MembershipAction`]s the driver carries out (forward a keepalive,
+//! acknowledge one, persist an epoch, publish a view). The static
+//! implementation ([`static_membership`]) is a coordinator on one configured
+//! daemon and forwarding on the others. The daemon and the simulator run
+//! this same code, so the simulator checks the membership as implemented.
+//!
+//! Why a restarted coordinator is safe (invariant M1): it cannot know which
+//! leases its previous incarnation granted, so it grants none and publishes
+//! no view until `removal` (lease + twice the drift margin) has passed on
+//! its clock since it started: by then every lease granted before the crash
+//! has run out on its holder's clock, and every holder has dropped its
+//! copies. Meanwhile it listens to keepalives (which report the highest
+//! epoch each member saw); its first view continues above the highest of
+//! those and above the epoch it persisted before every publish
+//! ([`MembershipAction::Persist`]), so epochs never go backwards.
+
+use std::collections::BTreeMap;
+
+use crate::{Member, NodeId, Time, View};
+
+/// A keepalive: the sender, its incarnation, its send time (on its own
+/// clock, echoed in the acknowledgement), the highest epoch it has seen and
+/// its capacity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeepAlive {
+    /// Sender.
+    pub node: NodeId,
+    /// Its incarnation.
+    pub incarnation: u64,
+    /// Its clock when sent (microseconds).
+    pub sent_at_us: u64,
+    /// Highest epoch it saw (a restarted coordinator continues above it).
+    pub epoch_seen: u64,
+    /// Weight in placing keys' homes.
+    pub capacity: u32,
+}
+
+/// What the driver must do for the membership service.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum MembershipAction {
+    /// Deliver this node's keepalive to `to` (the coordinator).
+    Forward {
+        /// Destination.
+        to: NodeId,
+        /// The keepalive.
+        ka: KeepAlive,
+    },
+    /// Tell `to` that its keepalive sent at `sent_at_us` is acknowledged,
+    /// with the current view.
+    Ack {
+        /// Destination.
+        to: NodeId,
+        /// Echoed send time.
+        sent_at_us: u64,
+        /// Current view.
+        view: View,
+    },
+    /// This node's own keepalive is acknowledged (feed the core
+    /// `KeepAliveAck`).
+    AckLocal {
+        /// Echoed send time.
+        sent_at_us: u64,
+    },
+    /// Store this epoch durably before carrying out the actions after it
+    /// (it always precedes the `Publish` of that epoch): a restarted
+    /// coordinator starts above it.
+    Persist(u64),
+    /// A new view: feed it to the local core and send it to the other
+    /// members.
+    Publish(View),
+}
+
+/// A membership service as a driver sees it. Times are microseconds on the
+/// local clock.
+pub trait Membership: Send {
+    /// This node's keepalive.
+    fn keepalive(&mut self, ka: KeepAlive, now: Time) -> Vec<MembershipAction>;
+    /// A keepalive another daemon sent to this one.
+    fn peer_keepalive(&mut self, ka: KeepAlive, now: Time) -> Vec<MembershipAction>;
+    /// Time passed (failure detection, end of the restart wait).
+    fn tick(&mut self, now: Time) -> Vec<MembershipAction>;
+    /// The daemon that answers keepalives.
+    fn coordinator(&self) -> NodeId;
+    /// Whether this service still withholds leases and views after a
+    /// (re)start.
+    fn recovering(&self) -> bool {
+        false
+    }
+}
+
+/// Settings of the static membership.
+#[derive(Clone, Copy, Debug)]
+pub struct StaticConfig {
+    /// This node.
+    pub me: NodeId,
+    /// The node that answers keepalives.
+    pub coordinator: NodeId,
+    /// A member silent this long is removed; also how long a (re)started
+    /// coordinator waits before its first lease and view (lease + twice the
+    /// drift margin).
+    pub removal_us: u64,
+    /// Highest epoch a previous incarnation persisted (0 if none).
+    pub epoch_floor: u64,
+    /// Planted bug: a restarted coordinator serves at once (no wait).
+    pub skip_restart_wait: bool,
+}
+
+/// Static membership: `coordinator` answers keepalives; a member silent for
+/// `removal_us` is removed from the view. `now` is the local clock at start.
+pub fn static_membership(cfg: StaticConfig, now: Time) -> Box<dyn Membership> {
+    if cfg.me == cfg.coordinator {
+        Box::new(Coordinator::new(cfg, now))
+    } else {
+        Box::new(Forwarder { coordinator: cfg.coordinator })
+    }
+}
+
+/// A daemon that is not the coordinator: forwards its keepalives.
+struct Forwarder {
+    coordinator: NodeId,
+}
+
+impl Membership for Forwarder {
+    fn keepalive(&mut self, ka: KeepAlive, _now: Time) -> Vec<MembershipAction> {
+        vec![MembershipAction::Forward { to: self.coordinator, ka }]
+    }
+
+    fn peer_keepalive(&mut self, _ka: KeepAlive, _now: Time) -> Vec<MembershipAction> {
+        Vec::new()
+    }
+
+    fn tick(&mut self, _now: Time) -> Vec<MembershipAction> {
+        Vec::new()
+    }
+
+    fn coordinator(&self) -> NodeId {
+        self.coordinator
+    }
+}
+
+/// The coordinator: grants leases, detects silent members, publishes views.
+pub struct Coordinator {
+    me: NodeId,
+    epoch: u64,
+    /// Members heard from: incarnation, capacity, last keepalive (local
+    /// clock).
+    members: BTreeMap<NodeId, (u64, u32, Time)>,
+    removal_us: u64,
+    /// No lease and no view before this time (local clock).
+    recover_until: Option<Time>,
+}
+
+impl Coordinator {
+    /// A coordinator starting at `now`, above `cfg.epoch_floor`.
+    pub fn new(cfg: StaticConfig, now: Time) -> Coordinator {
+        Coordinator {
+            me: cfg.me,
+            epoch: cfg.epoch_floor,
+            members: BTreeMap::new(),
+            removal_us: cfg.removal_us,
+            recover_until: (!cfg.skip_restart_wait).then_some(now + cfg.removal_us),
+        }
+    }
+
+    /// The current view.
+    pub fn view(&self) -> View {
+        View {
+            epoch: self.epoch,
+            members: self
+                .members
+                .iter()
+                .map(|(&id, &(incarnation, capacity, _))| Member { id, incarnation, capacity })
+                .collect(),
+        }
+    }
+
+    /// Ends the restart wait when it is over; true when it just ended.
+    fn end_wait(&mut self, now: Time) -> bool {
+        match self.recover_until {
+            Some(t) if now >= t => {
+                self.recover_until = None;
+                // Only members heard within the removal time.
+                let removal = self.removal_us;
+                self.members.retain(|_, m| now.saturating_sub(m.2) <= removal);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    fn publish(&mut self, out: &mut Vec<MembershipAction>) {
+        self.epoch += 1;
+        out.push(MembershipAction::Persist(self.epoch));
+        out.push(MembershipAction::Publish(self.view()));
+    }
+
+    /// Records a keepalive; true when the view changed.
+    fn record(&mut self, ka: &KeepAlive, now: Time) -> bool {
+        let capacity = ka.capacity.max(1);
+        let mut changed = self.members.get(&ka.node).is_none_or(|m| m.0 != ka.incarnation || m.1 != capacity);
+        if ka.epoch_seen > self.epoch {
+            // A member saw a later epoch than this coordinator knows:
+            // continue above it.
+            self.epoch = ka.epoch_seen;
+            changed = true;
+        }
+        self.members.insert(ka.node, (ka.incarnation, capacity, now));
+        changed
+    }
+
+    fn on_keepalive(&mut self, ka: KeepAlive, now: Time, local: bool) -> Vec<MembershipAction> {
+        let mut out = Vec::new();
+        let ended = self.end_wait(now);
+        let changed = self.record(&ka, now);
+        if self.recover_until.is_some() {
+            // Still waiting out the previous incarnation's leases: listen only.
+            return out;
+        }
+        if changed || ended {
+            self.publish(&mut out);
+        }
+        if local {
+            out.push(MembershipAction::AckLocal { sent_at_us: ka.sent_at_us });
+        } else {
+            out.push(MembershipAction::Ack { to: ka.node, sent_at_us: ka.sent_at_us, view: self.view() });
+        }
+        out
+    }
+}
+
+impl Membership for Coordinator {
+    fn keepalive(&mut self, ka: KeepAlive, now: Time) -> Vec<MembershipAction> {
+        self.on_keepalive(ka, now, true)
+    }
+
+    fn peer_keepalive(&mut self, ka: KeepAlive, now: Time) -> Vec<MembershipAction> {
+        self.on_keepalive(ka, now, false)
+    }
+
+    fn tick(&mut self, now: Time) -> Vec<MembershipAction> {
+        let mut out = Vec::new();
+        if self.end_wait(now) {
+            self.publish(&mut out);
+            return out;
+        }
+        if self.recover_until.is_some() {
+            return out;
+        }
+        let before = self.members.len();
+        let (removal, me) = (self.removal_us, self.me);
+        self.members.retain(|&id, m| id == me || now.saturating_sub(m.2) <= removal);
+        if self.members.len() != before {
+            self.publish(&mut out);
+        }
+        out
+    }
+
+    fn coordinator(&self) -> NodeId {
+        self.me
+    }
+
+    fn recovering(&self) -> bool {
+        self.recover_until.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REMOVAL: u64 = 100_000;
+
+    fn ka(node: NodeId, incarnation: u64, sent_at_us: u64, epoch_seen: u64) -> KeepAlive {
+        KeepAlive { node, incarnation, sent_at_us, epoch_seen, capacity: 1 }
+    }
+
+    fn published(actions: &[MembershipAction]) -> Option<View> {
+        actions.iter().find_map(|a| match a {
+            MembershipAction::Publish(v) => Some(v.clone()),
+            _ => None,
+        })
+    }
+
+    fn acks(actions: &[MembershipAction]) -> usize {
+        actions.iter().filter(|a| matches!(a, MembershipAction::Ack { .. } | MembershipAction::AckLocal { .. })).count()
+    }
+
+    fn cfg(floor: u64) -> StaticConfig {
+        StaticConfig { me: 1, coordinator: 1, removal_us: REMOVAL, epoch_floor: floor, skip_restart_wait: false }
+    }
+
+    #[test]
+    fn coordinator_waits_out_old_leases_then_admits_acks_removes() {
+        let t0 = 1_000;
+        let mut m = static_membership(cfg(0), t0);
+        assert!(m.recovering());
+        // During the wait: keepalives are heard, never acknowledged, no view.
+        let a = m.keepalive(ka(1, 10, t0, 0), t0);
+        assert!(a.is_empty(), "{a:?}");
+        let a = m.peer_keepalive(ka(2, 20, 7, 41), t0 + REMOVAL / 2);
+        assert!(a.is_empty(), "{a:?}");
+        assert!(m.tick(t0 + REMOVAL - 1).is_empty());
+        // Wait over: one view of both, above the epoch node 2 reported,
+        // persisted before it is published.
+        let a = m.tick(t0 + REMOVAL);
+        assert_eq!(a[0], MembershipAction::Persist(42));
+        let v = published(&a).expect("first view");
+        assert_eq!((v.epoch, v.members.len()), (42, 2));
+        assert!(!m.recovering());
+        let t = t0 + REMOVAL;
+        // Now keepalives are acknowledged, echoing the send time.
+        let a = m.peer_keepalive(ka(2, 20, 9, 42), t);
+        assert!(published(&a).is_none());
+        assert!(a.contains(&MembershipAction::Ack { to: 2, sent_at_us: 9, view: v.clone() }));
+        assert_eq!(m.keepalive(ka(1, 10, t, 42), t), vec![MembershipAction::AckLocal { sent_at_us: t }]);
+        // A restart of a member (new incarnation) is a new view at once.
+        let v = published(&m.peer_keepalive(ka(2, 21, 11, 42), t)).expect("new incarnation");
+        assert_eq!(v.epoch, 43);
+        assert_eq!(v.member(2).map(|x| x.incarnation), Some(21));
+        // Silent past the removal time: removed (the coordinator never is).
+        assert!(m.tick(t + REMOVAL / 2).is_empty());
+        let v = published(&m.tick(t + REMOVAL * 2)).expect("node 2 removed");
+        assert_eq!((v.epoch, v.members.iter().map(|x| x.id).collect::<Vec<_>>()), (44, vec![1]));
+        // A member that saw a higher epoch: continue above it.
+        let v = published(&m.peer_keepalive(ka(3, 30, 1, 57), t + REMOVAL * 2)).expect("view above 57");
+        assert_eq!(v.epoch, 58);
+    }
+
+    #[test]
+    fn restarted_coordinator_starts_above_its_persisted_epoch() {
+        let mut m = static_membership(cfg(77), 0);
+        assert!(m.keepalive(ka(1, 10, 0, 0), 0).is_empty());
+        let v = published(&m.tick(REMOVAL)).expect("view");
+        assert_eq!(v.epoch, 78);
+    }
+
+    #[test]
+    fn members_heard_only_before_the_wait_are_not_in_the_first_view() {
+        let mut m = static_membership(cfg(0), 0);
+        m.peer_keepalive(ka(2, 20, 1, 3), 0);
+        m.keepalive(ka(1, 10, REMOVAL / 2, 0), REMOVAL / 2);
+        // Node 2 fell silent at t=0: when the wait ends it has been silent too long.
+        let v = published(&m.tick(REMOVAL + 1)).expect("view");
+        assert_eq!(v.members.iter().map(|x| x.id).collect::<Vec<_>>(), vec![1]);
+        assert_eq!(v.epoch, 4, "still above what node 2 reported");
+    }
+
+    #[test]
+    fn planted_bug_serves_at_once() {
+        let mut m = static_membership(StaticConfig { skip_restart_wait: true, ..cfg(0) }, 0);
+        let a = m.keepalive(ka(1, 10, 0, 0), 0);
+        assert_eq!(published(&a).map(|v| v.epoch), Some(1));
+        assert_eq!(acks(&a), 1);
+    }
+
+    #[test]
+    fn members_forward_to_the_coordinator() {
+        let mut m = static_membership(StaticConfig { me: 2, ..cfg(0) }, 0);
+        let k = ka(2, 20, 7, 3);
+        assert_eq!(m.keepalive(k, 0), vec![MembershipAction::Forward { to: 1, ka: k }]);
+        assert!(m.peer_keepalive(ka(3, 1, 1, 1), 0).is_empty());
+        assert_eq!(m.coordinator(), 1);
+        assert!(!m.recovering());
+    }
+}

@@ -1,0 +1,163 @@
+//! Static membership survives a restart of its coordinator (invariants S7
+//! and M1): three real daemons, the coordinator (node 1) SIGKILLed and
+//! restarted at once while the two others are paused (SIGSTOP, a scheduling
+//! stall) inside their membership leases. An overwrite acknowledged by the
+//! restarted coordinator must never be followed by a read of the older
+//! version, and must still be served everywhere seconds later.
+//!
+//! The same run with the restart wait removed (`coordinator-no-wait`
+//! planted in the coordinator) must see stale reads: the check can fail.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{Daemon, free_port, peer_config, pool};
+use kvmesh_client::{Allocation, Client, CommitOutcome, Key};
+
+const BLOCK: usize = 4096;
+const KEY: Key = Key(0x5eed_0000_0000_0000_0000_0000_0000_0001);
+
+fn signal(d: &Daemon, sig: &str) {
+    let ok = Command::new("kill").arg(sig).arg(d.child.id().to_string()).status().expect("run kill").success();
+    assert!(ok, "kill {sig} {}", d.child.id());
+}
+
+/// Overwrites KEY with `fill` through daemon `d`, retrying refusals (a
+/// daemon that is not serving yet refuses) until `deadline`.
+async fn put_until_stored(d: &Daemon, fill: u8, deadline: Duration) -> Duration {
+    let t0 = Instant::now();
+    let mut attempts = 0;
+    loop {
+        attempts += 1;
+        if let Ok(c) = Client::connect(&d.socket).await
+            && let Ok(ns) = c.register_namespace("ns", BLOCK as u64, "t").await
+            && let Ok(a) = c.allocate_overwrite(&ns, &[KEY]).await
+            && let Some(Allocation::Allocated(mut w)) = a.into_iter().next()
+        {
+            w.copy_from_slice(&[fill; BLOCK]);
+            if let Ok(o) = c.commit(vec![w]).await
+                && matches!(o[0], CommitOutcome::Committed { .. })
+            {
+                eprintln!("put {:?} stored after {attempts} attempts, {:?}", fill as char, t0.elapsed());
+                return t0.elapsed();
+            }
+        }
+        assert!(t0.elapsed() < deadline, "put {:?} never stored; log:\n{}", fill as char, d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// What daemon `d` serves for KEY: the fill byte, or None for a miss.
+async fn get(d: &Daemon) -> Option<u8> {
+    let c = Client::connect(&d.socket).await.expect("connect");
+    let ns = c.register_namespace("ns", BLOCK as u64, "t").await.expect("namespace");
+    let got = c.pin(&ns, &[KEY]).await.expect("pin");
+    let b = got.into_iter().next().flatten()?;
+    let first = b[0];
+    assert!(b.iter().all(|&x| x == first), "torn block served");
+    Some(first)
+}
+
+async fn wait_serving(d: &Daemon, members: u32) {
+    let c = d.client().await;
+    let t0 = Instant::now();
+    loop {
+        if let Ok(s) = c.stats().await
+            && s.coherence.is_some_and(|k| k.serving && k.members == members && k.directory_ready)
+        {
+            return;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no view of {members} serving members; log:\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+struct Outcome {
+    /// Reads of A on daemons 2 and 3 right after B's put returned.
+    stale_right_after: usize,
+    /// What the three daemons serve 4 s later.
+    later: Vec<Option<u8>>,
+}
+
+async fn coordinator_restart_under_paused_members(coordinator_env: &[(&str, &str)]) -> Outcome {
+    let ports = [free_port(), free_port(), free_port()];
+    let pools = pool("p", "8MiB", "64KiB");
+    let mut nodes: Vec<Daemon> = (1..=3)
+        .map(|id| {
+            let env: &[(&str, &str)] = if id == 1 { coordinator_env } else { &[] };
+            Daemon::start_with(&format!("mship-{id}"), &peer_config(id, &ports, "sm", &pools), env)
+        })
+        .collect();
+    for n in &nodes {
+        wait_serving(n, 3).await;
+    }
+    // 1. A is stored (through daemon 2) and served by all three.
+    put_until_stored(&nodes[1], b'A', Duration::from_secs(10)).await;
+    for (i, n) in nodes.iter().enumerate() {
+        let t0 = Instant::now();
+        loop {
+            match get(n).await {
+                Some(b'A') => break,
+                other => assert!(t0.elapsed() < Duration::from_secs(5), "daemon {} serves {other:?}", i + 1),
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // 2. Pause daemons 2 and 3; SIGKILL the coordinator and start it again
+    //    at once.
+    signal(&nodes[1], "-STOP");
+    signal(&nodes[2], "-STOP");
+    let paused = Instant::now();
+    nodes[0].child.kill().unwrap();
+    nodes[0].child.wait().unwrap();
+    nodes[0].restart(coordinator_env);
+    // 3. Resume the paused daemons well inside their lease (1.5 s), then
+    //    overwrite with B on the restarted coordinator, retrying refusals.
+    let since = paused.elapsed();
+    if since < Duration::from_millis(140) {
+        tokio::time::sleep(Duration::from_millis(140) - since).await;
+    }
+    signal(&nodes[1], "-CONT");
+    signal(&nodes[2], "-CONT");
+    eprintln!("daemons 2 and 3 paused for {:?}", paused.elapsed());
+    put_until_stored(&nodes[0], b'B', Duration::from_secs(20)).await;
+    // 4. Right after the put returned: no daemon may serve A.
+    let mut stale_right_after = 0;
+    for (i, n) in nodes.iter().enumerate().skip(1) {
+        let got = get(n).await;
+        eprintln!("right after the put, daemon {} serves {:?}", i + 1, got.map(|b| b as char));
+        stale_right_after += usize::from(got == Some(b'A'));
+    }
+    // 5. Later, every daemon serves B.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let mut later = Vec::new();
+    for n in &nodes {
+        later.push(get(n).await);
+    }
+    eprintln!("4 s later: {:?}", later.iter().map(|b| b.map(|b| b as char)).collect::<Vec<_>>());
+    Outcome { stale_right_after, later }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_coordinator_never_loses_an_acknowledged_put() {
+    let o = coordinator_restart_under_paused_members(&[]).await;
+    assert_eq!(o.stale_right_after, 0, "stale reads of A after B's put was acknowledged");
+    assert_eq!(o.later, vec![Some(b'B'); 3], "the acknowledged put of B must be served by every daemon");
+}
+
+/// The check can fail: a coordinator that serves at once after its restart
+/// (no wait for the old leases) lets the paused daemons serve A after B was
+/// acknowledged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_coordinator_no_wait_bug_is_caught() {
+    let o = coordinator_restart_under_paused_members(&[("KVMESH_TEST_BUG", "coordinator-no-wait")]).await;
+    let lost = o.later.iter().filter(|b| **b != Some(b'B')).count();
+    assert!(
+        o.stale_right_after + lost > 0,
+        "the planted bug went unnoticed: {} stale, later {:?}",
+        o.stale_right_after,
+        o.later
+    );
+}
