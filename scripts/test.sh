@@ -26,14 +26,23 @@ cargo test --workspace --locked
 echo "== coherence simulator: 1000 seeds, then each planted bug must be caught" >&2
 cargo build --locked --release -q -p kvmesh-cluster-tests --bin kvmesh-sim
 target/release/kvmesh-sim --seeds 1000 | tail -1
-for bug in skip-ack-wait skip-validation reuse-granted-slot ack-without-invalidate; do
+# Each planted bug must be caught by the invariant it breaks.
+for planted in skip-ack-wait:S3 ack-without-invalidate:S3 skip-validation:DATA reuse-granted-slot:S4 \
+    coordinator-no-wait:M1; do
+    bug=${planted%%:*}
+    invariant=${planted##*:}
     rc=0
     out=$(target/release/kvmesh-sim --seeds 1000 --inject-bug "$bug") || rc=$?
     if [[ $rc -ne 1 ]]; then
         echo "planted bug $bug was NOT caught (kvmesh-sim exit $rc)" >&2
         exit 1
     fi
-    echo "$out" | grep -m1 '^seed=' >&2
+    line=$(echo "$out" | grep -m1 '^seed=')
+    echo "$line" >&2
+    if [[ "$line" != *"violation $invariant:"* ]]; then
+        echo "planted bug $bug was caught, but not by $invariant" >&2
+        exit 1
+    fi
 done
 echo "== benchmark smoke run (small pools; verifies content, ignores timing)" >&2
 cargo run --locked -q -p kvmesh-bench -- local --json --pool-mib 32 --block-kib 64,256 --bytes-mib 64 --pin-batches-min 4 >/dev/null

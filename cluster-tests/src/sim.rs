@@ -3,8 +3,10 @@
 //! A seeded world drives N `kvmesh_coherence::Node`s: random client calls on
 //! random nodes; batches dropped, duplicated, delayed and reordered;
 //! partitions that heal; crashes and restarts (new incarnation, empty pool);
-//! clocks whose rates drift within the configured bound; a membership
-//! service with leases (the role etcd plays in the daemon); and a model of
+//! clocks whose rates drift within the configured bound; the daemon's own
+//! static membership code (`kvmesh_coherence::membership`: the coordinator
+//! on node 0, which crashes, restarts fast or slow and is partitioned like
+//! any node, its epoch persisted across restarts); and a model of
 //! each node's pool memory in which one-sided reads can return torn images
 //! or images of a reused slot. After every step it checks the invariants
 //! (see `docs/COHERENCE.md`); after the faults stop and the network heals it
@@ -12,10 +14,15 @@
 
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 
+use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
 use kvmesh_coherence::{
-    Action, Batch, BlockKey, Bug, Config, Event, Member, Node, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef,
-    Trace, TransferError, View,
+    Action, Batch, BlockKey, Bug, Config, Event, Node, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef, Trace,
+    TransferError, View,
 };
+
+/// The node that runs the membership coordinator (the daemon's default:
+/// the lowest id).
+pub const COORDINATOR: NodeId = 0;
 
 /// Settings of one simulation run.
 #[derive(Clone, Debug)]
@@ -43,7 +50,7 @@ impl Default for SimConfig {
 pub struct Violation {
     /// Seed that reproduces it.
     pub seed: u64,
-    /// Invariant name (S1..S5, L1..L3, DATA).
+    /// Invariant name (S1..S5, S7, M1, L1..L3, PIN, DATA, PROGRESS).
     pub invariant: &'static str,
     /// What was seen.
     pub detail: String,
@@ -139,6 +146,9 @@ struct Cell {
 
 struct SimNode {
     core: Option<Node>,
+    /// The membership service as this node runs it (the coordinator on
+    /// node 0, a forwarder elsewhere); gone while the node is down.
+    membership: Option<Box<dyn Membership>>,
     incarnation: u64,
     clock: Clock,
     mem: Vec<Cell>,
@@ -149,18 +159,54 @@ struct SimNode {
 
 #[derive(Debug)]
 enum Ev {
-    Deliver { to: NodeId, from: NodeId, batch: Batch },
-    Tick { node: NodeId },
+    Deliver {
+        to: NodeId,
+        from: NodeId,
+        batch: Batch,
+    },
+    Tick {
+        node: NodeId,
+    },
     ClientOp,
     ReadExec(Read),
-    TransferDone { reader: NodeId, reader_inc: u64, op: OpId, result: Result<Cell, TransferError> },
-    KeepAlive { node: NodeId, inc: u64, sent_at: u64 },
-    KeepAliveAck { node: NodeId, inc: u64, sent_at: u64, view: View },
-    OracleCheck,
-    Unpin { node: NodeId, inc: u64, slot: SlotRef },
-    Crash { node: NodeId },
-    Restart { node: NodeId },
-    Isolate { node: NodeId, until: u64 },
+    TransferDone {
+        reader: NodeId,
+        reader_inc: u64,
+        op: OpId,
+        result: Result<Cell, TransferError>,
+    },
+    /// A keepalive arriving at the coordinator `to`.
+    KeepAlive {
+        to: NodeId,
+        ka: KeepAlive,
+    },
+    KeepAliveAck {
+        node: NodeId,
+        inc: u64,
+        sent_at: u64,
+        view: View,
+    },
+    View {
+        node: NodeId,
+        inc: u64,
+        view: View,
+    },
+    MembershipTick,
+    Unpin {
+        node: NodeId,
+        inc: u64,
+        slot: SlotRef,
+    },
+    Crash {
+        node: NodeId,
+    },
+    Restart {
+        node: NodeId,
+    },
+    Isolate {
+        node: NodeId,
+        until: u64,
+    },
 }
 
 /// A one-sided read the simulated NIC will execute.
@@ -202,7 +248,7 @@ impl Ord for Queued {
 #[derive(Clone, Copy, Debug)]
 enum OpInfo {
     Get { key: BlockKey, start: u64 },
-    Put,
+    Put { key: BlockKey },
     Invalidate,
 }
 
@@ -216,11 +262,17 @@ pub struct World {
     seq: u64,
     queue: BinaryHeap<Queued>,
     nodes: Vec<SimNode>,
-    // membership service
-    epoch: u64,
-    members: BTreeMap<NodeId, u64>,
-    last_seen: BTreeMap<NodeId, u64>,
+    /// The coordinator's durable epoch (survives its crashes).
+    persisted_epoch: u64,
     // checker state
+    /// Highest epoch ever published (M1).
+    max_published: u64,
+    /// When a home assigned each version (real time): the order of changes.
+    assigned_at: HashMap<(BlockKey, u64), u64>,
+    /// Puts reported stored: (when answered, when their version was assigned).
+    acked_puts: HashMap<BlockKey, Vec<(u64, u64)>>,
+    /// Engine pins of hits: (node, incarnation, slot) -> (count, content).
+    pins: HashMap<(NodeId, u64, SlotRef), (u32, u64)>,
     ops: BTreeMap<(NodeId, u64, OpId), OpInfo>,
     next_op: OpId,
     truth: HashMap<(BlockKey, u64), u64>,
@@ -232,21 +284,31 @@ pub struct World {
     /// an rkey, dies with its process).
     granted_by: HashMap<(NodeId, SlotRef), u64>,
     faults: bool,
+    /// Client calls are being issued.
+    workload: bool,
     log: VecDeque<String>,
     stats: RunStats,
     trace_log: bool,
 }
 
 const KEEPALIVE_DELAY_MAX: u64 = 2_000;
+/// How often the membership service gets a tick.
+const MEMBERSHIP_TICK: u64 = 5_000;
 
 impl World {
     /// A world for `seed`.
     pub fn new(seed: u64, cfg: SimConfig) -> World {
         let mut rng = Rng::new(seed);
-        let core_cfg = Config { bug: cfg.bug, trace: true, ..Config::default() };
+        let mut core_cfg = Config { bug: cfg.bug, trace: true, ..Config::default() };
+        // One seed in four runs with short operation deadlines, so that
+        // aborted changes (and their late messages) are common.
+        if rng.below(4) == 0 {
+            core_cfg.op_timeout_us = rng.range(15_000, 60_000);
+        }
         let nodes = (0..cfg.nodes)
             .map(|_| SimNode {
                 core: None,
+                membership: None,
                 incarnation: 0,
                 clock: Clock {
                     offset: rng.range(0, 1_000_000),
@@ -276,9 +338,11 @@ impl World {
             seq: 0,
             queue: BinaryHeap::new(),
             nodes,
-            epoch: 0,
-            members: BTreeMap::new(),
-            last_seen: BTreeMap::new(),
+            persisted_epoch: 0,
+            max_published: 0,
+            assigned_at: HashMap::new(),
+            acked_puts: HashMap::new(),
+            pins: HashMap::new(),
             ops: BTreeMap::new(),
             next_op: 0,
             truth: HashMap::new(),
@@ -288,6 +352,7 @@ impl World {
             pending_s3: Vec::new(),
             granted_by: HashMap::new(),
             faults: true,
+            workload: true,
             log: VecDeque::new(),
             stats: RunStats::default(),
             trace_log: false,
@@ -296,7 +361,7 @@ impl World {
             w.boot(n);
         }
         w.push(1_000, Ev::ClientOp);
-        w.push(10_000, Ev::OracleCheck);
+        w.push(MEMBERSHIP_TICK, Ev::MembershipTick);
         w
     }
 
@@ -332,6 +397,15 @@ impl World {
             c.state = CellState::Free;
         }
         sn.tick_at = None;
+        let local = self.local_now(n);
+        let mcfg = StaticConfig {
+            me: n,
+            coordinator: COORDINATOR,
+            removal_us: self.core_cfg.membership_lease_us + 2 * self.core_cfg.drift_margin_us,
+            epoch_floor: if n == COORDINATOR { self.persisted_epoch } else { 0 },
+            skip_restart_wait: self.cfg.bug == Some(Bug::CoordinatorNoWait),
+        };
+        self.nodes[n as usize].membership = Some(static_membership(mcfg, local));
         self.drive(n, Event::Tick);
     }
 
@@ -356,9 +430,12 @@ impl World {
         let next = core.next_timeout();
         let inc = core.incarnation();
         for t in traces {
-            if let Trace::ChangeCompleted { key, old_version, .. } = t {
+            if let Trace::ChangeCompleted { key, old_version, new_version } = t {
                 self.completed.entry(key).or_default().push((old_version, self.now));
                 self.pending_s3.push((key, old_version));
+                if let Some(v) = new_version {
+                    self.assigned_at.entry((key, v)).or_insert(self.now);
+                }
             }
         }
         for a in actions {
@@ -405,8 +482,15 @@ impl World {
                 if !self.faults || (self.rng.chance(0.97) && self.reachable(n)) {
                     let copies = if self.faults && self.rng.chance(0.03) { 2 } else { 1 };
                     for _ in 0..copies {
-                        let d =
-                            if self.rng.chance(0.05) { self.rng.range(2_000, 8_000) } else { self.rng.range(20, 600) };
+                        let d = if self.faults && self.rng.chance(0.004) {
+                            // The long tail: a batch of a change (or epoch)
+                            // that ended long ago.
+                            self.rng.range(20_000, 300_000)
+                        } else if self.rng.chance(0.05) {
+                            self.rng.range(2_000, 8_000)
+                        } else {
+                            self.rng.range(20, 600)
+                        };
                         self.push(d, Ev::Deliver { to, from: n, batch: batch.clone() });
                     }
                 }
@@ -446,10 +530,12 @@ impl World {
                 }
             }
             Action::KeepAlive { sent_at } => {
-                if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
-                    let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
-                    self.push(d, Ev::KeepAlive { node: n, inc, sent_at });
-                }
+                let epoch_seen = self.nodes[n as usize].core.as_ref().map_or(0, |c| c.view().epoch);
+                let ka = KeepAlive { node: n, incarnation: inc, sent_at_us: sent_at, epoch_seen, capacity: 1 };
+                let local = self.local_now(n);
+                let Some(m) = self.nodes[n as usize].membership.as_mut() else { return };
+                let actions = m.keepalive(ka, local);
+                self.membership_actions(n, actions);
             }
             Action::ClientDone { op, outcome } => self.client_done(n, inc, op, outcome),
         }
@@ -480,8 +566,42 @@ impl World {
             return;
         };
         self.note(format!("t={} n{n} op{op} {info:?} -> {outcome:?}", self.now));
+        if let (OpInfo::Put { key }, Outcome::Stored { version }) = (info, outcome) {
+            match self.assigned_at.get(&(key, version)) {
+                Some(&at) => self.acked_puts.entry(key).or_default().push((self.now, at)),
+                None => {
+                    self.pending_fail.get_or_insert_with(|| {
+                        (
+                            "S7",
+                            format!(
+                                "node {n} reported {:?} stored at v{version:#x}, a version no home assigned",
+                                key.key
+                            ),
+                        )
+                    });
+                }
+            }
+        }
         if let (OpInfo::Get { key, start }, Outcome::Hit { version, slot }) = (info, outcome) {
             self.stats.hits += 1;
+            // S7: a put reported stored before this read started is not
+            // undone by an older version.
+            match self.assigned_at.get(&(key, version)).copied() {
+                None => {
+                    self.pending_fail.get_or_insert_with(|| {
+                        ("S7", format!("node {n} served {:?} v{version:#x}, a version no client call created", key.key))
+                    });
+                }
+                Some(at) => {
+                    if let Some(&(acked, newer)) =
+                        self.acked_puts.get(&key).and_then(|l| l.iter().find(|(t, a)| *t < start && *a > at))
+                    {
+                        self.pending_fail.get_or_insert_with(|| {
+                            ("S7", format!("node {n} served {:?} v{version:#x} (assigned at {at}) to a read started at {start}, after a put assigned at {newer} was reported stored at {acked}", key.key))
+                        });
+                    }
+                }
+            }
             let cell = self.nodes[n as usize].mem[slot.slot as usize];
             let want = self.truth.get(&(key, version)).copied();
             if cell.state != CellState::Used
@@ -507,7 +627,9 @@ impl World {
                     ("S2", format!("change of {:?} away from v{old:#x} completed at {at}; a read started at {start} on node {n} returned v{version:#x}", key.key))
                 });
             }
-            // Engines read for a while, then unpin.
+            // Engines read for a while, then unpin; until then the slot
+            // keeps its bytes (checked after every event).
+            self.pins.entry((n, inc, slot)).or_insert((0, cell.content)).0 += 1;
             let d = self.rng.range(10, 5_000);
             self.push(d, Ev::Unpin { node: n, inc, slot });
         }
@@ -552,7 +674,7 @@ impl World {
             c.content = content;
             c.header = SlotMeta { key, version: 0, generation: slot.generation, checksum: content };
             c.trailer = c.header;
-            self.ops.insert((n, inc, op), OpInfo::Put);
+            self.ops.insert((n, inc, op), OpInfo::Put { key });
             self.drive(n, Event::ClientPut { op, key, slot, checksum: content });
         } else if roll < 88 {
             self.ops.insert((n, inc, op), OpInfo::Invalidate);
@@ -626,56 +748,83 @@ impl World {
 
     // ----- membership service -----
 
-    fn publish_view(&mut self) {
-        self.epoch += 1;
+    /// Carries out what node `n`'s membership service asks, over the
+    /// simulated network (the coordinator's own acknowledgements and views
+    /// are local events, queued like the daemon queues them).
+    fn membership_actions(&mut self, n: NodeId, actions: Vec<MembershipAction>) {
+        for a in actions {
+            match a {
+                MembershipAction::Forward { to, ka } => {
+                    if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
+                        let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
+                        self.push(d, Ev::KeepAlive { to, ka });
+                    }
+                }
+                MembershipAction::Ack { to, sent_at_us, view } => {
+                    let Some(inc) = view.member(to).map(|m| m.incarnation) else { continue };
+                    if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
+                        let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
+                        self.push(d, Ev::KeepAliveAck { node: to, inc, sent_at: sent_at_us, view });
+                    }
+                }
+                MembershipAction::AckLocal { sent_at_us } => {
+                    let inc = self.nodes[n as usize].incarnation;
+                    let view = self.nodes[n as usize].core.as_ref().map(|c| c.view().clone()).unwrap_or_default();
+                    self.push(0, Ev::KeepAliveAck { node: n, inc, sent_at: sent_at_us, view });
+                }
+                MembershipAction::Persist(e) => self.persisted_epoch = e,
+                MembershipAction::Publish(view) => self.publish(n, view),
+            }
+        }
+    }
+
+    /// A view published by the coordinator on node `n`: checks M1, then
+    /// sends it to every member.
+    fn publish(&mut self, n: NodeId, view: View) {
         self.stats.epochs += 1;
-        let view = self.view();
-        self.note(format!("t={} view e{} {:?}", self.now, view.epoch, self.members));
-        let ids: Vec<NodeId> = self.members.keys().copied().collect();
-        for id in ids {
-            if self.reachable(id) {
+        self.note(format!("t={} n{n} publishes view e{} {:?}", self.now, view.epoch, view.members));
+        // M1: epochs never go backwards, and no view leaves out a node that
+        // may still serve under a lease granted before it.
+        if view.epoch <= self.max_published {
+            self.pending_fail
+                .get_or_insert_with(|| ("M1", format!("view e{} published after e{}", view.epoch, self.max_published)));
+        }
+        self.max_published = self.max_published.max(view.epoch);
+        for (i, sn) in self.nodes.iter().enumerate() {
+            let Some(core) = &sn.core else { continue };
+            let member = view.member(i as NodeId).is_some_and(|m| m.incarnation == sn.incarnation);
+            if !member && core.serving_at(sn.clock.local(self.now)) {
+                self.pending_fail.get_or_insert_with(|| {
+                    (
+                        "M1",
+                        format!(
+                            "view e{} leaves out node {i} (incarnation {}), which still serves in e{} under its lease",
+                            view.epoch,
+                            sn.incarnation,
+                            core.view().epoch
+                        ),
+                    )
+                });
+            }
+        }
+        for m in &view.members {
+            if m.id == n {
+                self.push(0, Ev::View { node: n, inc: m.incarnation, view: view.clone() });
+            } else if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
                 let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
-                let inc = self.nodes[id as usize].incarnation;
-                self.push(d, Ev::KeepAliveAck { node: id, inc, sent_at: u64::MAX, view: view.clone() });
+                self.push(d, Ev::View { node: m.id, inc: m.incarnation, view: view.clone() });
             }
         }
     }
 
-    fn view(&self) -> View {
-        View {
-            epoch: self.epoch,
-            members: self.members.iter().map(|(&id, &inc)| Member { id, incarnation: inc, capacity: 1 }).collect(),
+    fn membership_tick(&mut self) {
+        for n in 0..self.cfg.nodes as NodeId {
+            let local = self.local_now(n);
+            let Some(m) = self.nodes[n as usize].membership.as_mut() else { continue };
+            let actions = m.tick(local);
+            self.membership_actions(n, actions);
         }
-    }
-
-    fn keepalive(&mut self, node: NodeId, inc: u64, sent_at: u64) {
-        self.last_seen.insert(node, self.now);
-        if self.members.get(&node) != Some(&inc) {
-            self.members.insert(node, inc);
-            self.publish_view();
-        }
-        if self.reachable(node) {
-            let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
-            let view = self.view();
-            self.push(d, Ev::KeepAliveAck { node, inc, sent_at, view });
-        }
-    }
-
-    fn oracle_check(&mut self) {
-        let lease = self.core_cfg.membership_lease_us + self.core_cfg.drift_margin_us * 2;
-        let dead: Vec<NodeId> = self
-            .members
-            .keys()
-            .copied()
-            .filter(|id| self.last_seen.get(id).is_none_or(|&t| t + lease < self.now))
-            .collect();
-        if !dead.is_empty() {
-            for d in dead {
-                self.members.remove(&d);
-            }
-            self.publish_view();
-        }
-        self.push(5_000, Ev::OracleCheck);
+        self.push(MEMBERSHIP_TICK, Ev::MembershipTick);
     }
 
     // ----- faults -----
@@ -717,6 +866,21 @@ impl World {
                 }
             }
         }
+        // PIN: a slot an engine pinned keeps its bytes and stays allocated
+        // until the engine unpins it.
+        for (&(n, inc, slot), &(_, content)) in &self.pins {
+            let sn = &self.nodes[n as usize];
+            if sn.incarnation != inc || sn.core.is_none() {
+                continue;
+            }
+            let c = sn.mem[slot.slot as usize];
+            if c.state != CellState::Used || c.generation != slot.generation || c.content != content {
+                return Err(self.violation(
+                    "PIN",
+                    format!("node {n}: slot {slot:?} pinned by an engine was freed or overwritten: {c:?}"),
+                ));
+            }
+        }
         // S3: when a change completes, no node serves the retired version.
         for (k, old) in std::mem::take(&mut self.pending_s3) {
             if let Some(&(v, n)) = seen.get(&k)
@@ -753,7 +917,7 @@ impl World {
                 }
             }
             Ev::ClientOp => {
-                if self.faults {
+                if self.workload {
                     self.client_op();
                     self.maybe_fault();
                     let d = self.rng.range(1, 400);
@@ -762,17 +926,34 @@ impl World {
             }
             Ev::ReadExec(r) => self.read_exec(r),
             Ev::TransferDone { reader, reader_inc, op, result } => self.transfer_done(reader, reader_inc, op, result),
-            Ev::KeepAlive { node, inc, sent_at } => self.keepalive(node, inc, sent_at),
-            Ev::KeepAliveAck { node, inc, sent_at, view } => {
-                if self.nodes[node as usize].incarnation == inc && self.reachable(node) {
-                    self.drive(node, Event::View(view));
-                    if sent_at != u64::MAX {
-                        self.drive(node, Event::KeepAliveAck { sent_at });
+            Ev::KeepAlive { to, ka } => {
+                if self.reachable(to) {
+                    let local = self.local_now(to);
+                    if let Some(m) = self.nodes[to as usize].membership.as_mut() {
+                        let actions = m.peer_keepalive(ka, local);
+                        self.membership_actions(to, actions);
                     }
                 }
             }
-            Ev::OracleCheck => self.oracle_check(),
+            Ev::KeepAliveAck { node, inc, sent_at, view } => {
+                if self.nodes[node as usize].incarnation == inc && self.reachable(node) {
+                    self.drive(node, Event::View(view));
+                    self.drive(node, Event::KeepAliveAck { sent_at });
+                }
+            }
+            Ev::View { node, inc, view } => {
+                if self.nodes[node as usize].incarnation == inc && self.reachable(node) {
+                    self.drive(node, Event::View(view));
+                }
+            }
+            Ev::MembershipTick => self.membership_tick(),
             Ev::Unpin { node, inc, slot } => {
+                if let Some(p) = self.pins.get_mut(&(node, inc, slot)) {
+                    p.0 -= 1;
+                    if p.0 == 0 {
+                        self.pins.remove(&(node, inc, slot));
+                    }
+                }
                 if self.nodes[node as usize].incarnation == inc {
                     self.drive(node, Event::Unpin { slot });
                 }
@@ -782,8 +963,13 @@ impl World {
                 self.stats.crashes += 1;
                 let inc = self.nodes[node as usize].incarnation;
                 self.nodes[node as usize].core = None;
+                self.nodes[node as usize].membership = None;
                 self.ops.retain(|(n, i, _), _| !(*n == node && *i == inc));
-                let down = self.rng.range(1_000, 300_000);
+                self.pins.retain(|(n, _, _), _| *n != node);
+                // Mostly fast restarts (inside the leases the node, or as
+                // coordinator, granted), sometimes slow ones.
+                let down =
+                    if self.rng.chance(0.8) { self.rng.range(1_000, 60_000) } else { self.rng.range(60_000, 300_000) };
                 self.nodes[node as usize].down_until = self.now + down;
                 self.push(down, Ev::Restart { node });
             }
@@ -813,6 +999,7 @@ impl World {
         }
         // Heal: no more faults or client calls; crashed nodes restart.
         self.faults = false;
+        self.workload = false;
         self.note(format!("t={} HEAL", self.now));
         for n in 0..self.cfg.nodes {
             self.nodes[n].isolated_until = 0;
@@ -820,16 +1007,44 @@ impl World {
                 self.boot(n as NodeId);
             }
         }
-        let heal_end = self.now + 3_000_000;
-        while self.queue.peek().is_some_and(|q| q.at <= heal_end) {
-            self.step()?;
-        }
+        self.run_for(3_000_000)?;
         self.check_liveness()?;
+        // Liveness with progress: the healed cluster serves a workload
+        // (without faults), and every call of it ends.
+        let before = self.stats.clone();
+        self.note(format!("t={} WORKLOAD AFTER HEALING", self.now));
+        self.workload = true;
+        self.push(1, Ev::ClientOp);
+        self.run_for(100_000)?;
+        self.workload = false;
+        self.run_for(1_000_000)?;
+        self.check_liveness()?;
+        let (hits, stored, invalidated) = (
+            self.stats.hits - before.hits,
+            self.stats.stored - before.stored,
+            self.stats.invalidated - before.invalidated,
+        );
+        if hits == 0 || stored == 0 || invalidated == 0 {
+            return Err(self.violation(
+                "PROGRESS",
+                format!("the healed cluster made no progress: {hits} hits, {stored} puts, {invalidated} invalidations"),
+            ));
+        }
         self.stats.validation_failures =
             self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().validation_failures).sum();
         self.stats.locate_grants =
             self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().locate_grants).sum();
         Ok(self.stats)
+    }
+
+    /// Processes events for `us` of simulated time.
+    fn run_for(&mut self, us: u64) -> Result<(), Violation> {
+        let end = self.now + us;
+        while self.queue.peek().is_some_and(|q| q.at <= end) {
+            self.step()?;
+        }
+        self.now = self.now.max(end);
+        Ok(())
     }
 
     fn check_liveness(&self) -> Result<(), Violation> {
@@ -846,6 +1061,9 @@ impl World {
             }
             if !core.serving() {
                 return Err(self.violation("L1", format!("node {i} is not serving after healing")));
+            }
+            if !core.directory_ready() {
+                return Err(self.violation("L1", format!("node {i}: directory not ready after healing")));
             }
             // L3: nothing leaked: every used slot backs a Valid copy.
             let used = sn.mem.iter().filter(|c| c.state == CellState::Used).count();

@@ -70,6 +70,11 @@ struct Shared {
     doomed: Vec<Key>,
     /// Highest seq of each mutable key whose commit returned.
     acked: HashMap<Key, AtomicU64>,
+    /// Highest seq of each mutable key whose commit returned after daemon 3
+    /// restarted (what the end of the run must find everywhere).
+    acked_after_restart: HashMap<Key, AtomicU64>,
+    /// Daemon 3 was restarted.
+    restarted: AtomicBool,
     /// The doomed namespace's invalidation returned.
     invalidated: AtomicBool,
     stop: AtomicBool,
@@ -170,6 +175,9 @@ async fn writer(socket: std::path::PathBuf, sh: Arc<Shared>, keys: Vec<Key>, see
                 CommitOutcome::Committed { .. } => {
                     sh.tally.writes.fetch_add(1, Ordering::Relaxed);
                     sh.acked[&key].fetch_max(seq, Ordering::SeqCst);
+                    if sh.restarted.load(Ordering::SeqCst) {
+                        sh.acked_after_restart[&key].fetch_max(seq, Ordering::SeqCst);
+                    }
                 }
                 _ => {
                     sh.tally.refused.fetch_add(1, Ordering::Relaxed);
@@ -235,6 +243,8 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)]) -> Verdict {
     }
     let sh = Arc::new(Shared {
         acked: mutable.iter().map(|k| (*k, AtomicU64::new(0))).collect(),
+        acked_after_restart: mutable.iter().map(|k| (*k, AtomicU64::new(0))).collect(),
+        restarted: AtomicBool::new(false),
         mutable: mutable.clone(),
         doomed,
         invalidated: AtomicBool::new(false),
@@ -273,6 +283,7 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)]) -> Verdict {
     nodes[2].child.wait().unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
     nodes[2].restart(env);
+    sh.restarted.store(true, Ordering::SeqCst);
     let c3 = nodes[2].client().await;
     wait_members(&c3, 3, "after restart").await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -339,16 +350,32 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)]) -> Verdict {
         n
     };
     assert!(fetched > 0, "no block ever moved between daemons");
-    // After the dust settles every daemon serves the latest acked version.
+    // After the dust settles every daemon serves the latest acked version
+    // (S7). A miss is allowed only where the acknowledged version may have
+    // died with daemon 3: a key written through daemon 3 and not
+    // acknowledged again since its restart. (Pools are far from full: no
+    // eviction drops a version.)
+    let writer_of: HashMap<Key, usize> = mutable.iter().enumerate().map(|(i, k)| (*k, i % 3)).collect();
     for (i, n) in nodes.iter().enumerate() {
         let (c, m, _) = connect_ns(&n.socket).await.unwrap();
         for chunk in mutable.chunks(16) {
             let floors: Vec<u64> = chunk.iter().map(|k| sh.acked[k].load(Ordering::SeqCst)).collect();
             let got = c.pin(&m, chunk).await.unwrap();
             for ((b, k), f) in got.iter().zip(chunk).zip(floors) {
-                if let Some(b) = b {
-                    let seq = check(*k, &b[..]).unwrap_or_else(|e| panic!("node {}: {e}", i + 1));
-                    assert!(seq >= f, "node {}: {k} at seq {seq}, {f} acked", i + 1);
+                match b {
+                    Some(b) => {
+                        let seq = check(*k, &b[..]).unwrap_or_else(|e| panic!("node {}: {e}", i + 1));
+                        assert!(seq >= f, "node {}: {k} at seq {seq}, {f} acked", i + 1);
+                    }
+                    None => {
+                        let may_be_lost = writer_of[k] == 2 && sh.acked_after_restart[k].load(Ordering::SeqCst) == 0;
+                        assert!(
+                            f == 0 || may_be_lost,
+                            "node {}: miss of {k}, whose seq {f} was acknowledged (written through daemon {})",
+                            i + 1,
+                            writer_of[k] + 1
+                        );
+                    }
                 }
             }
         }

@@ -33,7 +33,7 @@ struct Args {
     #[arg(long, default_value_t = 8)]
     slots: usize,
     /// Plant a bug: skip-ack-wait, skip-validation, reuse-granted-slot,
-    /// ack-without-invalidate.
+    /// ack-without-invalidate, coordinator-no-wait.
     #[arg(long)]
     inject_bug: Option<String>,
     /// Print every event of every seed (use with --seeds 1).
