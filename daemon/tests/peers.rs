@@ -363,6 +363,56 @@ async fn coherence_stream_refuses_bad_input() {
         assert!(t0.elapsed() < Duration::from_secs(5), "decode errors not counted: {k:?}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Membership frames: views and keepalive acks count only from the
+    // coordinator (node 1, A). From node 2 to A: dropped and counted, the
+    // epoch does not jump.
+    let k0 = ca.stats().await.unwrap().coherence.unwrap();
+    let bogus_view = pb::View { epoch: 1_000_000, members: vec![pb::Member { id: 2, incarnation: 1, capacity: 1 }] };
+    let frames = vec![
+        hello(2),
+        frame(pb::frame::Body::View(bogus_view.clone())),
+        frame(pb::frame::Body::KeepaliveAck(pb::KeepAliveAck { sent_at_us: 1, view: Some(bogus_view) })),
+        frame(pb::frame::Body::Ping(6)),
+    ];
+    let mut replies = open(frames).await.unwrap().into_inner();
+    assert_eq!(replies.message().await.unwrap().unwrap().body, Some(pb::frame::Body::Pong(6)));
+    let t0 = Instant::now();
+    loop {
+        let k = ca.stats().await.unwrap().coherence.unwrap();
+        if k.membership_foreign_drops >= k0.membership_foreign_drops + 2 {
+            assert!(k.epoch < 1_000_000 && k.serving, "{k:?}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "foreign membership frames not counted: {k:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // From the coordinator's id to B: an ack echoing a send time B never
+    // used grants nothing and is counted.
+    let cb0 = b.client().await.stats().await.unwrap().coherence.unwrap();
+    let b_addr = {
+        let cfg = std::fs::read_to_string(a.dir.0.join("kvmeshd.toml")).unwrap();
+        let line = cfg.lines().find(|l| l.starts_with("addr = ")).unwrap().to_string();
+        line.trim_start_matches("addr = ").trim_matches('"').to_string()
+    };
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{b_addr}")).unwrap().connect().await.unwrap();
+    let mut to_b = pb::peer_client::PeerClient::new(channel);
+    let frames = vec![
+        hello(1),
+        frame(pb::frame::Body::KeepaliveAck(pb::KeepAliveAck { sent_at_us: 987_654_321_987, view: None })),
+        frame(pb::frame::Body::Ping(7)),
+    ];
+    let mut replies = to_b.exchange(tokio_stream::iter(frames)).await.unwrap().into_inner();
+    assert_eq!(replies.message().await.unwrap().unwrap().body, Some(pb::frame::Body::Pong(7)));
+    let cbc = b.client().await;
+    let t0 = Instant::now();
+    loop {
+        let k = cbc.stats().await.unwrap().coherence.unwrap();
+        if k.unsolicited_keepalive_acks > cb0.unsolicited_keepalive_acks {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "unsolicited ack not counted: {k:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The cluster still works.
     let (sa, _) = namespaces(&ca).await;
     let cb = b.client().await;
