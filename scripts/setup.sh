@@ -6,8 +6,11 @@ set -euo pipefail
 # Debian packages: a C toolchain (linker for Rust, cc for -sys crates),
 # pkg-config, UCX (libucx-dev >= 1.13; ucx-utils for ucx_perftest), libclang
 # (bindgen generates the UCX and rdma-core bindings at build time) and
-# rdma-core's headers (topology discovery).
-PACKAGES=(gcc libc6-dev pkg-config libucx-dev ucx-utils libclang-dev libibverbs-dev librdmacm-dev)
+# rdma-core's headers (topology discovery); protoc (the etcd-client crate
+# compiles etcd's protos at build time) and etcd itself (the membership
+# tests start a real one on loopback).
+PACKAGES=(gcc libc6-dev pkg-config libucx-dev ucx-utils libclang-dev libibverbs-dev librdmacm-dev
+    protobuf-compiler etcd-server)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -47,7 +47,7 @@ use parking_lot::Mutex;
 use tokio::sync::{Notify, mpsc, oneshot};
 use tonic::Status;
 
-use crate::config::{CoherenceConfig, PeerEntry};
+use crate::config::{CoherenceConfig, MembershipConfig, PeerEntry};
 use crate::dataplane::{Mode, TransferItem, TransferOutcome};
 use crate::peers::{Peers, TestHook};
 use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
@@ -176,12 +176,28 @@ pub struct Cluster {
     pub counters: ClusterCounters,
     /// Reads in flight (when the last one ends, what they produced leaves).
     reads_in_flight: AtomicU64,
+    /// Health of the etcd session (etcd membership only).
+    etcd_status: Mutex<Option<Arc<crate::etcd::EtcdStatus>>>,
+}
+
+/// Where the etcd task delivers views and lease refreshes.
+struct EtcdSink(Arc<Cluster>);
+
+impl crate::etcd::Sink for EtcdSink {
+    fn view(&self, view: View) {
+        self.0.on_view(view);
+    }
+
+    fn ack(&self, sent_at: u64) {
+        self.0.feed(Event::KeepAliveAck { sent_at });
+    }
 }
 
 impl Cluster {
     /// Starts the driver: peer links, timers, membership.
     pub fn start(
         cfg: CoherenceConfig,
+        mcfg: &MembershipConfig,
         state_dir: &Path,
         peers: Arc<Peers>,
         store: Arc<Mutex<Store>>,
@@ -203,24 +219,46 @@ impl Cluster {
             bug: planted_bug(),
             trace: false,
         };
-        let coordinator =
-            cfg.coordinator.unwrap_or_else(|| peers.entries().map(|e| e.id).chain([id]).min().expect("self"));
+        let etcd = mcfg.kind == "etcd";
+        let coordinator = if etcd {
+            NodeId::MAX // nobody: views and leases come from etcd
+        } else {
+            cfg.coordinator.unwrap_or_else(|| peers.entries().map(|e| e.id).chain([id]).min().expect("self"))
+        };
         // A member is removed after the lease plus twice the margin without
         // a keepalive: by then it has stopped serving on its own clock. A
         // (re)started coordinator waits as long before its first lease.
         let removal_us = (cfg.membership_lease_ms + 2 * cfg.drift_margin_ms) * 1000;
         let epoch_file = state_dir.join(format!("node-{id}.coordinator-epoch"));
-        let epoch_floor = if id == coordinator { read_epoch(&epoch_file)? } else { 0 };
-        let membership = static_membership(
-            StaticConfig {
+        let epoch_floor = if id == coordinator && !etcd { read_epoch(&epoch_file)? } else { 0 };
+        let mut etcd_task = None;
+        let membership: Box<dyn Membership> = if etcd {
+            let (m, rx, status) = crate::etcd::channel();
+            let settings = crate::etcd::EtcdSettings {
+                endpoints: mcfg.endpoints.clone(),
+                prefix: mcfg.key_prefix.trim_end_matches('/').to_string(),
+                ttl_s: mcfg.lease_ttl_s,
+                dial_timeout: Duration::from_millis(mcfg.dial_timeout_ms),
                 me: id,
-                coordinator,
-                removal_us,
-                epoch_floor,
-                skip_restart_wait: core_cfg.bug == Some(kvmesh_coherence::Bug::CoordinatorNoWait),
-            },
-            0,
-        );
+                incarnation,
+                capacity: cfg.capacity,
+                addr: peers.config().listen.clone().unwrap_or_default(),
+            };
+            tracing::info!(endpoints = ?mcfg.endpoints, prefix = %settings.prefix, ttl_s = mcfg.lease_ttl_s, "membership: etcd");
+            etcd_task = Some((settings, rx, Arc::clone(&status)));
+            Box::new(m)
+        } else {
+            static_membership(
+                StaticConfig {
+                    me: id,
+                    coordinator,
+                    removal_us,
+                    epoch_floor,
+                    skip_restart_wait: core_cfg.bug == Some(kvmesh_coherence::Bug::CoordinatorNoWait),
+                },
+                0,
+            )
+        };
         if id == coordinator {
             tracing::info!(
                 epoch_floor,
@@ -262,11 +300,17 @@ impl Cluster {
             timer: Notify::new(),
             counters: ClusterCounters::default(),
             reads_in_flight: AtomicU64::new(0),
+            etcd_status: Mutex::new(None),
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
         }
         tokio::spawn(Arc::clone(&cluster).timer_task());
+        if let Some((settings, rx, status)) = etcd_task {
+            *cluster.etcd_status.lock() = Some(Arc::clone(&status));
+            let sink: Arc<dyn crate::etcd::Sink> = Arc::new(EtcdSink(Arc::clone(&cluster)));
+            tokio::spawn(crate::etcd::run(settings, rx, sink, status));
+        }
         Ok(cluster)
     }
 
@@ -1264,6 +1308,7 @@ impl Cluster {
 
     /// What `kvmesh stats` shows about coherence.
     pub fn stats(&self) -> kvmesh_proto::engine::v1::CoherenceStats {
+        let etcd = self.etcd_status.lock().clone();
         let g = self.inner.lock();
         let m = g.node.metrics();
         let h = &m.inval_to_ack_us;
@@ -1297,6 +1342,8 @@ impl Cluster {
             unsolicited_keepalive_acks: m.unsolicited_keepalive_acks,
             membership_foreign_drops: self.counters.membership_foreign_drops.load(Ordering::Relaxed),
             epoch_persist_failures: self.counters.epoch_persist_failures.load(Ordering::Relaxed),
+            etcd_connected: etcd.as_ref().is_some_and(|s| s.connected.load(Ordering::Relaxed)),
+            etcd_errors: etcd.as_ref().map_or(0, |s| s.errors.load(Ordering::Relaxed)),
         }
     }
 

@@ -37,6 +37,41 @@ pub struct Config {
     /// Coherence protocol and membership (clustered daemons).
     #[serde(default)]
     pub coherence: CoherenceConfig,
+    /// Who is in the cluster: the static list with a coordinator, or etcd.
+    #[serde(default)]
+    pub membership: MembershipConfig,
+}
+
+/// `[membership]`: where views and membership leases come from.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MembershipConfig {
+    /// `static`: the configured peers, with a coordinator daemon
+    /// (`coherence.coordinator`); `etcd`: every daemon registers under an
+    /// etcd lease and views come from etcd (no single coordinator).
+    pub kind: String,
+    /// etcd endpoints (`host:port` or `http://host:port`).
+    pub endpoints: Vec<String>,
+    /// Prefix of kvmesh's keys in etcd (one cluster per prefix).
+    pub key_prefix: String,
+    /// TTL of this daemon's etcd lease, seconds: a daemon that stops
+    /// refreshing it leaves the view this long after its last refresh.
+    /// Must exceed `coherence.membership_lease_ms` plus twice the margin.
+    pub lease_ttl_s: u64,
+    /// Deadline of connecting to etcd and of each etcd request.
+    pub dial_timeout_ms: u64,
+}
+
+impl Default for MembershipConfig {
+    fn default() -> Self {
+        MembershipConfig {
+            kind: "static".into(),
+            endpoints: Vec::new(),
+            key_prefix: "/kvmesh".into(),
+            lease_ttl_s: 5,
+            dial_timeout_ms: 2_000,
+        }
+    }
 }
 
 /// `[node]`
@@ -428,6 +463,37 @@ impl Config {
         }
         if c.drift_ppm > 10_000 {
             return Err(format!("coherence.drift_ppm: {} exceeds 10000", c.drift_ppm));
+        }
+        let m = &self.membership;
+        match m.kind.as_str() {
+            "static" => {}
+            "etcd" => {
+                if m.endpoints.is_empty() {
+                    return Err("membership.endpoints: kind = \"etcd\" needs at least one endpoint".into());
+                }
+                if m.key_prefix.is_empty() || !m.key_prefix.starts_with('/') {
+                    return Err(format!(
+                        "membership.key_prefix: expected a path such as \"/kvmesh\", found {:?}",
+                        m.key_prefix
+                    ));
+                }
+                if m.lease_ttl_s * 1000 <= c.membership_lease_ms + 2 * c.drift_margin_ms {
+                    return Err(format!(
+                        "membership.lease_ttl_s ({} s) must exceed coherence.membership_lease_ms ({} ms) plus twice \
+                         coherence.drift_margin_ms ({} ms): a daemon must stop serving before etcd drops it",
+                        m.lease_ttl_s, c.membership_lease_ms, c.drift_margin_ms
+                    ));
+                }
+                if m.lease_ttl_s > 3600 {
+                    return Err(format!("membership.lease_ttl_s: {} exceeds 3600", m.lease_ttl_s));
+                }
+                if m.dial_timeout_ms == 0 {
+                    return Err("membership.dial_timeout_ms: must be greater than 0".into());
+                }
+            }
+            other => {
+                return Err(format!("membership.kind: expected \"static\" or \"etcd\", found {other:?}"));
+            }
         }
         if c.keepalive_ms * 3 > c.membership_lease_ms {
             return Err(format!(

@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod config;
 pub mod dataplane;
 pub mod error;
+pub mod etcd;
 pub mod peers;
 pub mod server;
 pub mod service;

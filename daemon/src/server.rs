@@ -281,6 +281,7 @@ pub async fn run(
     let peer_cfg = cfg.peer.clone();
     let peer_entries = cfg.peers.clone();
     let coherence_cfg = cfg.coherence.clone();
+    let membership_cfg = cfg.membership.clone();
     let node_id = cfg.node.id;
     let cluster = peer_cfg.listen.is_some() || !peer_entries.is_empty();
     let transports = match peer_cfg.transports.as_str() {
@@ -416,7 +417,13 @@ pub async fn run(
         None => path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from(".")),
     };
     let cluster = match &peers {
-        Some(p) => Some(crate::cluster::Cluster::start(coherence_cfg, &state_dir, Arc::clone(p), Arc::clone(&store))?),
+        Some(p) => Some(crate::cluster::Cluster::start(
+            coherence_cfg,
+            &membership_cfg,
+            &state_dir,
+            Arc::clone(p),
+            Arc::clone(&store),
+        )?),
         None => None,
     };
     let peer_server = match (peer_listener, &peers) {
