@@ -29,7 +29,7 @@
 //! bounded channel; acknowledgements and views come back through a
 //! [`Sink`].
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
@@ -37,8 +37,8 @@ use std::time::Duration;
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, WatchOptions,
 };
-use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction};
-use kvmesh_coherence::{Member, NodeId, Time, View};
+use kvmesh_coherence::membership::{EtcdMember, KeepAlive, Membership, MembershipAction, etcd_member_value};
+use kvmesh_coherence::{NodeId, Time, View};
 use tokio::sync::mpsc;
 
 /// Keepalives waiting for etcd's answer, at most.
@@ -126,8 +126,11 @@ impl Membership for EtcdMembership {
 /// backoff after every failure.
 pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<u64>, sink: Arc<dyn Sink>, status: Arc<EtcdStatus>) {
     let mut backoff = Duration::from_millis(100);
+    let mut st = EtcdMember::new(s.me, s.incarnation);
     loop {
-        match session(&s, &mut kas, &*sink, &status).await {
+        let r = session(&s, &mut st, &mut kas, &*sink, &status).await;
+        st.end_session();
+        match r {
             Ok(()) => return,
             Err(e) => {
                 status.connected.store(false, Ordering::Relaxed);
@@ -145,117 +148,40 @@ pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<u64>, sink: Arc<dyn Si
     }
 }
 
-/// Members as registered: id -> (incarnation, capacity, registration).
-type Members = BTreeMap<NodeId, (u64, u32, i64)>;
-
-/// The members and the view as this daemon's watch has seen them.
-#[derive(Default)]
-struct State {
-    /// id -> (incarnation, capacity, registration).
-    members: Members,
-    /// The view key: its mod revision, epoch, members with registrations.
-    view: Option<(i64, u64, Members)>,
-    /// Highest epoch handed to the driver.
-    delivered: u64,
-}
-
-impl State {
-    fn apply(&mut self, s: &EtcdSettings, kv: &KeyValue, deleted: bool) {
-        let key = String::from_utf8_lossy(kv.key());
-        let Some(rest) = key.strip_prefix(&s.prefix) else { return };
-        if rest == "/view" {
-            self.view = if deleted {
-                None
-            } else {
-                match parse_view(&String::from_utf8_lossy(kv.value())) {
-                    Some((epoch, m)) => Some((kv.mod_revision(), epoch, m)),
-                    None => {
-                        tracing::error!(key = %key, "etcd membership: undecodable view; ignored");
-                        self.view.take()
-                    }
-                }
-            };
-        } else if let Some(id) = rest.strip_prefix("/members/").and_then(|x| x.parse::<NodeId>().ok()) {
-            if deleted {
-                self.members.remove(&id);
-            } else {
-                let v = String::from_utf8_lossy(kv.value()).into_owned();
-                let mut it = v.split_whitespace();
-                match (it.next().and_then(|x| x.parse().ok()), it.next().and_then(|x| x.parse().ok())) {
-                    (Some(inc), Some(cap)) => {
-                        self.members.insert(id, (inc, cap, kv.mod_revision()));
-                    }
-                    _ => tracing::error!(key = %key, "etcd membership: undecodable member; ignored"),
-                }
-            }
-        }
-    }
-
-    /// Hands a newer view to the driver.
-    fn deliver(&mut self, sink: &dyn Sink) {
-        if let Some((_, epoch, m)) = &self.view
-            && *epoch > self.delivered
-        {
-            self.delivered = *epoch;
-            sink.view(View {
-                epoch: *epoch,
-                members: m
-                    .iter()
-                    .map(|(&id, &(incarnation, capacity, _))| Member { id, incarnation, capacity })
-                    .collect(),
-            });
-        }
-    }
-
-    /// Whether the current view lists this registration.
-    fn admits(&self, me: NodeId, incarnation: u64, reg: i64) -> bool {
-        self.view.as_ref().is_some_and(|(_, _, m)| m.get(&me).is_some_and(|&(i, _, r)| i == incarnation && r == reg))
-    }
-
-    /// Proposes the next view when the members differ from the view's.
-    async fn propose(&self, s: &EtcdSettings, c: &mut Client) -> Result<(), etcd_client::Error> {
-        let (rev, epoch) = match &self.view {
-            Some((_, _, m)) if *m == self.members => return Ok(()),
-            Some((rev, epoch, _)) => (*rev, *epoch),
-            None => (0, 0),
-        };
-        let key = format!("{}/view", s.prefix);
-        let txn = Txn::new().when([Compare::mod_revision(key.clone(), CompareOp::Equal, rev)]).and_then([TxnOp::put(
-            key,
-            format_view(epoch + 1, &self.members),
-            None,
-        )]);
-        let r = c.txn(txn).await?;
-        if r.succeeded() {
-            tracing::info!(epoch = epoch + 1, members = ?self.members.keys().collect::<Vec<_>>(), "etcd membership: proposed a new view");
-        }
-        Ok(())
+/// Feeds one key of the prefix to the state machine.
+fn apply(st: &mut EtcdMember, s: &EtcdSettings, kv: &KeyValue, deleted: bool) {
+    let key = String::from_utf8_lossy(kv.key());
+    let Some(rest) = key.strip_prefix(&s.prefix) else { return };
+    if !st.apply(rest, &String::from_utf8_lossy(kv.value()), kv.mod_revision(), deleted) {
+        tracing::error!(key = %key, "etcd membership: undecodable value; ignored");
     }
 }
 
-fn format_view(epoch: u64, m: &Members) -> String {
-    let members: Vec<String> = m.iter().map(|(id, (inc, cap, reg))| format!("{id}:{inc}:{cap}:{reg}")).collect();
-    format!("{epoch} {}", members.join(","))
+/// Proposes the next view when the registered members differ from the
+/// view's (a transaction that loses to another daemon's changes nothing).
+async fn propose(st: &EtcdMember, s: &EtcdSettings, c: &mut Client) -> Result<(), etcd_client::Error> {
+    let Some((rev, epoch, value)) = st.proposal() else { return Ok(()) };
+    let key = format!("{}/view", s.prefix);
+    let txn = Txn::new()
+        .when([Compare::mod_revision(key.clone(), CompareOp::Equal, rev)])
+        .and_then([TxnOp::put(key, value, None)]);
+    if c.txn(txn).await?.succeeded() {
+        tracing::info!(epoch, "etcd membership: proposed a new view");
+    }
+    Ok(())
 }
 
-fn parse_view(s: &str) -> Option<(u64, Members)> {
-    let mut it = s.splitn(2, ' ');
-    let epoch = it.next()?.parse().ok()?;
-    let mut m = BTreeMap::new();
-    for e in it.next().unwrap_or("").split(',').filter(|e| !e.is_empty()) {
-        let f: Vec<&str> = e.split(':').collect();
-        if f.len() != 4 {
-            return None;
-        }
-        m.insert(f[0].parse().ok()?, (f[1].parse().ok()?, f[2].parse().ok()?, f[3].parse().ok()?));
+fn deliver(st: &mut EtcdMember, sink: &dyn Sink) {
+    if let Some(v) = st.take_view() {
+        sink.view(v);
     }
-    Some((epoch, m))
 }
 
 /// One session: a lease, the registration under it, a watch on the
 /// prefix. `Ok` only when the driver went away.
 async fn session(
     s: &EtcdSettings,
+    st: &mut EtcdMember,
     kas: &mut mpsc::Receiver<u64>,
     sink: &dyn Sink,
     status: &EtcdStatus,
@@ -271,7 +197,7 @@ async fn session(
         .map_err(e("connect"))?;
     let lease = c.lease_grant(s.ttl_s as i64, None).await.map_err(e("lease grant"))?.id();
     let member_key = format!("{}/members/{}", s.prefix, s.me);
-    let value = format!("{} {} {}", s.incarnation, s.capacity, s.addr);
+    let value = etcd_member_value(s.incarnation, s.capacity, &s.addr);
     let put = c.put(member_key, value, Some(PutOptions::new().with_lease(lease))).await.map_err(e("register"))?;
     let reg = put.header().map(|h| h.revision()).ok_or("register: no revision in the answer")?;
     let (mut keeper, mut answers) = c.lease_keep_alive(lease).await.map_err(e("lease keepalive"))?;
@@ -280,9 +206,9 @@ async fn session(
     let prefix = format!("{}/", s.prefix);
     let got = c.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await.map_err(e("read members"))?;
     let rev = got.header().map(|h| h.revision()).ok_or("read members: no revision in the answer")?;
-    let mut st = State::default();
+    st.start_session(reg);
     for kv in got.kvs() {
-        st.apply(s, kv, false);
+        apply(st, s, kv, false);
     }
     let mut watch = c
         .watch(prefix, Some(WatchOptions::new().with_prefix().with_start_revision(rev + 1)))
@@ -290,8 +216,8 @@ async fn session(
         .map_err(e("watch"))?;
     status.connected.store(true, Ordering::Relaxed);
     tracing::info!(lease, registration = reg, "etcd membership: registered");
-    st.deliver(sink);
-    st.propose(s, &mut c).await.map_err(e("propose view"))?;
+    deliver(st, sink);
+    propose(st, s, &mut c).await.map_err(e("propose view"))?;
     loop {
         tokio::select! {
             sent = kas.recv() => {
@@ -309,7 +235,7 @@ async fn session(
                 if a.ttl() <= 0 {
                     return Err(format!("lease {lease} expired in etcd"));
                 }
-                if let Some(sent) = sent && st.admits(s.me, s.incarnation, reg) {
+                if let Some(sent) = sent && st.admits(false) {
                     sink.ack(sent);
                 }
             }
@@ -320,31 +246,15 @@ async fn session(
                 }
                 for ev in w.events() {
                     if let Some(kv) = ev.kv() {
-                        st.apply(s, kv, ev.event_type() == EventType::Delete);
+                        apply(st, s, kv, ev.event_type() == EventType::Delete);
                     }
                 }
-                if !st.members.get(&s.me).is_some_and(|&(i, _, r)| i == s.incarnation && r == reg) {
+                if st.registration_lost() {
                     return Err("this daemon's registration is gone (lease expired)".into());
                 }
-                st.deliver(sink);
-                st.propose(s, &mut c).await.map_err(e("propose view"))?;
+                deliver(st, sink);
+                propose(st, s, &mut c).await.map_err(e("propose view"))?;
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn views_round_trip_and_bad_ones_are_refused() {
-        let m = BTreeMap::from([(1, (10, 1, 100)), (3, (30, 2, 105))]);
-        let s = format_view(7, &m);
-        assert_eq!(parse_view(&s), Some((7, m)));
-        assert_eq!(parse_view("8 "), Some((8, BTreeMap::new())));
-        for bad in ["", "x 1:1:1:1", "1 1:1:1", "1 a:1:1:1", "1 1:1:1:1:1"] {
-            assert_eq!(parse_view(bad), None, "{bad:?}");
         }
     }
 }

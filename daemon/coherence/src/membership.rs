@@ -272,6 +272,155 @@ impl Membership for Coordinator {
     }
 }
 
+/// Members registered in etcd: id -> (incarnation, capacity, registration
+/// = mod revision of the member key).
+pub type EtcdMembers = BTreeMap<NodeId, (u64, u32, i64)>;
+
+/// The etcd membership of one daemon as a state machine (the IO — leases,
+/// keepalives, watch, transactions — is the driver's: the daemon's
+/// `etcd.rs`, or the simulator's etcd model). Keys are relative to the
+/// cluster's prefix: `/members/<id>` (value [`etcd_member_value`], under
+/// the daemon's lease; its mod revision is the daemon's registration) and
+/// `/view` (value [`format_etcd_view`], replaced only by a transaction that
+/// compares its mod revision: views form one sequence and epochs only
+/// grow). See `docs/COHERENCE.md`.
+#[derive(Clone, Debug)]
+pub struct EtcdMember {
+    me: NodeId,
+    incarnation: u64,
+    /// This session's registration.
+    reg: Option<i64>,
+    members: EtcdMembers,
+    /// The view key: mod revision, epoch, members.
+    view: Option<(i64, u64, EtcdMembers)>,
+    /// Highest epoch handed to the core.
+    delivered: u64,
+}
+
+/// The member key's value.
+pub fn etcd_member_value(incarnation: u64, capacity: u32, addr: &str) -> String {
+    format!("{incarnation} {capacity} {addr}")
+}
+
+/// The view key's value.
+pub fn format_etcd_view(epoch: u64, m: &EtcdMembers) -> String {
+    let members: Vec<String> = m.iter().map(|(id, (inc, cap, reg))| format!("{id}:{inc}:{cap}:{reg}")).collect();
+    format!("{epoch} {}", members.join(","))
+}
+
+/// Parses the view key's value.
+pub fn parse_etcd_view(s: &str) -> Option<(u64, EtcdMembers)> {
+    let mut it = s.splitn(2, ' ');
+    let epoch = it.next()?.parse().ok()?;
+    let mut m = BTreeMap::new();
+    for e in it.next().unwrap_or("").split(',').filter(|e| !e.is_empty()) {
+        let f: Vec<&str> = e.split(':').collect();
+        if f.len() != 4 {
+            return None;
+        }
+        m.insert(f[0].parse().ok()?, (f[1].parse().ok()?, f[2].parse().ok()?, f[3].parse().ok()?));
+    }
+    Some((epoch, m))
+}
+
+impl EtcdMember {
+    /// A daemon with no session yet.
+    pub fn new(me: NodeId, incarnation: u64) -> EtcdMember {
+        EtcdMember { me, incarnation, reg: None, members: BTreeMap::new(), view: None, delivered: 0 }
+    }
+
+    /// A new session: registered at revision `reg`; the prefix is read
+    /// again (feed every key of the snapshot to [`Self::apply`]).
+    pub fn start_session(&mut self, reg: i64) {
+        self.reg = Some(reg);
+        self.members.clear();
+        self.view = None;
+    }
+
+    /// The session ended: nothing is acknowledged until the next one.
+    pub fn end_session(&mut self) {
+        self.reg = None;
+    }
+
+    /// A key under the prefix was put (or deleted) at `mod_rev`. Returns
+    /// false for an undecodable value (ignored).
+    pub fn apply(&mut self, key: &str, value: &str, mod_rev: i64, deleted: bool) -> bool {
+        if key == "/view" {
+            if deleted {
+                self.view = None;
+                return true;
+            }
+            match parse_etcd_view(value) {
+                Some((epoch, m)) => {
+                    self.view = Some((mod_rev, epoch, m));
+                    true
+                }
+                None => false,
+            }
+        } else if let Some(id) = key.strip_prefix("/members/").and_then(|x| x.parse::<NodeId>().ok()) {
+            if deleted {
+                self.members.remove(&id);
+                return true;
+            }
+            let mut it = value.split_whitespace();
+            match (it.next().and_then(|x| x.parse().ok()), it.next().and_then(|x| x.parse().ok())) {
+                (Some(inc), Some(cap)) => {
+                    self.members.insert(id, (inc, cap, mod_rev));
+                    true
+                }
+                _ => false,
+            }
+        } else {
+            true
+        }
+    }
+
+    /// Whether this session's registration is gone (its lease expired, or
+    /// another process registered this id): the session must end.
+    pub fn registration_lost(&self) -> bool {
+        let Some(reg) = self.reg else { return false };
+        self.members.get(&self.me).is_none_or(|&(i, _, r)| i != self.incarnation || r != reg)
+    }
+
+    /// A view newer than any handed to the core, to hand to it now.
+    pub fn take_view(&mut self) -> Option<View> {
+        let (_, epoch, m) = self.view.as_ref()?;
+        if *epoch <= self.delivered {
+            return None;
+        }
+        self.delivered = *epoch;
+        Some(View {
+            epoch: *epoch,
+            members: m.iter().map(|(&id, &(incarnation, capacity, _))| Member { id, incarnation, capacity }).collect(),
+        })
+    }
+
+    /// When the registered members differ from the view's: the next view,
+    /// to put on `/view` if its mod revision is still the first value (0:
+    /// absent).
+    pub fn proposal(&self) -> Option<(i64, u64, String)> {
+        let (rev, epoch) = match &self.view {
+            Some((_, _, m)) if *m == self.members => return None,
+            Some((rev, epoch, _)) => (*rev, *epoch),
+            None => (0, 0),
+        };
+        Some((rev, epoch + 1, format_etcd_view(epoch + 1, &self.members)))
+    }
+
+    /// Whether etcd's answer to a lease keepalive may become the core's
+    /// keepalive acknowledgement: only while the current view lists this
+    /// session's registration (a daemon dropped from a view never serves in
+    /// it again).
+    pub fn admits(&self, skip_check: bool) -> bool {
+        let Some(reg) = self.reg else { return false };
+        skip_check
+            || self
+                .view
+                .as_ref()
+                .is_some_and(|(_, _, m)| m.get(&self.me).is_some_and(|&(i, _, r)| i == self.incarnation && r == reg))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -359,6 +508,39 @@ mod tests {
         let a = m.keepalive(ka(1, 10, 0, 0), 0);
         assert_eq!(published(&a).map(|v| v.epoch), Some(1));
         assert_eq!(acks(&a), 1);
+    }
+
+    #[test]
+    fn etcd_views_round_trip_and_bad_ones_are_refused() {
+        let m = BTreeMap::from([(1, (10, 1, 100)), (3, (30, 2, 105))]);
+        let s = format_etcd_view(7, &m);
+        assert_eq!(parse_etcd_view(&s), Some((7, m)));
+        assert_eq!(parse_etcd_view("8 "), Some((8, BTreeMap::new())));
+        for bad in ["", "x 1:1:1:1", "1 1:1:1", "1 a:1:1:1", "1 1:1:1:1:1"] {
+            assert_eq!(parse_etcd_view(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn etcd_member_acks_only_under_a_view_listing_its_registration() {
+        let mut m = EtcdMember::new(2, 20);
+        assert!(!m.admits(false), "no session");
+        m.start_session(50);
+        m.apply("/members/2", &etcd_member_value(20, 1, "a"), 50, false);
+        m.apply("/members/1", &etcd_member_value(10, 1, "b"), 40, false);
+        // An older view that listed an earlier registration of node 2.
+        m.apply("/view", "4 1:10:1:40,2:20:1:31", 45, false);
+        assert_eq!(m.take_view().map(|v| v.epoch), Some(4));
+        assert_eq!(m.take_view(), None, "delivered once");
+        assert!(!m.admits(false), "the view lists registration 31, not 50");
+        let (rev, epoch, value) = m.proposal().expect("members differ from the view");
+        assert_eq!((rev, epoch), (45, 5));
+        m.apply("/view", &value, 51, false);
+        assert!(m.proposal().is_none());
+        assert!(m.admits(false));
+        assert!(!m.registration_lost());
+        m.apply("/members/2", "", 60, true);
+        assert!(m.registration_lost(), "lease expired");
     }
 
     #[test]
