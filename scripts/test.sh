@@ -26,9 +26,10 @@ cargo test --workspace --locked
 echo "== coherence simulator: 1000 seeds, then each planted bug must be caught" >&2
 cargo build --locked --release -q -p kvmesh-cluster-tests --bin kvmesh-sim
 target/release/kvmesh-sim --seeds 1000 | tail -1
+target/release/kvmesh-sim --seeds 1000 --membership etcd | tail -1
 # Each planted bug must be caught by the invariant it breaks.
 for planted in skip-ack-wait:S3 ack-without-invalidate:S3 skip-validation:DATA reuse-granted-slot:S4 \
-    coordinator-no-wait:M1; do
+    coordinator-no-wait:M1 etcd-short-ttl:M1; do
     bug=${planted%%:*}
     invariant=${planted##*:}
     rc=0

@@ -14,7 +14,10 @@
 
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 
-use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
+use kvmesh_coherence::membership::{
+    EtcdMember, KeepAlive, Membership, MembershipAction, StaticConfig, etcd_member_value, parse_etcd_view,
+    static_membership,
+};
 use kvmesh_coherence::{
     Action, Batch, BlockKey, Bug, Config, Event, Node, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef, Trace,
     TransferError, View,
@@ -37,12 +40,60 @@ pub struct SimConfig {
     pub steps: u64,
     /// Planted bug.
     pub bug: Option<Bug>,
+    /// Membership from a model of etcd (the daemon's `EtcdMember` state
+    /// machine on every node) instead of the static coordinator.
+    pub etcd: bool,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { nodes: 4, keys: 6, slots: 8, steps: 4000, bug: None }
+        SimConfig { nodes: 4, keys: 6, slots: 8, steps: 4000, bug: None, etcd: false }
     }
+}
+
+/// A linearizable etcd: one revision counter, keys with mod revisions,
+/// leases that expire on the real clock (renewed to a full TTL when etcd
+/// restarts, as a new leader does), a log of changes for watches.
+#[derive(Default)]
+struct EtcdModel {
+    down_until: u64,
+    rev: i64,
+    kv: BTreeMap<String, (String, i64, Option<i64>)>,
+    leases: BTreeMap<i64, u64>,
+    next_lease: i64,
+    log: Vec<(String, String, i64, bool)>,
+}
+
+impl EtcdModel {
+    fn put(&mut self, key: &str, value: String, lease: Option<i64>) -> i64 {
+        self.rev += 1;
+        self.kv.insert(key.to_string(), (value.clone(), self.rev, lease));
+        self.log.push((key.to_string(), value, self.rev, false));
+        self.rev
+    }
+
+    fn expire(&mut self, now: u64) {
+        let dead: Vec<i64> = self.leases.iter().filter(|(_, e)| **e <= now).map(|(l, _)| *l).collect();
+        for l in dead {
+            self.leases.remove(&l);
+            let keys: Vec<String> = self.kv.iter().filter(|(_, v)| v.2 == Some(l)).map(|(k, _)| k.clone()).collect();
+            for k in keys {
+                self.kv.remove(&k);
+                self.rev += 1;
+                self.log.push((k, String::new(), self.rev, true));
+            }
+        }
+    }
+}
+
+/// One node's session with etcd.
+struct EtcdSession {
+    id: u64,
+    lease: i64,
+    /// Next log entry to deliver by the watch.
+    watch_next: usize,
+    /// Send times of keepalives etcd has not answered.
+    pending: VecDeque<u64>,
 }
 
 /// An invariant that failed.
@@ -149,6 +200,15 @@ struct SimNode {
     /// The membership service as this node runs it (the coordinator on
     /// node 0, a forwarder elsewhere); gone while the node is down.
     membership: Option<Box<dyn Membership>>,
+    /// etcd mode: the daemon's etcd state machine and its session.
+    etcd: Option<EtcdMember>,
+    session: Option<EtcdSession>,
+    next_session: u64,
+    /// Cut off from etcd (only) until then.
+    etcd_cut_until: u64,
+    /// FIFO links with etcd: when the last message each way arrives.
+    to_etcd_at: u64,
+    from_etcd_at: u64,
     incarnation: u64,
     clock: Clock,
     mem: Vec<Cell>,
@@ -192,6 +252,48 @@ enum Ev {
         view: View,
     },
     MembershipTick,
+    /// etcd mode: a node (re)connects: lease, registration, snapshot.
+    EtcdConnect {
+        node: NodeId,
+        inc: u64,
+    },
+    EtcdSessionUp {
+        node: NodeId,
+        inc: u64,
+        sid: u64,
+        lease: i64,
+        reg: i64,
+        snapshot: Vec<(String, String, i64)>,
+        watch_next: usize,
+    },
+    EtcdKeepAlive {
+        node: NodeId,
+        inc: u64,
+        sid: u64,
+        lease: i64,
+    },
+    EtcdKeepAliveResp {
+        node: NodeId,
+        inc: u64,
+        sid: u64,
+        ok: bool,
+    },
+    EtcdTxn {
+        expect: i64,
+        value: String,
+    },
+    EtcdWatch {
+        node: NodeId,
+        inc: u64,
+        sid: u64,
+        entries: Vec<(String, String, i64, bool)>,
+    },
+    EtcdFail {
+        node: NodeId,
+        inc: u64,
+        sid: u64,
+    },
+    EtcdTick,
     Unpin {
         node: NodeId,
         inc: u64,
@@ -264,6 +366,9 @@ pub struct World {
     nodes: Vec<SimNode>,
     /// The coordinator's durable epoch (survives its crashes).
     persisted_epoch: u64,
+    /// etcd mode: the etcd cluster, and the TTL of its leases.
+    etcd: EtcdModel,
+    etcd_ttl: u64,
     // checker state
     /// Highest epoch ever published (M1).
     max_published: u64,
@@ -294,6 +399,10 @@ pub struct World {
 const KEEPALIVE_DELAY_MAX: u64 = 2_000;
 /// How often the membership service gets a tick.
 const MEMBERSHIP_TICK: u64 = 5_000;
+/// etcd: how often leases expire and watches deliver.
+const ETCD_TICK: u64 = 1_000;
+/// etcd: a session that cannot reach etcd fails after this long.
+const ETCD_DIAL_TIMEOUT: u64 = 20_000;
 
 impl World {
     /// A world for `seed`.
@@ -309,6 +418,12 @@ impl World {
             .map(|_| SimNode {
                 core: None,
                 membership: None,
+                etcd: None,
+                session: None,
+                next_session: 0,
+                etcd_cut_until: 0,
+                to_etcd_at: 0,
+                from_etcd_at: 0,
                 incarnation: 0,
                 clock: Clock {
                     offset: rng.range(0, 1_000_000),
@@ -339,6 +454,8 @@ impl World {
             queue: BinaryHeap::new(),
             nodes,
             persisted_epoch: 0,
+            etcd: EtcdModel::default(),
+            etcd_ttl: 0,
             max_published: 0,
             assigned_at: HashMap::new(),
             acked_puts: HashMap::new(),
@@ -362,6 +479,13 @@ impl World {
         }
         w.push(1_000, Ev::ClientOp);
         w.push(MEMBERSHIP_TICK, Ev::MembershipTick);
+        // The daemon requires lease_ttl > protocol lease + 2 margins; the
+        // planted bug breaks that rule.
+        let lease = w.core_cfg.membership_lease_us;
+        w.etcd_ttl = if w.cfg.bug == Some(Bug::EtcdShortTtl) { lease / 2 } else { lease * 3 / 2 };
+        if w.cfg.etcd {
+            w.push(ETCD_TICK, Ev::EtcdTick);
+        }
         w
     }
 
@@ -405,7 +529,15 @@ impl World {
             epoch_floor: if n == COORDINATOR { self.persisted_epoch } else { 0 },
             skip_restart_wait: self.cfg.bug == Some(Bug::CoordinatorNoWait),
         };
-        self.nodes[n as usize].membership = Some(static_membership(mcfg, local));
+        if self.cfg.etcd {
+            let inc = self.nodes[n as usize].incarnation;
+            let sn = &mut self.nodes[n as usize];
+            sn.etcd = Some(EtcdMember::new(n, inc));
+            sn.session = None;
+            self.push(0, Ev::EtcdConnect { node: n, inc });
+        } else {
+            self.nodes[n as usize].membership = Some(static_membership(mcfg, local));
+        }
         self.drive(n, Event::Tick);
     }
 
@@ -529,6 +661,7 @@ impl World {
                     c.state = CellState::Free;
                 }
             }
+            Action::KeepAlive { sent_at } if self.cfg.etcd => self.etcd_keepalive(n, inc, sent_at),
             Action::KeepAlive { sent_at } => {
                 let epoch_seen = self.nodes[n as usize].core.as_ref().map_or(0, |c| c.view().epoch);
                 let ka = KeepAlive { node: n, incarnation: inc, sent_at_us: sent_at, epoch_seen, capacity: 1 };
@@ -781,10 +914,24 @@ impl World {
     /// A view published by the coordinator on node `n`: checks M1, then
     /// sends it to every member.
     fn publish(&mut self, n: NodeId, view: View) {
+        self.check_m1(&view);
+        for m in &view.members {
+            if m.id == n {
+                self.push(0, Ev::View { node: n, inc: m.incarnation, view: view.clone() });
+            } else if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
+                let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
+                self.push(d, Ev::View { node: m.id, inc: m.incarnation, view: view.clone() });
+            }
+        }
+    }
+
+    /// M1 at the moment a view is published: its epoch is above every
+    /// earlier one (across restarts of the coordinator, or of etcd and
+    /// every daemon), and it leaves out no node that may still serve under
+    /// a lease granted before it.
+    fn check_m1(&mut self, view: &View) {
         self.stats.epochs += 1;
-        self.note(format!("t={} n{n} publishes view e{} {:?}", self.now, view.epoch, view.members));
-        // M1: epochs never go backwards, and no view leaves out a node that
-        // may still serve under a lease granted before it.
+        self.note(format!("t={} publish view e{} {:?}", self.now, view.epoch, view.members));
         if view.epoch <= self.max_published {
             self.pending_fail
                 .get_or_insert_with(|| ("M1", format!("view e{} published after e{}", view.epoch, self.max_published)));
@@ -807,13 +954,211 @@ impl World {
                 });
             }
         }
-        for m in &view.members {
-            if m.id == n {
-                self.push(0, Ev::View { node: n, inc: m.incarnation, view: view.clone() });
-            } else if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
-                let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
-                self.push(d, Ev::View { node: m.id, inc: m.incarnation, view: view.clone() });
+    }
+
+    // ----- etcd model -----
+
+    fn etcd_reachable(&self, n: NodeId) -> bool {
+        self.etcd.down_until <= self.now && self.reachable(n) && self.nodes[n as usize].etcd_cut_until <= self.now
+    }
+
+    fn to_etcd(&mut self, n: NodeId, ev: Ev) {
+        let at = (self.now + self.rng.range(10, 500)).max(self.nodes[n as usize].to_etcd_at);
+        self.nodes[n as usize].to_etcd_at = at;
+        self.push(at - self.now, ev);
+    }
+
+    fn from_etcd(&mut self, n: NodeId, ev: Ev) {
+        let at = (self.now + self.rng.range(10, 500)).max(self.nodes[n as usize].from_etcd_at);
+        self.nodes[n as usize].from_etcd_at = at;
+        self.push(at - self.now, ev);
+    }
+
+    /// The session of node `n` cannot reach etcd: it fails after the dial
+    /// timeout, like a gRPC stream that stopped answering.
+    fn etcd_unreachable(&mut self, n: NodeId) {
+        if let Some(sid) = self.nodes[n as usize].session.as_ref().map(|s| s.id) {
+            let inc = self.nodes[n as usize].incarnation;
+            self.push(ETCD_DIAL_TIMEOUT, Ev::EtcdFail { node: n, inc, sid });
+        }
+    }
+
+    fn etcd_keepalive(&mut self, n: NodeId, inc: u64, sent_at: u64) {
+        let Some(s) = self.nodes[n as usize].session.as_mut() else { return };
+        if s.pending.len() >= 64 {
+            return;
+        }
+        s.pending.push_back(sent_at);
+        let (sid, lease) = (s.id, s.lease);
+        if self.etcd_reachable(n) {
+            self.to_etcd(n, Ev::EtcdKeepAlive { node: n, inc, sid, lease });
+        } else {
+            self.etcd_unreachable(n);
+        }
+    }
+
+    /// What the node's etcd state machine says after new keys: hand a newer
+    /// view to the core, propose the next one.
+    fn etcd_after_keys(&mut self, n: NodeId, inc: u64) {
+        let Some(m) = self.nodes[n as usize].etcd.as_mut() else { return };
+        if m.registration_lost() {
+            let sid = self.nodes[n as usize].session.as_ref().map_or(0, |s| s.id);
+            self.push(0, Ev::EtcdFail { node: n, inc, sid });
+            return;
+        }
+        let view = m.take_view();
+        let proposal = m.proposal();
+        if let Some(v) = view {
+            self.drive(n, Event::View(v));
+        }
+        if let Some((expect, _, value)) = proposal
+            && self.etcd_reachable(n)
+        {
+            self.to_etcd(n, Ev::EtcdTxn { expect, value });
+        }
+    }
+
+    fn etcd_event(&mut self, ev: Ev) {
+        match ev {
+            Ev::EtcdConnect { node, inc } => {
+                if self.nodes[node as usize].incarnation != inc || !self.up(node) {
+                    return;
+                }
+                if !self.etcd_reachable(node) {
+                    let d = self.rng.range(5_000, 50_000);
+                    self.push(d, Ev::EtcdConnect { node, inc });
+                    return;
+                }
+                self.etcd.next_lease += 1;
+                let lease = self.etcd.next_lease;
+                self.etcd.leases.insert(lease, self.now + self.etcd_ttl);
+                let reg = self.etcd.put(&format!("/members/{node}"), etcd_member_value(inc, 1, "sim"), Some(lease));
+                let snapshot = self.etcd.kv.iter().map(|(k, v)| (k.clone(), v.0.clone(), v.1)).collect();
+                let sid = {
+                    let sn = &mut self.nodes[node as usize];
+                    sn.next_session += 1;
+                    sn.next_session
+                };
+                let watch_next = self.etcd.log.len();
+                self.from_etcd(node, Ev::EtcdSessionUp { node, inc, sid, lease, reg, snapshot, watch_next });
             }
+            Ev::EtcdSessionUp { node, inc, sid, lease, reg, snapshot, watch_next } => {
+                if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
+                    return; // the lease expires on its own
+                }
+                let Some(m) = self.nodes[node as usize].etcd.as_mut() else { return };
+                m.start_session(reg);
+                for (k, v, r) in &snapshot {
+                    m.apply(k, v, *r, false);
+                }
+                self.nodes[node as usize].session =
+                    Some(EtcdSession { id: sid, lease, watch_next, pending: VecDeque::new() });
+                self.etcd_after_keys(node, inc);
+            }
+            Ev::EtcdKeepAlive { node, inc, sid, lease } => {
+                if !self.etcd_reachable(node) {
+                    self.etcd_unreachable(node);
+                    return;
+                }
+                let now = self.now;
+                let ttl = self.etcd_ttl;
+                let ok = match self.etcd.leases.get_mut(&lease) {
+                    Some(e) => {
+                        *e = now + ttl;
+                        true
+                    }
+                    None => false,
+                };
+                self.from_etcd(node, Ev::EtcdKeepAliveResp { node, inc, sid, ok });
+            }
+            Ev::EtcdKeepAliveResp { node, inc, sid, ok } => {
+                if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
+                    return;
+                }
+                let Some(s) = self.nodes[node as usize].session.as_mut().filter(|s| s.id == sid) else { return };
+                let sent_at = s.pending.pop_front();
+                if !ok {
+                    self.push(0, Ev::EtcdFail { node, inc, sid });
+                    return;
+                }
+                if let Some(sent_at) = sent_at
+                    && self.nodes[node as usize].etcd.as_ref().is_some_and(|m| m.admits())
+                {
+                    self.drive(node, Event::KeepAliveAck { sent_at });
+                }
+            }
+            Ev::EtcdTxn { expect, value } => {
+                if self.etcd.down_until > self.now {
+                    return;
+                }
+                let cur = self.etcd.kv.get("/view").map_or(0, |v| v.1);
+                if cur == expect {
+                    if let Some((epoch, m)) = parse_etcd_view(&value) {
+                        let view = View {
+                            epoch,
+                            members: m
+                                .iter()
+                                .map(|(&id, &(incarnation, capacity, _))| kvmesh_coherence::Member {
+                                    id,
+                                    incarnation,
+                                    capacity,
+                                })
+                                .collect(),
+                        };
+                        self.check_m1(&view);
+                    }
+                    self.etcd.put("/view", value, None);
+                }
+            }
+            Ev::EtcdWatch { node, inc, sid, entries } => {
+                if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
+                    return;
+                }
+                if self.nodes[node as usize].session.as_ref().is_none_or(|s| s.id != sid) {
+                    return;
+                }
+                let Some(m) = self.nodes[node as usize].etcd.as_mut() else { return };
+                for (k, v, r, deleted) in &entries {
+                    m.apply(k, v, *r, *deleted);
+                }
+                self.etcd_after_keys(node, inc);
+            }
+            Ev::EtcdFail { node, inc, sid } => {
+                let sn = &mut self.nodes[node as usize];
+                if sn.incarnation != inc || sn.session.as_ref().is_none_or(|s| s.id != sid) {
+                    return;
+                }
+                sn.session = None;
+                if let Some(m) = sn.etcd.as_mut() {
+                    m.end_session();
+                }
+                self.note(format!("t={} n{node} etcd session {sid} failed", self.now));
+                let d = self.rng.range(5_000, 50_000);
+                self.push(d, Ev::EtcdConnect { node, inc });
+            }
+            Ev::EtcdTick => {
+                if self.etcd.down_until <= self.now {
+                    self.etcd.expire(self.now);
+                    let len = self.etcd.log.len();
+                    for n in 0..self.cfg.nodes as NodeId {
+                        let Some(s) = self.nodes[n as usize].session.as_ref() else { continue };
+                        if s.watch_next >= len {
+                            continue;
+                        }
+                        if !self.etcd_reachable(n) {
+                            self.etcd_unreachable(n);
+                            continue;
+                        }
+                        let (sid, from) = (s.id, s.watch_next);
+                        let entries = self.etcd.log[from..].to_vec();
+                        self.nodes[n as usize].session.as_mut().expect("session").watch_next = len;
+                        let inc = self.nodes[n as usize].incarnation;
+                        self.from_etcd(n, Ev::EtcdWatch { node: n, inc, sid, entries });
+                    }
+                }
+                self.push(ETCD_TICK, Ev::EtcdTick);
+            }
+            _ => unreachable!("not an etcd event"),
         }
     }
 
@@ -832,6 +1177,24 @@ impl World {
     fn maybe_fault(&mut self) {
         if !self.faults {
             return;
+        }
+        if self.cfg.etcd {
+            if self.rng.chance(0.0005) && self.etcd.down_until <= self.now {
+                // etcd down (its state is durable); a new leader renews
+                // every lease to a full TTL.
+                let down = self.rng.range(5_000, 400_000);
+                self.etcd.down_until = self.now + down;
+                let renewed = self.now + down + self.etcd_ttl;
+                for e in self.etcd.leases.values_mut() {
+                    *e = (*e).max(renewed);
+                }
+                self.note(format!("t={} ETCD DOWN until {}", self.now, self.now + down));
+            } else if self.rng.chance(0.001) {
+                let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
+                let until = self.now + self.rng.range(5_000, 400_000);
+                self.nodes[n as usize].etcd_cut_until = until;
+                self.note(format!("t={} n{n} CUT FROM ETCD until {until}", self.now));
+            }
         }
         let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
         if self.rng.chance(0.0015) && self.up(n) {
@@ -947,6 +1310,14 @@ impl World {
                 }
             }
             Ev::MembershipTick => self.membership_tick(),
+            ev @ (Ev::EtcdConnect { .. }
+            | Ev::EtcdSessionUp { .. }
+            | Ev::EtcdKeepAlive { .. }
+            | Ev::EtcdKeepAliveResp { .. }
+            | Ev::EtcdTxn { .. }
+            | Ev::EtcdWatch { .. }
+            | Ev::EtcdFail { .. }
+            | Ev::EtcdTick) => self.etcd_event(ev),
             Ev::Unpin { node, inc, slot } => {
                 if let Some(p) = self.pins.get_mut(&(node, inc, slot)) {
                     p.0 -= 1;
@@ -964,6 +1335,8 @@ impl World {
                 let inc = self.nodes[node as usize].incarnation;
                 self.nodes[node as usize].core = None;
                 self.nodes[node as usize].membership = None;
+                self.nodes[node as usize].session = None;
+                self.nodes[node as usize].etcd = None;
                 self.ops.retain(|(n, i, _), _| !(*n == node && *i == inc));
                 self.pins.retain(|(n, _, _), _| *n != node);
                 // Mostly fast restarts (inside the leases the node, or as
@@ -1001,8 +1374,16 @@ impl World {
         self.faults = false;
         self.workload = false;
         self.note(format!("t={} HEAL", self.now));
+        if self.etcd.down_until > self.now {
+            let renewed = self.now + self.etcd_ttl;
+            for e in self.etcd.leases.values_mut() {
+                *e = (*e).max(renewed);
+            }
+            self.etcd.down_until = self.now;
+        }
         for n in 0..self.cfg.nodes {
             self.nodes[n].isolated_until = 0;
+            self.nodes[n].etcd_cut_until = 0;
             if !self.up(n as NodeId) {
                 self.boot(n as NodeId);
             }

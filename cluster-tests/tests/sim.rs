@@ -16,6 +16,16 @@ fn seeds_pass() {
 }
 
 #[test]
+fn seeds_pass_with_etcd_membership() {
+    let cfg = SimConfig { steps: 2000, etcd: true, ..SimConfig::default() };
+    for seed in 1..=60 {
+        if let Err(v) = run_seed(seed, &cfg) {
+            panic!("seed={} {}: {}\n{}", v.seed, v.invariant, v.detail, v.trace.join("\n"));
+        }
+    }
+}
+
+#[test]
 fn same_seed_same_run() {
     let cfg = SimConfig { steps: 1500, ..SimConfig::default() };
     let a = run_seed(11, &cfg).unwrap();
@@ -27,19 +37,21 @@ fn same_seed_same_run() {
 /// Each planted bug, and the invariant it breaks: the run must name that
 /// one (a bug caught by accident, under another name, is a checker that
 /// does not check what it claims).
-const PLANTED: [(&str, &str); 5] = [
+const PLANTED: [(&str, &str); 6] = [
     ("skip-ack-wait", "S3"),
     ("ack-without-invalidate", "S3"),
     ("skip-validation", "DATA"),
     ("reuse-granted-slot", "S4"),
     ("coordinator-no-wait", "M1"),
+    ("etcd-short-ttl", "M1"),
 ];
 
 #[test]
 fn every_planted_bug_is_caught_by_the_invariant_it_breaks() {
     assert_eq!(PLANTED.len(), Bug::NAMES.len(), "every planted bug has its invariant here");
     for (name, invariant) in PLANTED {
-        let cfg = SimConfig { steps: 2000, bug: Bug::parse(name), ..SimConfig::default() };
+        let bug = Bug::parse(name);
+        let cfg = SimConfig { steps: 2000, bug, etcd: bug == Some(Bug::EtcdShortTtl), ..SimConfig::default() };
         let caught = (1..=200).find_map(|seed| run_seed(seed, &cfg).err());
         let v = caught.unwrap_or_else(|| panic!("bug {name} survived 200 seeds"));
         eprintln!("{name}: seed={} {} {}", v.seed, v.invariant, v.detail);

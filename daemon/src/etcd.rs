@@ -235,7 +235,7 @@ async fn session(
                 if a.ttl() <= 0 {
                     return Err(format!("lease {lease} expired in etcd"));
                 }
-                if let Some(sent) = sent && st.admits(false) {
+                if let Some(sent) = sent && st.admits() {
                     sink.ack(sent);
                 }
             }

@@ -33,9 +33,13 @@ struct Args {
     #[arg(long, default_value_t = 8)]
     slots: usize,
     /// Plant a bug: skip-ack-wait, skip-validation, reuse-granted-slot,
-    /// ack-without-invalidate, coordinator-no-wait.
+    /// ack-without-invalidate, coordinator-no-wait, etcd-short-ttl.
     #[arg(long)]
     inject_bug: Option<String>,
+    /// Membership: `static` (the coordinator on node 0) or `etcd` (a model
+    /// of etcd; the etcd-* bugs imply it).
+    #[arg(long, default_value = "static")]
+    membership: String,
     /// Print every event of every seed (use with --seeds 1).
     #[arg(long)]
     verbose: bool,
@@ -55,7 +59,15 @@ fn main() -> std::process::ExitCode {
         eprintln!("kvmesh-sim: --nodes must be 1..=64, --keys and --slots at least 1");
         return std::process::ExitCode::from(2);
     }
-    let cfg = SimConfig { nodes: a.nodes, keys: a.keys, slots: a.slots, steps: a.steps, bug };
+    let etcd = match a.membership.as_str() {
+        "static" => bug == Some(Bug::EtcdShortTtl),
+        "etcd" => true,
+        other => {
+            eprintln!("kvmesh-sim: --membership must be static or etcd, not {other:?}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let cfg = SimConfig { nodes: a.nodes, keys: a.keys, slots: a.slots, steps: a.steps, bug, etcd };
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
     let mut locate_grants = 0u64;

@@ -201,6 +201,9 @@ pub enum Bug {
     /// once, without waiting out the leases its previous incarnation
     /// granted (read by the membership, not by the core).
     CoordinatorNoWait,
+    /// etcd membership with a lease TTL below the protocol lease (the rule
+    /// the daemon's config check enforces, broken; simulator only).
+    EtcdShortTtl,
 }
 
 impl Bug {
@@ -212,12 +215,19 @@ impl Bug {
             "reuse-granted-slot" => Bug::ReuseGrantedSlot,
             "ack-without-invalidate" => Bug::AckWithoutInvalidate,
             "coordinator-no-wait" => Bug::CoordinatorNoWait,
+            "etcd-short-ttl" => Bug::EtcdShortTtl,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 5] =
-        ["skip-ack-wait", "skip-validation", "reuse-granted-slot", "ack-without-invalidate", "coordinator-no-wait"];
+    pub const NAMES: [&'static str; 6] = [
+        "skip-ack-wait",
+        "skip-validation",
+        "reuse-granted-slot",
+        "ack-without-invalidate",
+        "coordinator-no-wait",
+        "etcd-short-ttl",
+    ];
 }
 
 /// Why a transfer failed.

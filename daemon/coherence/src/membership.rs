@@ -411,13 +411,11 @@ impl EtcdMember {
     /// keepalive acknowledgement: only while the current view lists this
     /// session's registration (a daemon dropped from a view never serves in
     /// it again).
-    pub fn admits(&self, skip_check: bool) -> bool {
+    pub fn admits(&self) -> bool {
         let Some(reg) = self.reg else { return false };
-        skip_check
-            || self
-                .view
-                .as_ref()
-                .is_some_and(|(_, _, m)| m.get(&self.me).is_some_and(|&(i, _, r)| i == self.incarnation && r == reg))
+        self.view
+            .as_ref()
+            .is_some_and(|(_, _, m)| m.get(&self.me).is_some_and(|&(i, _, r)| i == self.incarnation && r == reg))
     }
 }
 
@@ -524,7 +522,7 @@ mod tests {
     #[test]
     fn etcd_member_acks_only_under_a_view_listing_its_registration() {
         let mut m = EtcdMember::new(2, 20);
-        assert!(!m.admits(false), "no session");
+        assert!(!m.admits(), "no session");
         m.start_session(50);
         m.apply("/members/2", &etcd_member_value(20, 1, "a"), 50, false);
         m.apply("/members/1", &etcd_member_value(10, 1, "b"), 40, false);
@@ -532,12 +530,12 @@ mod tests {
         m.apply("/view", "4 1:10:1:40,2:20:1:31", 45, false);
         assert_eq!(m.take_view().map(|v| v.epoch), Some(4));
         assert_eq!(m.take_view(), None, "delivered once");
-        assert!(!m.admits(false), "the view lists registration 31, not 50");
+        assert!(!m.admits(), "the view lists registration 31, not 50");
         let (rev, epoch, value) = m.proposal().expect("members differ from the view");
         assert_eq!((rev, epoch), (45, 5));
         m.apply("/view", &value, 51, false);
         assert!(m.proposal().is_none());
-        assert!(m.admits(false));
+        assert!(m.admits());
         assert!(!m.registration_lost());
         m.apply("/members/2", "", 60, true);
         assert!(m.registration_lost(), "lease expired");
