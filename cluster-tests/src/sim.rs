@@ -962,13 +962,13 @@ impl World {
         self.etcd.down_until <= self.now && self.reachable(n) && self.nodes[n as usize].etcd_cut_until <= self.now
     }
 
-    fn to_etcd(&mut self, n: NodeId, ev: Ev) {
+    fn send_to_etcd(&mut self, n: NodeId, ev: Ev) {
         let at = (self.now + self.rng.range(10, 500)).max(self.nodes[n as usize].to_etcd_at);
         self.nodes[n as usize].to_etcd_at = at;
         self.push(at - self.now, ev);
     }
 
-    fn from_etcd(&mut self, n: NodeId, ev: Ev) {
+    fn send_from_etcd(&mut self, n: NodeId, ev: Ev) {
         let at = (self.now + self.rng.range(10, 500)).max(self.nodes[n as usize].from_etcd_at);
         self.nodes[n as usize].from_etcd_at = at;
         self.push(at - self.now, ev);
@@ -991,7 +991,7 @@ impl World {
         s.pending.push_back(sent_at);
         let (sid, lease) = (s.id, s.lease);
         if self.etcd_reachable(n) {
-            self.to_etcd(n, Ev::EtcdKeepAlive { node: n, inc, sid, lease });
+            self.send_to_etcd(n, Ev::EtcdKeepAlive { node: n, inc, sid, lease });
         } else {
             self.etcd_unreachable(n);
         }
@@ -1014,7 +1014,7 @@ impl World {
         if let Some((expect, _, value)) = proposal
             && self.etcd_reachable(n)
         {
-            self.to_etcd(n, Ev::EtcdTxn { expect, value });
+            self.send_to_etcd(n, Ev::EtcdTxn { expect, value });
         }
     }
 
@@ -1040,7 +1040,7 @@ impl World {
                     sn.next_session
                 };
                 let watch_next = self.etcd.log.len();
-                self.from_etcd(node, Ev::EtcdSessionUp { node, inc, sid, lease, reg, snapshot, watch_next });
+                self.send_from_etcd(node, Ev::EtcdSessionUp { node, inc, sid, lease, reg, snapshot, watch_next });
             }
             Ev::EtcdSessionUp { node, inc, sid, lease, reg, snapshot, watch_next } => {
                 if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
@@ -1069,7 +1069,7 @@ impl World {
                     }
                     None => false,
                 };
-                self.from_etcd(node, Ev::EtcdKeepAliveResp { node, inc, sid, ok });
+                self.send_from_etcd(node, Ev::EtcdKeepAliveResp { node, inc, sid, ok });
             }
             Ev::EtcdKeepAliveResp { node, inc, sid, ok } => {
                 if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
@@ -1153,7 +1153,7 @@ impl World {
                         let entries = self.etcd.log[from..].to_vec();
                         self.nodes[n as usize].session.as_mut().expect("session").watch_next = len;
                         let inc = self.nodes[n as usize].incarnation;
-                        self.from_etcd(n, Ev::EtcdWatch { node: n, inc, sid, entries });
+                        self.send_from_etcd(n, Ev::EtcdWatch { node: n, inc, sid, entries });
                     }
                 }
                 self.push(ETCD_TICK, Ev::EtcdTick);
