@@ -214,6 +214,10 @@ struct SimNode {
     mem: Vec<Cell>,
     tick_at: Option<u64>,
     isolated_until: u64,
+    /// Stalled (SIGSTOP, a scheduling stall) until then: it handles
+    /// nothing; what arrives meanwhile waits and is handled, in arrival
+    /// order, when it resumes.
+    paused_until: u64,
     down_until: u64,
 }
 
@@ -240,16 +244,19 @@ enum Ev {
         to: NodeId,
         ka: KeepAlive,
     },
+    /// `local`: the coordinator's own (no network, isolation or not).
     KeepAliveAck {
         node: NodeId,
         inc: u64,
         sent_at: u64,
         view: View,
+        local: bool,
     },
     View {
         node: NodeId,
         inc: u64,
         view: View,
+        local: bool,
     },
     MembershipTick,
     /// etcd mode: a node (re)connects: lease, registration, snapshot.
@@ -279,6 +286,7 @@ enum Ev {
         ok: bool,
     },
     EtcdTxn {
+        node: NodeId,
         expect: i64,
         value: String,
     },
@@ -366,6 +374,8 @@ pub struct World {
     nodes: Vec<SimNode>,
     /// The coordinator's durable epoch (survives its crashes).
     persisted_epoch: u64,
+    /// Shortest message delay.
+    min_delay: u64,
     /// etcd mode: the etcd cluster, and the TTL of its leases.
     etcd: EtcdModel,
     etcd_ttl: u64,
@@ -414,6 +424,14 @@ impl World {
         if rng.below(4) == 0 {
             core_cfg.op_timeout_us = rng.range(15_000, 60_000);
         }
+        // One seed in four with clocks ten times worse and thin margins,
+        // and messages as fast as 1 us: every lease and grant margin is
+        // then what stands between a slow clock and a reused slot.
+        let tight = rng.below(4) == 0;
+        if tight {
+            core_cfg.drift_ppm = 2_000;
+            core_cfg.drift_margin_us = 100;
+        }
         let nodes = (0..cfg.nodes)
             .map(|_| SimNode {
                 core: None,
@@ -441,6 +459,7 @@ impl World {
                 ],
                 tick_at: None,
                 isolated_until: 0,
+                paused_until: 0,
                 down_until: 0,
             })
             .collect();
@@ -454,6 +473,7 @@ impl World {
             queue: BinaryHeap::new(),
             nodes,
             persisted_epoch: 0,
+            min_delay: if tight { 1 } else { 20 },
             etcd: EtcdModel::default(),
             etcd_ttl: 0,
             max_published: 0,
@@ -574,7 +594,11 @@ impl World {
             self.act(n, inc, a);
         }
         if let Some(t) = next {
-            let real = self.nodes[n as usize].clock.real(t).max(self.now + 1);
+            // Timers fire late sometimes (the daemon recomputes its next
+            // timeout at most every 4 ms): a lapsed lease or a deadline may
+            // meet other events before its tick.
+            let late = if self.faults && self.rng.chance(0.3) { self.rng.range(0, 4_000) } else { 0 };
+            let real = self.nodes[n as usize].clock.real(t).max(self.now + 1) + late;
             let sn = &mut self.nodes[n as usize];
             if sn.tick_at.is_none_or(|cur| real < cur || cur <= self.now) {
                 sn.tick_at = Some(real);
@@ -621,7 +645,7 @@ impl World {
                         } else if self.rng.chance(0.05) {
                             self.rng.range(2_000, 8_000)
                         } else {
-                            self.rng.range(20, 600)
+                            self.rng.range(self.min_delay, 600)
                         };
                         self.push(d, Ev::Deliver { to, from: n, batch: batch.clone() });
                     }
@@ -773,7 +797,7 @@ impl World {
 
     fn client_op(&mut self) {
         let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
-        if !self.up(n) {
+        if !self.up(n) || self.nodes[n as usize].paused_until > self.now {
             return;
         }
         let key = BlockKey { ns: 7, key: self.rng.below(self.cfg.keys as u64) as u128 };
@@ -897,13 +921,13 @@ impl World {
                     let Some(inc) = view.member(to).map(|m| m.incarnation) else { continue };
                     if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
                         let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
-                        self.push(d, Ev::KeepAliveAck { node: to, inc, sent_at: sent_at_us, view });
+                        self.push(d, Ev::KeepAliveAck { node: to, inc, sent_at: sent_at_us, view, local: false });
                     }
                 }
                 MembershipAction::AckLocal { sent_at_us } => {
                     let inc = self.nodes[n as usize].incarnation;
                     let view = self.nodes[n as usize].core.as_ref().map(|c| c.view().clone()).unwrap_or_default();
-                    self.push(0, Ev::KeepAliveAck { node: n, inc, sent_at: sent_at_us, view });
+                    self.push(0, Ev::KeepAliveAck { node: n, inc, sent_at: sent_at_us, view, local: true });
                 }
                 MembershipAction::Persist(e) => self.persisted_epoch = e,
                 MembershipAction::Publish(view) => self.publish(n, view),
@@ -917,10 +941,10 @@ impl World {
         self.check_m1(&view);
         for m in &view.members {
             if m.id == n {
-                self.push(0, Ev::View { node: n, inc: m.incarnation, view: view.clone() });
+                self.push(0, Ev::View { node: n, inc: m.incarnation, view: view.clone(), local: true });
             } else if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
                 let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
-                self.push(d, Ev::View { node: m.id, inc: m.incarnation, view: view.clone() });
+                self.push(d, Ev::View { node: m.id, inc: m.incarnation, view: view.clone(), local: false });
             }
         }
     }
@@ -1014,7 +1038,7 @@ impl World {
         if let Some((expect, _, value)) = proposal
             && self.etcd_reachable(n)
         {
-            self.send_to_etcd(n, Ev::EtcdTxn { expect, value });
+            self.send_to_etcd(n, Ev::EtcdTxn { node: n, expect, value });
         }
     }
 
@@ -1043,8 +1067,14 @@ impl World {
                 self.send_from_etcd(node, Ev::EtcdSessionUp { node, inc, sid, lease, reg, snapshot, watch_next });
             }
             Ev::EtcdSessionUp { node, inc, sid, lease, reg, snapshot, watch_next } => {
-                if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
+                if self.nodes[node as usize].incarnation != inc || !self.up(node) {
                     return; // the lease expires on its own
+                }
+                if !self.reachable(node) {
+                    // The answer never arrives: the connect times out and
+                    // is retried (the lease expires on its own).
+                    self.push(ETCD_DIAL_TIMEOUT, Ev::EtcdConnect { node, inc });
+                    return;
                 }
                 let Some(m) = self.nodes[node as usize].etcd.as_mut() else { return };
                 m.start_session(reg);
@@ -1072,7 +1102,11 @@ impl World {
                 self.send_from_etcd(node, Ev::EtcdKeepAliveResp { node, inc, sid, ok });
             }
             Ev::EtcdKeepAliveResp { node, inc, sid, ok } => {
-                if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
+                if self.nodes[node as usize].incarnation != inc {
+                    return;
+                }
+                if !self.reachable(node) {
+                    self.etcd_unreachable(node);
                     return;
                 }
                 let Some(s) = self.nodes[node as usize].session.as_mut().filter(|s| s.id == sid) else { return };
@@ -1087,12 +1121,13 @@ impl World {
                     self.drive(node, Event::KeepAliveAck { sent_at });
                 }
             }
-            Ev::EtcdTxn { expect, value } => {
+            Ev::EtcdTxn { node, expect, value } => {
                 if self.etcd.down_until > self.now {
                     return;
                 }
                 let cur = self.etcd.kv.get("/view").map_or(0, |v| v.1);
                 if cur == expect {
+                    self.note(format!("t={} n{node} view txn at rev {cur}: {value}", self.now));
                     if let Some((epoch, m)) = parse_etcd_view(&value) {
                         let view = View {
                             epoch,
@@ -1111,7 +1146,11 @@ impl World {
                 }
             }
             Ev::EtcdWatch { node, inc, sid, entries } => {
-                if self.nodes[node as usize].incarnation != inc || !self.reachable(node) {
+                if self.nodes[node as usize].incarnation != inc {
+                    return;
+                }
+                if !self.reachable(node) {
+                    self.etcd_unreachable(node);
                     return;
                 }
                 if self.nodes[node as usize].session.as_ref().is_none_or(|s| s.id != sid) {
@@ -1164,6 +1203,9 @@ impl World {
 
     fn membership_tick(&mut self) {
         for n in 0..self.cfg.nodes as NodeId {
+            if self.nodes[n as usize].paused_until > self.now {
+                continue;
+            }
             let local = self.local_now(n);
             let Some(m) = self.nodes[n as usize].membership.as_mut() else { continue };
             let actions = m.tick(local);
@@ -1197,7 +1239,12 @@ impl World {
             }
         }
         let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
-        if self.rng.chance(0.0015) && self.up(n) {
+        if self.rng.chance(0.001) && self.up(n) && self.nodes[n as usize].paused_until <= self.now {
+            // A stall, sometimes past the node's lease.
+            let until = self.now + self.rng.range(5_000, 300_000);
+            self.nodes[n as usize].paused_until = until;
+            self.note(format!("t={} PAUSE n{n} until {until}", self.now));
+        } else if self.rng.chance(0.0015) && self.up(n) {
             self.push(0, Ev::Crash { node: n });
         } else if self.rng.chance(0.002) && self.up(n) {
             let until = self.now + self.rng.range(5_000, 400_000);
@@ -1264,6 +1311,22 @@ impl World {
         let Some(q) = self.queue.pop() else { return Ok(false) };
         self.now = q.at;
         self.stats.events += 1;
+        if let Some(n) = target(&q.ev)
+            && self.nodes[n as usize].paused_until > self.now
+        {
+            // Handled right after the stall, in arrival order (streams such
+            // as an etcd watch stay ordered).
+            let at = self.nodes[n as usize].paused_until;
+            if let Ev::Tick { node } = &q.ev {
+                let sn = &mut self.nodes[*node as usize];
+                if sn.tick_at != Some(self.now) {
+                    return Ok(true);
+                }
+                sn.tick_at = Some(at);
+            }
+            self.push(at - self.now, q.ev);
+            return Ok(true);
+        }
         match q.ev {
             Ev::Deliver { to, from, batch } => {
                 if self.reachable(to) {
@@ -1298,14 +1361,14 @@ impl World {
                     }
                 }
             }
-            Ev::KeepAliveAck { node, inc, sent_at, view } => {
-                if self.nodes[node as usize].incarnation == inc && self.reachable(node) {
+            Ev::KeepAliveAck { node, inc, sent_at, view, local } => {
+                if self.nodes[node as usize].incarnation == inc && (self.reachable(node) || local && self.up(node)) {
                     self.drive(node, Event::View(view));
                     self.drive(node, Event::KeepAliveAck { sent_at });
                 }
             }
-            Ev::View { node, inc, view } => {
-                if self.nodes[node as usize].incarnation == inc && self.reachable(node) {
+            Ev::View { node, inc, view, local } => {
+                if self.nodes[node as usize].incarnation == inc && (self.reachable(node) || local && self.up(node)) {
                     self.drive(node, Event::View(view));
                 }
             }
@@ -1384,6 +1447,8 @@ impl World {
         for n in 0..self.cfg.nodes {
             self.nodes[n].isolated_until = 0;
             self.nodes[n].etcd_cut_until = 0;
+            // A stall runs its course (at most 300 ms): what waited for it
+            // is handled in order when it ends.
             if !self.up(n as NodeId) {
                 self.boot(n as NodeId);
             }
@@ -1471,6 +1536,24 @@ impl World {
         }
         Ok(())
     }
+}
+
+/// The node an event is handled by (None: the world, or the NIC).
+fn target(ev: &Ev) -> Option<NodeId> {
+    Some(match ev {
+        Ev::Deliver { to, .. } => *to,
+        Ev::Tick { node }
+        | Ev::KeepAliveAck { node, .. }
+        | Ev::View { node, .. }
+        | Ev::Unpin { node, .. }
+        | Ev::EtcdSessionUp { node, .. }
+        | Ev::EtcdKeepAliveResp { node, .. }
+        | Ev::EtcdWatch { node, .. }
+        | Ev::EtcdFail { node, .. } => *node,
+        Ev::TransferDone { reader, .. } => *reader,
+        Ev::KeepAlive { to, .. } => *to,
+        _ => return None,
+    })
 }
 
 /// Runs one seed.

@@ -444,11 +444,16 @@ impl Store {
             pins_outstanding: 0,
             allocs_outstanding: 0,
             cfg,
+            // Start time in milliseconds (high 44 bits: later starts have
+            // larger ids, which the membership relies on to ignore a
+            // delayed keepalive of a previous process) and 20 bits of a
+            // hash of the exact time and pid (two daemons started in one
+            // millisecond still differ).
             instance_id: {
-                let t = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
-                let mut b = t.to_le_bytes().to_vec();
+                let d = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+                let mut b = d.as_nanos().to_le_bytes().to_vec();
                 b.extend_from_slice(&std::process::id().to_le_bytes());
-                kvmesh_common::checksum(&b)
+                ((d.as_millis() as u64) << 20) | (kvmesh_common::checksum(&b) & 0xf_ffff)
             },
             counters: Counters::default(),
             coherent: false,

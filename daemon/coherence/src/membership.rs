@@ -202,8 +202,19 @@ impl Coordinator {
         out.push(MembershipAction::Publish(self.view()));
     }
 
-    /// Records a keepalive; true when the view changed.
-    fn record(&mut self, ka: &KeepAlive, now: Time) -> bool {
+    /// Records a keepalive; true when the view changed, `None` when it is
+    /// ignored: a keepalive from an older incarnation of a live member (a
+    /// process that is gone, its keepalive delayed) must not bring it back.
+    /// Incarnations grow with each start of a daemon; an older one is
+    /// admitted again only once the newer has been silent for the removal
+    /// time (a daemon whose clock stepped back still rejoins).
+    fn record(&mut self, ka: &KeepAlive, now: Time) -> Option<bool> {
+        if let Some(m) = self.members.get(&ka.node)
+            && ka.incarnation < m.0
+            && now.saturating_sub(m.2) <= self.removal_us
+        {
+            return None;
+        }
         let capacity = ka.capacity.max(1);
         let mut changed = self.members.get(&ka.node).is_none_or(|m| m.0 != ka.incarnation || m.1 != capacity);
         if ka.epoch_seen > self.epoch {
@@ -213,13 +224,18 @@ impl Coordinator {
             changed = true;
         }
         self.members.insert(ka.node, (ka.incarnation, capacity, now));
-        changed
+        Some(changed)
     }
 
     fn on_keepalive(&mut self, ka: KeepAlive, now: Time, local: bool) -> Vec<MembershipAction> {
         let mut out = Vec::new();
         let ended = self.end_wait(now);
-        let changed = self.record(&ka, now);
+        let Some(changed) = self.record(&ka, now) else {
+            if ended {
+                self.publish(&mut out);
+            }
+            return out;
+        };
         if self.recover_until.is_some() {
             // Still waiting out the previous incarnation's leases: listen only.
             return out;
@@ -479,6 +495,21 @@ mod tests {
         // A member that saw a higher epoch: continue above it.
         let v = published(&m.peer_keepalive(ka(3, 30, 1, 57), t + REMOVAL * 2)).expect("view above 57");
         assert_eq!(v.epoch, 58);
+    }
+
+    #[test]
+    fn a_delayed_keepalive_of_a_dead_incarnation_is_ignored() {
+        let mut m = static_membership(StaticConfig { skip_restart_wait: true, ..cfg(0) }, 0);
+        m.keepalive(ka(1, 10, 0, 0), 0);
+        m.peer_keepalive(ka(2, 20, 1, 1), 1);
+        let v = published(&m.peer_keepalive(ka(2, 21, 2, 2), 2)).expect("restart of node 2");
+        assert_eq!(v.member(2).map(|x| x.incarnation), Some(21));
+        // The old process's keepalive, delayed: no view, no ack.
+        assert!(m.peer_keepalive(ka(2, 20, 3, 2), 3).is_empty());
+        // Once incarnation 21 has been silent past the removal time, a
+        // lower one (a clock stepped back) is admitted.
+        let v = published(&m.peer_keepalive(ka(2, 19, 4, 3), 3 + REMOVAL + 1)).expect("rejoin");
+        assert_eq!(v.member(2).map(|x| x.incarnation), Some(19));
     }
 
     #[test]

@@ -930,7 +930,7 @@ impl Node {
     }
 
     fn on_publish_req(&mut self, w: NodeId, op: OpId, key: BlockKey, checksum: u64, copy: u64) {
-        if !self.ready || !self.is_home(&key) {
+        if !self.ready || !self.is_home(&key) || !self.serving() {
             return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Busy, copy });
         }
         let e = self.dir.entry(key).or_default();
@@ -970,6 +970,23 @@ impl Node {
     }
 
     fn complete_change(&mut self, key: BlockKey) {
+        if !self.serving() {
+            // A home whose lease lapsed may already have been replaced (a
+            // view without it, a new home for the key): it assigns no
+            // version. The change is abandoned; its writer or requester
+            // retries with the home of its next view.
+            let e = self.dir.get_mut(&key).expect("entry of a change");
+            let Some(c) = e.change.take() else { return };
+            match c.kind {
+                ChangeKind::Overwrite { writer, op, copy, .. } => {
+                    self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Busy, copy })
+                }
+                ChangeKind::Invalidate { requester, op } => {
+                    self.send(requester, Msg::InvalidateResp { op, key, ok: false })
+                }
+            }
+            return;
+        }
         let next = {
             let e = self.dir.get(&key).expect("entry of a change");
             self.next_version(e.version)
@@ -1017,12 +1034,16 @@ impl Node {
         self.ops.remove(&op);
         self.writes.remove(&key);
         match result {
-            PublishResult::Stored(version)
-                if self.retired.get(&key).is_some_and(|&r| version <= r) || !self.serving() =>
-            {
+            PublishResult::Stored(_) if !self.serving() => {
+                // This node may no longer serve: the copy must not become
+                // Valid, and whether the put survives the membership
+                // change is unknown — an error, never "stored".
+                self.unreference(slot);
+                self.done(op, Outcome::Error(ErrorKind::NotMember));
+            }
+            PublishResult::Stored(version) if self.retired.get(&key).is_some_and(|&r| version <= r) => {
                 // Stored, then overwritten or invalidated before the answer
-                // reached us, or this node may no longer serve: the copy
-                // must not become Valid.
+                // reached us: the copy must not become Valid.
                 self.unreference(slot);
                 self.done(op, Outcome::Stored { version });
             }
@@ -1106,7 +1127,7 @@ impl Node {
     }
 
     fn on_invalidate_req(&mut self, r: NodeId, op: OpId, key: BlockKey) {
-        if !self.ready || !self.is_home(&key) {
+        if !self.ready || !self.is_home(&key) || !self.serving() {
             return self.send(r, Msg::InvalidateResp { op, key, ok: false });
         }
         let Some(e) = self.dir.get_mut(&key) else {

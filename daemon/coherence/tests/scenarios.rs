@@ -331,3 +331,27 @@ fn copies_held_under_a_lapsed_lease_are_never_announced_into_a_new_view() {
         .collect();
     assert!(announced.iter().all(|&n| n == 0), "announced entries {announced:?}");
 }
+
+#[test]
+fn a_home_whose_lease_lapsed_assigns_no_version() {
+    // Found by the simulator: a home that had lost its membership lease
+    // (and whose keys another home may already serve in a later view) still
+    // completed a publish, and the writer reported "stored" for a version
+    // the cluster then never served.
+    let mut net = Net::new(2, Config::default());
+    let k = (0..1000).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(0)).expect("a key homed on node 0");
+    net.now += 2 * Config::default().membership_lease_us;
+    // Node 1 keeps its lease (its keepalive acknowledged); node 0's lapsed.
+    net.drive(1, Event::Tick);
+    let sent_at = net.last_keepalive(1).expect("keepalive");
+    net.drive(1, Event::KeepAliveAck { sent_at });
+    assert!(net.nodes[1].serving() && !net.nodes[0].serving_at(net.now));
+    net.put(1, 1, k, 7);
+    net.settle();
+    assert!(
+        !matches!(net.outcome(1, 1), Some(Outcome::Stored { .. })),
+        "a home without a lease assigned a version: {:?}",
+        net.outcome(1, 1)
+    );
+    assert_eq!(net.nodes[0].metrics().changes_completed, 0);
+}
