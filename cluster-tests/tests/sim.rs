@@ -34,11 +34,12 @@ fn same_seed_same_run() {
     assert!(a.hits > 0 && a.stored > 0 && a.invalidated > 0, "the run must exercise the protocol: {a:?}");
 }
 
-/// Each planted bug, and the invariant it breaks: the run must name that
-/// one (a bug caught by accident, under another name, is a checker that
-/// does not check what it claims).
+/// Each planted bug, and the invariants it breaks: the run must name one of
+/// them (a bug caught by accident, under another name, is a checker that
+/// does not check what it claims). Skipping the ack wait breaks S1 (two
+/// Valid versions) and S3 (a change completed while a holder serves).
 const PLANTED: [(&str, &str); 6] = [
-    ("skip-ack-wait", "S3"),
+    ("skip-ack-wait", "S1/S3"),
     ("ack-without-invalidate", "S3"),
     ("skip-validation", "DATA"),
     ("reuse-granted-slot", "S4"),
@@ -55,6 +56,11 @@ fn every_planted_bug_is_caught_by_the_invariant_it_breaks() {
         let caught = (1..=200).find_map(|seed| run_seed(seed, &cfg).err());
         let v = caught.unwrap_or_else(|| panic!("bug {name} survived 200 seeds"));
         eprintln!("{name}: seed={} {} {}", v.seed, v.invariant, v.detail);
-        assert_eq!(v.invariant, invariant, "bug {name} caught by {} ({}), not by {invariant}", v.invariant, v.detail);
+        assert!(
+            invariant.split('/').any(|i| i == v.invariant),
+            "bug {name} caught by {} ({}), not by {invariant}",
+            v.invariant,
+            v.detail
+        );
     }
 }
