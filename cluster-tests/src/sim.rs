@@ -398,6 +398,10 @@ pub struct World {
     /// Incarnation of the holder that granted each slot use (a grant, like
     /// an rkey, dies with its process).
     granted_by: HashMap<(NodeId, SlotRef), u64>,
+    /// One-sided reads not yet executed, and until when (real time) their
+    /// readers trust the grant: (holder, slot) -> (holder incarnation,
+    /// deadline) per read.
+    trusted: HashMap<(NodeId, SlotRef), Vec<(u64, u64)>>,
     faults: bool,
     /// Client calls are being issued.
     workload: bool,
@@ -488,6 +492,7 @@ impl World {
             pending_fail: None,
             pending_s3: Vec::new(),
             granted_by: HashMap::new(),
+            trusted: HashMap::new(),
             faults: true,
             workload: true,
             log: VecDeque::new(),
@@ -617,6 +622,19 @@ impl World {
     fn alloc(&mut self, n: NodeId) -> Option<SlotRef> {
         let sn = &mut self.nodes[n as usize];
         let i = sn.mem.iter().position(|c| c.state == CellState::Free)?;
+        // S4 at the moment of reuse: no reader may still trust a grant of
+        // the slot's previous use (a grant of a process that died with its
+        // memory does not count: one-sided reads of it fail).
+        let old = SlotRef { slot: i as u32, generation: sn.mem[i].generation };
+        if let Some(reads) = self.trusted.remove(&(n, old))
+            && let Some(&(_, until)) =
+                reads.iter().filter(|(inc, until)| *inc == sn.incarnation && *until > self.now).max_by_key(|r| r.1)
+        {
+            self.pending_fail.get_or_insert_with(|| {
+                ("S4", format!("node {n} reuses slot {old:?} while a read not yet done trusts its grant until {until}"))
+            });
+        }
+        let sn = &mut self.nodes[n as usize];
         let c = &mut sn.mem[i];
         c.state = CellState::Used;
         c.generation += 1;
@@ -659,6 +677,7 @@ impl World {
                     self.rng.range(5, 2_000)
                 };
                 let holder_inc = self.granted_by.get(&(from, remote)).copied().unwrap_or(0);
+                self.trusted.entry((from, remote)).or_default().push((holder_inc, deadline_real));
                 self.push(
                     d,
                     Ev::ReadExec(Read {
@@ -843,6 +862,11 @@ impl World {
 
     fn read_exec(&mut self, r: Read) {
         let Read { reader, reader_inc, op, holder, holder_inc, remote, deadline_real } = r;
+        if let Some(reads) = self.trusted.get_mut(&(holder, remote))
+            && let Some(i) = reads.iter().position(|&x| x == (holder_inc, deadline_real))
+        {
+            reads.swap_remove(i);
+        }
         let ok = self.reachable(holder)
             && self.nodes[holder as usize].incarnation == holder_inc
             && self.reachable(reader)
