@@ -17,10 +17,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, TempDir, free_port, peer_config, pool};
-use kvmesh_client::{Allocation, Client, CommitOutcome, Key};
+use common::{Daemon, TempDir, fill, free_port, peer_config, pool};
+use kvmesh_client::Key;
 
-const BLOCK: usize = 4096;
 const KEY: Key = Key(0xe7cd_0000_0000_0000_0000_0000_0000_0002);
 const TTL_S: u64 = 2;
 
@@ -131,30 +130,16 @@ fn config(id: u32, ports: &[u16], etcd_port: u16) -> String {
         )
 }
 
-async fn put(d: &Daemon, fill: u8) -> bool {
-    let Ok(c) = Client::connect(&d.socket).await else { return false };
-    let Ok(ns) = c.register_namespace("ns", BLOCK as u64, "t").await else { return false };
-    let Ok(a) = c.allocate_overwrite(&ns, &[KEY]).await else { return false };
-    let Some(Allocation::Allocated(mut w)) = a.into_iter().next() else { return false };
-    w.copy_from_slice(&[fill; BLOCK]);
-    matches!(c.commit(vec![w]).await.as_deref(), Ok([CommitOutcome::Committed { .. }]))
+async fn put(d: &Daemon, f: u8) -> bool {
+    fill::put(d, KEY, f).await
 }
 
-async fn put_until_stored(d: &Daemon, fill: u8) {
-    let t0 = Instant::now();
-    while !put(d, fill).await {
-        assert!(t0.elapsed() < Duration::from_secs(20), "put {:?} never stored; log:\n{}", fill as char, d.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+async fn put_until_stored(d: &Daemon, f: u8) {
+    fill::put_until_stored(d, KEY, f, Duration::from_secs(20)).await;
 }
 
 async fn get(d: &Daemon) -> Option<u8> {
-    let c = Client::connect(&d.socket).await.ok()?;
-    let ns = c.register_namespace("ns", BLOCK as u64, "t").await.ok()?;
-    let b = c.pin(&ns, &[KEY]).await.ok()?.into_iter().next().flatten()?;
-    let first = b[0];
-    assert!(b.iter().all(|&x| x == first), "torn block served");
-    Some(first)
+    fill::get(d, KEY).await
 }
 
 async fn coherence(d: &Daemon) -> kvmesh_proto::engine::v1::CoherenceStats {

@@ -13,10 +13,9 @@ mod common;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use common::{Daemon, free_port, peer_config, pool};
-use kvmesh_client::{Allocation, Client, CommitOutcome, Key};
+use common::{Daemon, fill, free_port, peer_config, pool};
+use kvmesh_client::Key;
 
-const BLOCK: usize = 4096;
 const KEY: Key = Key(0x5eed_0000_0000_0000_0000_0000_0000_0001);
 
 fn signal(d: &Daemon, sig: &str) {
@@ -24,40 +23,12 @@ fn signal(d: &Daemon, sig: &str) {
     assert!(ok, "kill {sig} {}", d.child.id());
 }
 
-/// Overwrites KEY with `fill` through daemon `d`, retrying refusals (a
-/// daemon that is not serving yet refuses) until `deadline`.
 async fn put_until_stored(d: &Daemon, fill: u8, deadline: Duration) -> Duration {
-    let t0 = Instant::now();
-    let mut attempts = 0;
-    loop {
-        attempts += 1;
-        if let Ok(c) = Client::connect(&d.socket).await
-            && let Ok(ns) = c.register_namespace("ns", BLOCK as u64, "t").await
-            && let Ok(a) = c.allocate_overwrite(&ns, &[KEY]).await
-            && let Some(Allocation::Allocated(mut w)) = a.into_iter().next()
-        {
-            w.copy_from_slice(&[fill; BLOCK]);
-            if let Ok(o) = c.commit(vec![w]).await
-                && matches!(o[0], CommitOutcome::Committed { .. })
-            {
-                eprintln!("put {:?} stored after {attempts} attempts, {:?}", fill as char, t0.elapsed());
-                return t0.elapsed();
-            }
-        }
-        assert!(t0.elapsed() < deadline, "put {:?} never stored; log:\n{}", fill as char, d.log());
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    fill::put_until_stored(d, KEY, fill, deadline).await
 }
 
-/// What daemon `d` serves for KEY: the fill byte, or None for a miss.
 async fn get(d: &Daemon) -> Option<u8> {
-    let c = Client::connect(&d.socket).await.expect("connect");
-    let ns = c.register_namespace("ns", BLOCK as u64, "t").await.expect("namespace");
-    let got = c.pin(&ns, &[KEY]).await.expect("pin");
-    let b = got.into_iter().next().flatten()?;
-    let first = b[0];
-    assert!(b.iter().all(|&x| x == first), "torn block served");
-    Some(first)
+    fill::get(d, KEY).await
 }
 
 async fn wait_serving(d: &Daemon, members: u32) {

@@ -171,3 +171,48 @@ impl Daemon {
         }
     }
 }
+
+/// One mutable key of namespace "ns" (4 KiB blocks) whose every byte is a
+/// fill byte: what the membership tests write and read.
+pub mod fill {
+    use super::Daemon;
+    use kvmesh_client::{Allocation, Client, CommitOutcome, Key};
+    use std::time::{Duration, Instant};
+
+    pub const BLOCK: usize = 4096;
+
+    /// Overwrites `key` with `fill` through `d`; false if refused or failed.
+    pub async fn put(d: &Daemon, key: Key, fill: u8) -> bool {
+        let Ok(c) = Client::connect(&d.socket).await else { return false };
+        let Ok(ns) = c.register_namespace("ns", BLOCK as u64, "t").await else { return false };
+        let Ok(a) = c.allocate_overwrite(&ns, &[key]).await else { return false };
+        let Some(Allocation::Allocated(mut w)) = a.into_iter().next() else { return false };
+        w.copy_from_slice(&[fill; BLOCK]);
+        matches!(c.commit(vec![w]).await.as_deref(), Ok([CommitOutcome::Committed { .. }]))
+    }
+
+    /// Retries `put` (a daemon that is not serving refuses) until stored;
+    /// fails the test after `deadline`. Returns how long it took.
+    pub async fn put_until_stored(d: &Daemon, key: Key, fill: u8, deadline: Duration) -> Duration {
+        let t0 = Instant::now();
+        let mut attempts = 1;
+        while !put(d, key, fill).await {
+            assert!(t0.elapsed() < deadline, "put {:?} never stored; log:\n{}", fill as char, d.log());
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            attempts += 1;
+        }
+        eprintln!("put {:?} stored after {attempts} attempts, {:?}", fill as char, t0.elapsed());
+        t0.elapsed()
+    }
+
+    /// The fill byte `d` serves for `key`, or None (a miss, or no answer).
+    /// A block that is not one fill byte throughout fails the test.
+    pub async fn get(d: &Daemon, key: Key) -> Option<u8> {
+        let c = Client::connect(&d.socket).await.ok()?;
+        let ns = c.register_namespace("ns", BLOCK as u64, "t").await.ok()?;
+        let b = c.pin(&ns, &[key]).await.ok()?.into_iter().next().flatten()?;
+        let first = b[0];
+        assert!(b.iter().all(|&x| x == first), "torn or wrong block served");
+        Some(first)
+    }
+}
