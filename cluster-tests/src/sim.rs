@@ -15,7 +15,7 @@
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
 
 use kvmesh_coherence::membership::{
-    EtcdMember, KeepAlive, Membership, MembershipAction, StaticConfig, etcd_member_value, parse_etcd_view,
+    EtcdMember, KeepAlive, Membership, MembershipAction, StaticConfig, etcd_member_value, etcd_view, parse_etcd_view,
     static_membership,
 };
 use kvmesh_coherence::{
@@ -1153,18 +1153,7 @@ impl World {
                 if cur == expect {
                     self.note(format!("t={} n{node} view txn at rev {cur}: {value}", self.now));
                     if let Some((epoch, m)) = parse_etcd_view(&value) {
-                        let view = View {
-                            epoch,
-                            members: m
-                                .iter()
-                                .map(|(&id, &(incarnation, capacity, _))| kvmesh_coherence::Member {
-                                    id,
-                                    incarnation,
-                                    capacity,
-                                })
-                                .collect(),
-                        };
-                        self.check_m1(&view);
+                        self.check_m1(&etcd_view(epoch, &m));
                     }
                     self.etcd.put("/view", value, None);
                 }

@@ -177,7 +177,7 @@ pub struct Cluster {
     /// Reads in flight (when the last one ends, what they produced leaves).
     reads_in_flight: AtomicU64,
     /// Health of the etcd session (etcd membership only).
-    etcd_status: Mutex<Option<Arc<crate::etcd::EtcdStatus>>>,
+    etcd_status: Option<Arc<crate::etcd::EtcdStatus>>,
 }
 
 /// Where the etcd task delivers views and lease refreshes.
@@ -300,14 +300,13 @@ impl Cluster {
             timer: Notify::new(),
             counters: ClusterCounters::default(),
             reads_in_flight: AtomicU64::new(0),
-            etcd_status: Mutex::new(None),
+            etcd_status: etcd_task.as_ref().map(|t| Arc::clone(&t.2)),
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
         }
         tokio::spawn(Arc::clone(&cluster).timer_task());
         if let Some((settings, rx, status)) = etcd_task {
-            *cluster.etcd_status.lock() = Some(Arc::clone(&status));
             let sink: Arc<dyn crate::etcd::Sink> = Arc::new(EtcdSink(Arc::clone(&cluster)));
             tokio::spawn(crate::etcd::run(settings, rx, sink, status));
         }
@@ -1308,7 +1307,7 @@ impl Cluster {
 
     /// What `kvmesh stats` shows about coherence.
     pub fn stats(&self) -> kvmesh_proto::engine::v1::CoherenceStats {
-        let etcd = self.etcd_status.lock().clone();
+        let etcd = self.etcd_status.as_ref();
         let g = self.inner.lock();
         let m = g.node.metrics();
         let h = &m.inval_to_ack_us;
@@ -1342,8 +1341,9 @@ impl Cluster {
             unsolicited_keepalive_acks: m.unsolicited_keepalive_acks,
             membership_foreign_drops: self.counters.membership_foreign_drops.load(Ordering::Relaxed),
             epoch_persist_failures: self.counters.epoch_persist_failures.load(Ordering::Relaxed),
-            etcd_connected: etcd.as_ref().is_some_and(|s| s.connected.load(Ordering::Relaxed)),
-            etcd_errors: etcd.as_ref().map_or(0, |s| s.errors.load(Ordering::Relaxed)),
+            etcd_connected: etcd.is_some_and(|s| s.connected.load(Ordering::Relaxed)),
+            etcd_errors: etcd.map_or(0, |s| s.errors.load(Ordering::Relaxed)),
+            etcd_keepalives_dropped: etcd.map_or(0, |s| s.keepalives_dropped.load(Ordering::Relaxed)),
         }
     }
 

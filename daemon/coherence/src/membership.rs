@@ -313,6 +313,14 @@ pub struct EtcdMember {
     delivered: u64,
 }
 
+/// The core's view of an etcd view's members.
+pub fn etcd_view(epoch: u64, m: &EtcdMembers) -> View {
+    View {
+        epoch,
+        members: m.iter().map(|(&id, &(incarnation, capacity, _))| Member { id, incarnation, capacity }).collect(),
+    }
+}
+
 /// The member key's value.
 pub fn etcd_member_value(incarnation: u64, capacity: u32, addr: &str) -> String {
     format!("{incarnation} {capacity} {addr}")
@@ -405,10 +413,7 @@ impl EtcdMember {
             return None;
         }
         self.delivered = *epoch;
-        Some(View {
-            epoch: *epoch,
-            members: m.iter().map(|(&id, &(incarnation, capacity, _))| Member { id, incarnation, capacity }).collect(),
-        })
+        Some(etcd_view(*epoch, m))
     }
 
     /// When the registered members differ from the view's: the next view,

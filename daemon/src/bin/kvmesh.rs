@@ -242,6 +242,7 @@ fn stats_json(s: &kvmesh_client::Stats) -> String {
                 "membership_foreign_drops": c.membership_foreign_drops,
                 "epoch_persist_failures": c.epoch_persist_failures,
                 "etcd_connected": c.etcd_connected, "etcd_errors": c.etcd_errors,
+                "etcd_keepalives_dropped": c.etcd_keepalives_dropped,
             })
         }),
     })
