@@ -583,6 +583,10 @@ impl World {
         let local = self.local_now(n);
         let Some(core) = self.nodes[n as usize].core.as_mut() else { return };
         let actions = core.handle(local, ev);
+        if let Err(e) = core.check_incremental() {
+            self.pending_fail.get_or_insert_with(|| ("INCR", format!("node {n}: {e}")));
+        }
+        let core = self.nodes[n as usize].core.as_mut().expect("driven");
         let traces = core.take_trace();
         let next = core.next_timeout();
         let inc = core.incarnation();
@@ -599,9 +603,9 @@ impl World {
             self.act(n, inc, a);
         }
         if let Some(t) = next {
-            // Timers fire late sometimes (the daemon recomputes its next
-            // timeout at most every 4 ms): a lapsed lease or a deadline may
-            // meet other events before its tick.
+            // Timers fire late sometimes (a busy or descheduled driver): a
+            // lapsed lease or a deadline may meet other events before its
+            // tick.
             let late = if self.faults && self.rng.chance(0.3) { self.rng.range(0, 4_000) } else { 0 };
             let real = self.nodes[n as usize].clock.real(t).max(self.now + 1) + late;
             let sn = &mut self.nodes[n as usize];

@@ -120,6 +120,10 @@ struct Inner {
     /// Read grants this daemon gave: (peer, grant id) -> store pin and its
     /// expiry.
     grant_pins: HashMap<(NodeId, u64), (SlotRef, Instant)>,
+    /// The same grants in expiry order (all share one lease, so insertion
+    /// order is expiry order): expired ones are forgotten in O(expired).
+    /// Entries of grants released early stay until their expiry.
+    grant_expiry: VecDeque<(Instant, NodeId, u64)>,
     /// Reads the core started while handling the current input, sent to
     /// the data plane as one batch per holder when the input is done.
     pending_reads: Vec<Read>,
@@ -292,6 +296,7 @@ impl Cluster {
                 epoch_file,
                 fetching: HashMap::new(),
                 grant_pins: HashMap::new(),
+                grant_expiry: VecDeque::new(),
                 pending_reads: Vec::new(),
             }),
             store,
@@ -532,6 +537,7 @@ impl Cluster {
             if pinned {
                 st.counters.grants_given += 1;
                 g.grant_pins.insert((to, grant), (r, now + lease));
+                g.grant_expiry.push_back((now + lease, to, grant));
                 if hook == Some(TestHook::CorruptGrantedSlots) {
                     st.test_corrupt_header(r);
                 }
@@ -1010,69 +1016,42 @@ impl Cluster {
         }
     }
 
-    /// Wakes the core when it needs time to pass. `Node::next_timeout` is
-    /// O(state) (ops, directory, slots): it is recomputed at most once per
-    /// `FULL_TIMEOUT_EVERY` while events arrive, which delays a
-    /// retransmission or a deadline (all tens of milliseconds or more) by
-    /// at most that much — never a safety matter: the core checks leases
-    /// and grant deadlines against the current time on every event, so a
-    /// late tick only frees held state later. Flush windows (hundreds of
-    /// microseconds) come from the O(peers) `Node::next_flush` after every
-    /// event.
+    /// Wakes the core when it needs time to pass: `Node::next_timeout` is
+    /// O(log n) (the earliest of its ordered timers), so it is recomputed
+    /// after every event that may have changed it; a `Tick` does only the
+    /// work due. Idle, the task wakes for keepalives and housekeeping only.
     async fn timer_task(self: Arc<Self>) {
-        const FULL_TIMEOUT_EVERY: Duration = Duration::from_millis(4);
         let keepalive = Duration::from_millis(self.cfg.keepalive_ms);
         let mut next_housekeeping = Instant::now();
-        let mut full: Option<u64> = None;
-        let mut full_at = Instant::now() - FULL_TIMEOUT_EVERY;
-        let mut dirty = true;
         loop {
-            let now = Instant::now();
-            let flush = {
-                let g = self.inner.lock();
-                if dirty && now >= full_at + FULL_TIMEOUT_EVERY {
-                    full = g.node.next_timeout();
-                    full_at = now;
-                    dirty = false;
-                }
-                g.node.next_flush()
-            };
-            let mut wake = (now + keepalive).min(next_housekeeping);
-            if let Some(t) = full {
-                wake = wake.min(self.instant_of(t));
-            }
-            if let Some(t) = flush {
-                wake = wake.min(self.instant_of(t));
-            }
-            if dirty {
-                wake = wake.min(full_at + FULL_TIMEOUT_EVERY);
-            }
+            let next = self.inner.lock().node.next_timeout().map(|t| self.instant_of(t));
+            let wake = next.map_or(next_housekeeping, |t| t.min(next_housekeeping));
             tokio::select! {
                 _ = tokio::time::sleep_until(wake.into()) => {}
-                _ = self.timer.notified() => {
-                    dirty = true;
-                    continue;
-                }
+                _ = self.timer.notified() => continue,
             }
             let now = Instant::now();
             if now >= next_housekeeping {
                 next_housekeeping = now + keepalive;
                 self.housekeeping(now);
             }
-            if full.is_some_and(|t| self.instant_of(t) <= now) || now >= full_at + keepalive {
+            if next.is_some_and(|t| t <= now) {
                 self.feed(Event::Tick);
-                full = None;
-            } else if flush.is_some_and(|t| self.instant_of(t) <= now) {
-                self.feed(Event::Flush);
             }
-            dirty = true;
         }
     }
 
     /// Membership failure detection; forgetting expired grant pins.
     fn housekeeping(self: &Arc<Self>, now: Instant) {
         let mut g = self.inner.lock();
-        g.grant_pins.retain(|_, (_, until)| *until > now);
+        while let Some(&(until, peer, grant)) = g.grant_expiry.front()
+            && until <= now
+        {
+            g.grant_expiry.pop_front();
+            if g.grant_pins.get(&(peer, grant)).is_some_and(|&(_, u)| u == until) {
+                g.grant_pins.remove(&(peer, grant));
+            }
+        }
         let actions = g.membership.tick(self.now_us());
         self.run_membership(&mut g, actions);
     }

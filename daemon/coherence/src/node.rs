@@ -105,6 +105,9 @@ struct Change {
     /// Holders that have not acked: last time Invalidate was sent.
     waiting: BTreeMap<NodeId, Time>,
     started: Time,
+    /// When this change's timer fires (its entry in `Timers::changes`): no
+    /// later than the earliest `waiting` send plus the retransmit interval.
+    resend_at: Time,
 }
 
 /// Directory entry at the key's home.
@@ -122,6 +125,34 @@ struct DirEntry {
 struct OutQueue {
     msgs: Vec<Msg>,
     since: Time,
+}
+
+/// Every deadline of the core, ordered by time, so that what a tick must
+/// do, and when the next one is needed, is found without scanning the
+/// state: O(log n) to set, clear or fire a timer, O(work due) per tick,
+/// whatever the number of cached blocks, grants, operations or peers.
+/// Each entry mirrors one piece of state exactly (it is removed when that
+/// state ends); `Node::check_incremental` recomputes them by a full scan.
+#[derive(Debug, Default)]
+struct Timers {
+    /// Client operations: (deadline, op).
+    deadlines: BTreeSet<(Time, OpId)>,
+    /// Puts and invalidations: (last request sent + retransmit, op).
+    resends: BTreeSet<(Time, OpId)>,
+    /// Changes at their home: (`Change::resend_at`, key).
+    changes: BTreeSet<(Time, BlockKey)>,
+    /// Announces not yet acknowledged: (sent + retransmit, member).
+    announces: BTreeSet<(Time, NodeId)>,
+    /// Read grants: (deadline + drift margin, slot, grant).
+    grants: BTreeSet<(Time, SlotRef, u64)>,
+    /// Non-empty outgoing queues: (first message queued + flush delay, peer).
+    flushes: BTreeSet<(Time, NodeId)>,
+}
+
+impl Timers {
+    fn first(set: &BTreeSet<(Time, impl Ord)>) -> Time {
+        set.first().map_or(Time::MAX, |e| e.0)
+    }
 }
 
 /// Protocol facts recorded when `Config::trace` is set.
@@ -176,8 +207,12 @@ pub struct Node {
     dir: BTreeMap<BlockKey, DirEntry>,
     announced: BTreeSet<NodeId>,
     ready: bool,
-    announce_pending: BTreeMap<NodeId, Time>,
+    /// Announces not yet acknowledged: when each was (re)sent, and its
+    /// entries (a retransmission resends those still held, without
+    /// recomputing every copy's home).
+    announce_pending: BTreeMap<NodeId, (Time, Vec<(BlockKey, u64, u64)>)>,
     out: BTreeMap<NodeId, OutQueue>,
+    timers: Timers,
     inbox: VecDeque<(NodeId, Msg)>,
     actions: Vec<Action>,
     metrics: Metrics,
@@ -213,6 +248,7 @@ impl Node {
             ready: false,
             announce_pending: BTreeMap::new(),
             out: BTreeMap::new(),
+            timers: Timers::default(),
             inbox: VecDeque::new(),
             actions: Vec::new(),
             metrics: Metrics::default(),
@@ -314,56 +350,85 @@ impl Node {
     }
 
     /// When a queued batch's flush window ends (local clock), if any are
-    /// queued: O(peers), for drivers that recompute `next_timeout` (O(state))
-    /// less often than they feed events.
+    /// queued. O(log peers).
     pub fn next_flush(&self) -> Option<Time> {
-        self.out
-            .values()
-            .filter(|q| !q.msgs.is_empty())
-            .map(|q| (q.since + self.cfg.ack_flush_delay_us_max).max(self.now))
-            .min()
+        self.timers.flushes.first().map(|&(t, _)| t.max(self.now))
     }
 
-    /// When the node next needs a `Tick` (local clock), if ever.
+    /// When the node next needs a `Tick` (local clock), if ever. O(log n):
+    /// the earliest of its ordered timers.
     pub fn next_timeout(&self) -> Option<Time> {
-        let mut t = Time::MAX;
-        let ka = self.last_keepalive.map_or(self.now, |l| l + self.cfg.keepalive_us);
-        t = t.min(ka);
+        let mut t = self.last_keepalive.map_or(self.now, |l| l + self.cfg.keepalive_us);
         if let Some(u) = self.lease_until
             && !self.copies.is_empty()
         {
             t = t.min(u);
         }
-        for op in self.ops.values() {
-            t = t.min(op.deadline);
-            match op.kind {
-                OpKind::Put { last_sent, .. } | OpKind::Invalidate { last_sent, .. } => {
-                    t = t.min(last_sent + self.cfg.retransmit_us)
-                }
-                _ => {}
+        let ts = &self.timers;
+        t = t
+            .min(Timers::first(&ts.deadlines))
+            .min(Timers::first(&ts.resends))
+            .min(Timers::first(&ts.changes))
+            .min(Timers::first(&ts.announces))
+            .min(ts.grants.first().map_or(Time::MAX, |e| e.0))
+            .min(Timers::first(&ts.flushes));
+        Some(t.max(self.now))
+    }
+
+    /// Recomputes every incrementally kept structure (the timers, the
+    /// outstanding-grant count) by a full scan of the state and compares.
+    /// O(state): for tests and the simulator, never on a hot path.
+    pub fn check_incremental(&self) -> Result<(), String> {
+        fn same<T: Ord + std::fmt::Debug>(what: &str, kept: &BTreeSet<T>, scanned: BTreeSet<T>) -> Result<(), String> {
+            if *kept == scanned {
+                return Ok(());
             }
+            let extra: Vec<_> = kept.difference(&scanned).take(3).collect();
+            let missing: Vec<_> = scanned.difference(kept).take(3).collect();
+            Err(format!("timers.{what}: kept but not due {extra:?}, due but not kept {missing:?}"))
         }
-        for e in self.dir.values() {
+        let rt = self.cfg.retransmit_us;
+        let ts = &self.timers;
+        same("deadlines", &ts.deadlines, self.ops.iter().map(|(&id, o)| (o.deadline, id)).collect())?;
+        let resends = self
+            .ops
+            .iter()
+            .filter_map(|(&id, o)| match o.kind {
+                OpKind::Put { last_sent, .. } | OpKind::Invalidate { last_sent, .. } => Some((last_sent + rt, id)),
+                _ => None,
+            })
+            .collect();
+        same("resends", &ts.resends, resends)?;
+        let mut changes = BTreeSet::new();
+        for (k, e) in &self.dir {
             if let Some(c) = &e.change {
-                for &sent in c.waiting.values() {
-                    t = t.min(sent + self.cfg.retransmit_us);
+                if let Some(&first) = c.waiting.values().min()
+                    && c.resend_at > first + rt
+                {
+                    return Err(format!("change of {k:?} fires at {} after its first resend {}", c.resend_at, first + rt));
                 }
+                changes.insert((c.resend_at, *k));
             }
         }
-        for &sent in self.announce_pending.values() {
-            t = t.min(sent + self.cfg.retransmit_us);
-        }
-        for h in self.slots.values() {
-            for &d in h.grants.values() {
-                t = t.min(d + self.cfg.drift_margin_us);
+        same("changes", &ts.changes, changes)?;
+        same("announces", &ts.announces, self.announce_pending.iter().map(|(&m, (t, _))| (t + rt, m)).collect())?;
+        let mut grants = BTreeSet::new();
+        for (&slot, h) in &self.slots {
+            for (&g, &d) in &h.grants {
+                grants.insert((d + self.cfg.drift_margin_us, slot, g));
             }
         }
-        for q in self.out.values() {
-            if !q.msgs.is_empty() {
-                t = t.min(q.since + self.cfg.ack_flush_delay_us_max);
-            }
+        if grants.len() as u64 != self.metrics.grants_outstanding {
+            return Err(format!("grants_outstanding {} but {} grants held", self.metrics.grants_outstanding, grants.len()));
         }
-        (t != Time::MAX).then_some(t.max(self.now))
+        same("grants", &ts.grants, grants)?;
+        let flushes = self
+            .out
+            .iter()
+            .filter(|(_, q)| !q.msgs.is_empty())
+            .map(|(&to, q)| (q.since + self.cfg.ack_flush_delay_us_max, to))
+            .collect();
+        same("flushes", &ts.flushes, flushes)
     }
 
     /// Feeds one event at local time `now`; returns the actions to carry out.
@@ -422,6 +487,7 @@ impl Node {
         let q = self.out.entry(to).or_default();
         if q.msgs.is_empty() {
             q.since = self.now;
+            self.timers.flushes.insert((q.since + self.cfg.ack_flush_delay_us_max, to));
         }
         q.msgs.push(msg);
         if q.msgs.len() >= self.cfg.batch_entries_max {
@@ -435,6 +501,7 @@ impl Node {
             return;
         }
         let msgs = std::mem::take(&mut q.msgs);
+        self.timers.flushes.remove(&(q.since + self.cfg.ack_flush_delay_us_max, to));
         self.metrics.batches_sent += 1;
         self.metrics.msgs_sent += msgs.len() as u64;
         if msgs.iter().any(|m| matches!(m, Msg::InvalidateAck { .. })) {
@@ -446,10 +513,11 @@ impl Node {
 
     fn flush(&mut self, force: bool) {
         let due: Vec<NodeId> = self
-            .out
+            .timers
+            .flushes
             .iter()
-            .filter(|(_, q)| !q.msgs.is_empty() && (force || self.now >= q.since + self.cfg.ack_flush_delay_us_max))
-            .map(|(&to, _)| to)
+            .take_while(|&&(t, _)| force || t <= self.now)
+            .map(|&(_, to)| to)
             .collect();
         for to in due {
             self.flush_peer(to);
@@ -464,6 +532,41 @@ impl Node {
 
     fn done(&mut self, op: OpId, outcome: Outcome) {
         self.actions.push(Action::ClientDone { op, outcome });
+    }
+
+    fn resend_time(&self, op: &Op) -> Option<Time> {
+        match op.kind {
+            OpKind::Put { last_sent, .. } | OpKind::Invalidate { last_sent, .. } => {
+                Some(last_sent + self.cfg.retransmit_us)
+            }
+            _ => None,
+        }
+    }
+
+    /// Starts tracking a client operation (and its timers).
+    fn insert_op(&mut self, id: OpId, op: Op) {
+        self.timers.deadlines.insert((op.deadline, id));
+        if let Some(t) = self.resend_time(&op) {
+            self.timers.resends.insert((t, id));
+        }
+        if let Some(old) = self.ops.insert(id, op) {
+            // Op ids are unique per node; a driver reusing one loses the
+            // old op's answer but never leaves a timer behind.
+            self.timers.deadlines.remove(&(old.deadline, id));
+            if let Some(t) = self.resend_time(&old) {
+                self.timers.resends.remove(&(t, id));
+            }
+        }
+    }
+
+    /// Stops tracking a client operation (and its timers).
+    fn remove_op(&mut self, id: OpId) -> Option<Op> {
+        let op = self.ops.remove(&id)?;
+        self.timers.deadlines.remove(&(op.deadline, id));
+        if let Some(t) = self.resend_time(&op) {
+            self.timers.resends.remove(&(t, id));
+        }
+        Some(op)
     }
 
     fn is_home(&self, key: &BlockKey) -> bool {
@@ -481,6 +584,9 @@ impl Node {
         if !h.referenced && h.pins == 0 && grants_ok {
             let h = self.slots.remove(&slot).expect("present");
             self.metrics.grants_outstanding -= h.grants.len() as u64;
+            for (g, d) in h.grants {
+                self.timers.grants.remove(&(d + self.cfg.drift_margin_us, slot, g));
+            }
             self.actions.push(Action::FreeSlot { slot });
         }
     }
@@ -540,14 +646,14 @@ impl Node {
             && let Some(Op { kind: OpKind::Get { waiters, .. }, .. }) = self.ops.get_mut(&leader)
         {
             waiters.push(op);
-            self.ops.insert(op, Op { deadline, kind: OpKind::Waiting });
+            self.insert_op(op, Op { deadline, kind: OpKind::Waiting });
             return;
         }
         let Some(home) = self.view.home_of(&key) else {
             self.done(op, Outcome::Miss);
             return;
         };
-        self.ops.insert(
+        self.insert_op(
             op,
             Op {
                 deadline,
@@ -581,9 +687,9 @@ impl Node {
         let deadline = self.now + self.cfg.op_timeout_us;
         self.next_copy += 1;
         let copy = self.next_copy;
-        self.ops.insert(op, Op { deadline, kind: OpKind::Put { key, slot, checksum, copy, last_sent: self.now } });
+        self.insert_op(op, Op { deadline, kind: OpKind::Put { key, slot, checksum, copy, last_sent: self.now } });
         self.writes.insert(key, op);
-        self.slots.insert(slot, SlotHold { referenced: true, ..Default::default() });
+        self.slots.entry(slot).or_default().referenced = true;
         self.send(home, Msg::PublishReq { op, key, checksum, copy });
     }
 
@@ -596,7 +702,7 @@ impl Node {
             return;
         };
         let deadline = self.now + self.cfg.op_timeout_us;
-        self.ops.insert(op, Op { deadline, kind: OpKind::Invalidate { key, last_sent: self.now } });
+        self.insert_op(op, Op { deadline, kind: OpKind::Invalidate { key, last_sent: self.now } });
         self.send(home, Msg::InvalidateReq { op, key });
     }
 
@@ -613,14 +719,14 @@ impl Node {
 
     /// Ends a get (and the gets waiting on it).
     fn finish_get(&mut self, op: OpId, outcome: Outcome) {
-        let Some(o) = self.ops.remove(&op) else { return };
+        let Some(o) = self.remove_op(op) else { return };
         let OpKind::Get { key, waiters, .. } = o.kind else { unreachable!("finish_get on a non-get") };
         if self.fetching.get(&key) == Some(&op) {
             self.fetching.remove(&key);
         }
         self.done(op, outcome);
         for w in waiters {
-            if self.ops.remove(&w).is_some() {
+            if self.remove_op(w).is_some() {
                 if let Outcome::Hit { slot, .. } = outcome {
                     self.pin(slot);
                 }
@@ -678,7 +784,7 @@ impl Node {
         if let Some((stage, _, _)) = self.get_stage(op) {
             *stage = GetStage::Registering { version, dest, meta, copy };
         }
-        self.slots.insert(dest, SlotHold { referenced: true, ..Default::default() });
+        self.slots.entry(dest).or_default().referenced = true;
         match self.view.home_of(&key) {
             Some(home) => self.send(home, Msg::AddHolderReq { op, key, version, copy }),
             None => {
@@ -704,77 +810,95 @@ impl Node {
             self.drop_all_copies();
         }
         // Client deadlines and retransmissions.
-        let expired: Vec<OpId> = self.ops.iter().filter(|(_, o)| o.deadline <= now).map(|(&id, _)| id).collect();
-        for id in expired {
+        while let Some(&(t, id)) = self.timers.deadlines.first()
+            && t <= now
+        {
             self.expire_op(id);
+            // expire_op removed the op and its timers; never loop on one.
+            self.timers.deadlines.remove(&(t, id));
         }
-        let mut resend = Vec::new();
-        for (&id, o) in self.ops.iter_mut() {
-            match &mut o.kind {
-                OpKind::Put { key, checksum, copy, last_sent, .. } if now >= *last_sent + self.cfg.retransmit_us => {
+        while let Some(&(t, id)) = self.timers.resends.first()
+            && t <= now
+        {
+            self.timers.resends.remove(&(t, id));
+            let Some(o) = self.ops.get_mut(&id) else { continue };
+            let m = match &mut o.kind {
+                OpKind::Put { key, checksum, copy, last_sent, .. } => {
                     *last_sent = now;
-                    resend.push((*key, Msg::PublishReq { op: id, key: *key, checksum: *checksum, copy: *copy }));
+                    (*key, Msg::PublishReq { op: id, key: *key, checksum: *checksum, copy: *copy })
                 }
-                OpKind::Invalidate { key, last_sent } if now >= *last_sent + self.cfg.retransmit_us => {
+                OpKind::Invalidate { key, last_sent } => {
                     *last_sent = now;
-                    resend.push((*key, Msg::InvalidateReq { op: id, key: *key }));
+                    (*key, Msg::InvalidateReq { op: id, key: *key })
                 }
-                _ => {}
-            }
-        }
-        for (key, m) in resend {
-            if let Some(home) = self.view.home_of(&key) {
-                self.send(home, m);
+                _ => continue,
+            };
+            self.timers.resends.insert((now + self.cfg.retransmit_us, id));
+            if let Some(home) = self.view.home_of(&m.0) {
+                self.send(home, m.1);
             }
         }
         // Home: resend invalidations; holders that left the view count as acked.
-        let mut to_send = Vec::new();
-        let mut complete = Vec::new();
-        for (key, e) in self.dir.iter_mut() {
-            let Some(c) = &mut e.change else { continue };
-            let gone: Vec<NodeId> = c.waiting.keys().copied().filter(|h| self.view.member(*h).is_none()).collect();
-            for h in gone {
-                c.waiting.remove(&h);
-                e.holders.remove(&h);
-            }
-            for (h, sent) in c.waiting.iter_mut() {
-                if now >= *sent + self.cfg.retransmit_us {
-                    *sent = now;
-                    to_send.push((*h, Msg::Invalidate { key: *key, version: c.old_version, change: c.id }));
-                }
-            }
-            if c.waiting.is_empty() {
-                complete.push(*key);
-            }
-        }
-        for (h, m) in to_send {
-            self.send(h, m);
-        }
-        for k in complete {
-            self.complete_change(k);
+        while let Some(&(t, key)) = self.timers.changes.first()
+            && t <= now
+        {
+            self.timers.changes.remove(&(t, key));
+            self.change_timer(key);
         }
         // Announces not yet acknowledged.
-        let due: Vec<NodeId> = self
-            .announce_pending
-            .iter()
-            .filter(|(_, s)| now >= **s + self.cfg.retransmit_us)
-            .map(|(&m, _)| m)
-            .collect();
-        for m in due {
-            self.send_announce(m);
+        while let Some(&(t, m)) = self.timers.announces.first()
+            && t <= now
+        {
+            self.timers.announces.remove(&(t, m));
+            self.resend_announce(m);
         }
         // Grants past their lease (plus the drift margin).
-        let mut freed = Vec::new();
-        for (slot, h) in self.slots.iter_mut() {
-            let before = h.grants.len();
-            h.grants.retain(|_, d| now < *d + self.cfg.drift_margin_us);
-            self.metrics.grants_outstanding -= (before - h.grants.len()) as u64;
-            if before != h.grants.len() {
-                freed.push(*slot);
+        while let Some(&(t, slot, g)) = self.timers.grants.first()
+            && t <= now
+        {
+            self.timers.grants.remove(&(t, slot, g));
+            if let Some(h) = self.slots.get_mut(&slot)
+                && h.grants.remove(&g).is_some()
+            {
+                self.metrics.grants_outstanding -= 1;
+                self.maybe_free(slot);
             }
         }
-        for s in freed {
-            self.maybe_free(s);
+    }
+
+    /// A change's retransmission timer fired (its entry already removed):
+    /// resends the invalidation to holders that have not acked for a
+    /// retransmit interval, and sets the timer again.
+    fn change_timer(&mut self, key: BlockKey) {
+        let now = self.now;
+        let rt = self.cfg.retransmit_us;
+        let Some(e) = self.dir.get_mut(&key) else { return };
+        let Some(c) = &mut e.change else { return };
+        let gone: Vec<NodeId> = c.waiting.keys().copied().filter(|h| self.view.member(*h).is_none()).collect();
+        for h in gone {
+            c.waiting.remove(&h);
+            e.holders.remove(&h);
+        }
+        let mut to_send = Vec::new();
+        for (h, sent) in c.waiting.iter_mut() {
+            if now >= *sent + rt {
+                *sent = now;
+                to_send.push(*h);
+            }
+        }
+        let (version, change) = (c.old_version, c.id);
+        if c.waiting.is_empty() {
+            // complete_change ends the change; its timer is already gone,
+            // so keep the bookkeeping exact by re-arming first.
+            c.resend_at = now;
+            self.timers.changes.insert((now, key));
+            self.complete_change(key);
+        } else {
+            c.resend_at = c.waiting.values().min().expect("non-empty") + rt;
+            self.timers.changes.insert((c.resend_at, key));
+        }
+        for h in to_send {
+            self.send(h, Msg::Invalidate { key, version, change });
         }
     }
 
@@ -790,11 +914,11 @@ impl Node {
                 self.finish_get(id, Outcome::Miss);
             }
             OpKind::Waiting => {
-                self.ops.remove(&id);
+                self.remove_op(id);
                 self.done(id, Outcome::Miss);
             }
             &OpKind::Put { key, slot, .. } => {
-                self.ops.remove(&id);
+                self.remove_op(id);
                 self.writes.remove(&key);
                 if let Some(home) = self.view.home_of(&key) {
                     self.send(home, Msg::PublishAbort { op: id, key });
@@ -803,7 +927,7 @@ impl Node {
                 self.done(id, Outcome::Error(ErrorKind::Timeout));
             }
             OpKind::Invalidate { .. } => {
-                self.ops.remove(&id);
+                self.remove_op(id);
                 self.done(id, Outcome::Error(ErrorKind::Timeout));
             }
         }
@@ -819,33 +943,53 @@ impl Node {
         // Queued messages were meant for the old epoch: drop them; whatever
         // matters is retransmitted.
         self.out.clear();
+        self.timers.flushes.clear();
         // Directories are rebuilt from scratch in every epoch; a change in
         // progress is dropped (its writer or requester retries with the new
         // home until its deadline).
         self.dir.clear();
+        self.timers.changes.clear();
         self.retired.clear();
         self.announced.clear();
         self.ready = false;
         self.announce_pending.clear();
+        self.timers.announces.clear();
         if self.view.member(self.id).is_none_or(|m| m.incarnation != self.incarnation) {
             self.drop_all_copies();
             return;
         }
-        let members: Vec<NodeId> = self.view.members.iter().map(|m| m.id).collect();
-        for m in members {
-            self.send_announce(m);
+        // One pass over the copies (each key's home computed once).
+        let mut entries: BTreeMap<NodeId, Vec<(BlockKey, u64, u64)>> =
+            self.view.members.iter().map(|m| (m.id, Vec::new())).collect();
+        for (k, c) in &self.copies {
+            if let Some(home) = self.view.home_of(k) {
+                entries.entry(home).or_default().push((*k, c.meta.version, c.id));
+            }
+        }
+        for (m, e) in entries {
+            self.send_announce(m, e);
         }
     }
 
-    fn send_announce(&mut self, to: NodeId) {
-        let entries: Vec<(BlockKey, u64, u64)> = self
-            .copies
-            .iter()
-            .filter(|(k, _)| self.view.home_of(k) == Some(to))
-            .map(|(k, c)| (*k, c.meta.version, c.id))
-            .collect();
-        self.announce_pending.insert(to, self.now);
+    fn send_announce(&mut self, to: NodeId, entries: Vec<(BlockKey, u64, u64)>) {
+        let sent = self.now;
+        if let Some((old, _)) = self.announce_pending.insert(to, (sent, entries.clone())) {
+            self.timers.announces.remove(&(old + self.cfg.retransmit_us, to));
+        }
+        self.timers.announces.insert((sent + self.cfg.retransmit_us, to));
         self.send(to, Msg::Announce { entries });
+    }
+
+    /// An announce was not acknowledged in time: resend the entries still
+    /// held (a copy dropped since is left out; copies made since were
+    /// registered with their home by the protocol itself).
+    fn resend_announce(&mut self, to: NodeId) {
+        let Some((_, entries)) = self.announce_pending.remove(&to) else { return };
+        let entries: Vec<_> = entries
+            .into_iter()
+            .filter(|(k, v, id)| self.copies.get(k).is_some_and(|c| c.meta.version == *v && c.id == *id))
+            .collect();
+        self.send_announce(to, entries);
     }
 
     // ----- messages -----
@@ -874,7 +1018,7 @@ impl Node {
                 if let Some(Op { kind: OpKind::Invalidate { .. }, .. }) = self.ops.get(&op)
                     && ok
                 {
-                    self.ops.remove(&op);
+                    self.remove_op(op);
                     self.done(op, Outcome::Invalidated);
                 }
             }
@@ -884,8 +1028,9 @@ impl Node {
             Msg::GrantResp { op, result } => self.on_grant_resp(from, op, result),
             Msg::GrantRelease { slot, grant } => {
                 if let Some(h) = self.slots.get_mut(&slot)
-                    && h.grants.remove(&grant).is_some()
+                    && let Some(d) = h.grants.remove(&grant)
                 {
+                    self.timers.grants.remove(&(d + self.cfg.drift_margin_us, slot, grant));
                     self.metrics.grants_outstanding -= 1;
                     self.maybe_free(slot);
                 }
@@ -918,7 +1063,9 @@ impl Node {
             }
             Msg::Announce { entries } => self.on_announce(from, entries),
             Msg::AnnounceAck => {
-                self.announce_pending.remove(&from);
+                if let Some((sent, _)) = self.announce_pending.remove(&from) {
+                    self.timers.announces.remove(&(sent + self.cfg.retransmit_us, from));
+                }
             }
         }
     }
@@ -959,8 +1106,16 @@ impl Node {
         let e = self.dir.get_mut(&key).expect("a change needs a directory entry");
         let old_version = e.version;
         let holders: Vec<NodeId> = e.holders.keys().copied().collect();
-        e.change =
-            Some(Change { id, kind, old_version, waiting: holders.iter().map(|&h| (h, now)).collect(), started: now });
+        let resend_at = now + self.cfg.retransmit_us;
+        e.change = Some(Change {
+            id,
+            kind,
+            old_version,
+            waiting: holders.iter().map(|&h| (h, now)).collect(),
+            started: now,
+            resend_at,
+        });
+        self.timers.changes.insert((resend_at, key));
         for &h in &holders {
             self.send(h, Msg::Invalidate { key, version: old_version, change: id });
         }
@@ -977,6 +1132,7 @@ impl Node {
             // retries with the home of its next view.
             let e = self.dir.get_mut(&key).expect("entry of a change");
             let Some(c) = e.change.take() else { return };
+            self.timers.changes.remove(&(c.resend_at, key));
             match c.kind {
                 ChangeKind::Overwrite { writer, op, copy, .. } => {
                     self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Busy, copy })
@@ -993,6 +1149,7 @@ impl Node {
         };
         let e = self.dir.get_mut(&key).expect("entry of a change");
         let Some(c) = e.change.take() else { return };
+        self.timers.changes.remove(&(c.resend_at, key));
         self.metrics.changes_completed += 1;
         if self.cfg.trace {
             let new_version = matches!(c.kind, ChangeKind::Overwrite { .. }).then_some(next);
@@ -1031,7 +1188,7 @@ impl Node {
         if k != key || *c != copy {
             return;
         }
-        self.ops.remove(&op);
+        self.remove_op(op);
         self.writes.remove(&key);
         match result {
             PublishResult::Stored(_) if !self.serving() => {
@@ -1071,7 +1228,10 @@ impl Node {
         if let Some(c) = &e.change
             && matches!(c.kind, ChangeKind::Overwrite { writer, op: o, .. } if writer == w && o == op)
         {
-            e.change = None; // holders that acked were already removed
+            // Holders that acked were already removed.
+            if let Some(c) = e.change.take() {
+                self.timers.changes.remove(&(c.resend_at, key));
+            }
         }
         if let Some((pw, pop, v)) = e.last_publish
             && pw == w
@@ -1198,6 +1358,7 @@ impl Node {
                 let grant = self.next_grant;
                 let deadline = self.now + self.cfg.grant_lease_us;
                 self.slots.entry(c.slot).or_default().grants.insert(grant, deadline);
+                self.timers.grants.insert((deadline + self.cfg.drift_margin_us, c.slot, grant));
                 self.metrics.grants_outstanding += 1;
                 GrantResult::Granted { slot: c.slot, meta: c.meta, lease_us: self.cfg.grant_lease_us, grant }
             }
