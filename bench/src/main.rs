@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 mod coherence;
+mod scale;
 mod transfer;
 
 use std::hint::black_box;
@@ -101,6 +102,24 @@ enum Cmd {
         #[arg(long)]
         no_baseline: bool,
     },
+    /// Two daemons filled level by level to N cached blocks each: pin
+    /// (local and remote), put and invalidation latency, idle CPU and
+    /// memory per block at every level (the smallest level is the
+    /// baseline).
+    Scale {
+        /// Print only the final JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Cached blocks per daemon at each level (increasing).
+        #[arg(long, value_delimiter = ',', default_value = "10000,100000,1000000")]
+        blocks: Vec<usize>,
+        /// Samples per latency measurement.
+        #[arg(long, default_value_t = 1000)]
+        samples: usize,
+        /// Seconds of idle CPU measurement per level.
+        #[arg(long, default_value_t = 10)]
+        idle_s: u64,
+    },
     /// A raw UCX target for the transfer baseline (prints its address, then
     /// progresses until stdin closes).
     #[command(hide = true)]
@@ -144,6 +163,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Coherence { json, daemons, keys, invalidate_window, no_baseline } => {
             coherence::run(json, daemons, keys, invalidate_window, !no_baseline)
         }
+        Cmd::Scale { json, blocks, samples, idle_s } => scale::run(json, &blocks, samples, idle_s),
         Cmd::UcxTarget { transport, bytes } => transfer::ucx_target(&transport, bytes),
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

@@ -726,7 +726,7 @@ impl World {
             && meta.version <= max
         {
             self.pending_fail.get_or_insert_with(|| {
-                ("S5", format!("node {n} committed {:?} v{:#x}, not above v{max:#x}", meta.key.key, meta.version))
+                ("S5", format!("node {n} committed {:?} v{:#x}, not above v{max:#x}", { meta.key.key }, meta.version))
             });
         }
         self.max_committed.insert(meta.key, meta.version);
@@ -755,7 +755,7 @@ impl World {
                             "S7",
                             format!(
                                 "node {n} reported {:?} stored at v{version:#x}, a version no home assigned",
-                                key.key
+                                { key.key }
                             ),
                         )
                     });
@@ -769,7 +769,7 @@ impl World {
             match self.assigned_at.get(&(key, version)).copied() {
                 None => {
                     self.pending_fail.get_or_insert_with(|| {
-                        ("S7", format!("node {n} served {:?} v{version:#x}, a version no client call created", key.key))
+                        ("S7", format!("node {n} served {:?} v{version:#x}, a version no client call created", { key.key }))
                     });
                 }
                 Some(at) => {
@@ -777,7 +777,7 @@ impl World {
                         self.acked_puts.get(&key).and_then(|l| l.iter().find(|(t, a)| *t < start && *a > at))
                     {
                         self.pending_fail.get_or_insert_with(|| {
-                            ("S7", format!("node {n} served {:?} v{version:#x} (assigned at {at}) to a read started at {start}, after a put assigned at {newer} was reported stored at {acked}", key.key))
+                            ("S7", format!("node {n} served {:?} v{version:#x} (assigned at {at}) to a read started at {start}, after a put assigned at {newer} was reported stored at {acked}", { key.key }))
                         });
                     }
                 }
@@ -795,7 +795,7 @@ impl World {
                         "DATA",
                         format!(
                             "node {n} served {:?} v{version:#x} from slot {slot:?} holding {cell:?}, truth {want:?}",
-                            key.key
+                            { key.key }
                         ),
                     )
                 });
@@ -804,7 +804,7 @@ impl World {
                 self.completed.get(&key).and_then(|l| l.iter().find(|(old, at)| version <= *old && *at < start))
             {
                 self.pending_fail.get_or_insert_with(|| {
-                    ("S2", format!("change of {:?} away from v{old:#x} completed at {at}; a read started at {start} on node {n} returned v{version:#x}", key.key))
+                    ("S2", format!("change of {:?} away from v{old:#x} completed at {at}; a read started at {start} on node {n} returned v{version:#x}", { key.key }))
                 });
             }
             // Engines read for a while, then unpin; until then the slot
@@ -1285,7 +1285,7 @@ impl World {
                     if v0 != v {
                         return Err(self.violation(
                             "S1",
-                            format!("{:?} Valid at v{v0:#x} on node {n0} and v{v:#x} on node {i}", k.key),
+                            format!("{:?} Valid at v{v0:#x} on node {n0} and v{v:#x} on node {i}", { k.key }),
                         ));
                     }
                 } else {
@@ -1316,7 +1316,7 @@ impl World {
             {
                 return Err(self.violation(
                     "S3",
-                    format!("change of {:?} away from v{old:#x} completed while node {n} serves v{v:#x}", k.key),
+                    format!("change of {:?} away from v{old:#x} completed while node {n} serves v{v:#x}", { k.key }),
                 ));
             }
         }
@@ -1520,7 +1520,7 @@ impl World {
                 return Err(self.violation("L2", format!("node {i} still has {} ops in flight", core.ops_in_flight())));
             }
             if let Some((k, _)) = core.directory().find(|(_, d)| d.changing) {
-                return Err(self.violation("L1", format!("node {i}: change of {:?} never completed", k.key)));
+                return Err(self.violation("L1", format!("node {i}: change of {:?} never completed", { k.key })));
             }
             if !core.serving() {
                 return Err(self.violation("L1", format!("node {i} is not serving after healing")));

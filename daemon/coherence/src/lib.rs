@@ -34,8 +34,11 @@ pub type OpId = u64;
 /// nodes are not comparable; they drift within `Config::drift_ppm`.
 pub type Time = u64;
 
-/// A block's identity: namespace fingerprint and 128-bit key.
+/// A block's identity: namespace fingerprint and 128-bit key. Packed to
+/// 8-byte alignment (24 bytes, not 32): one is kept per cached block in
+/// several maps. Fields are read by value (no references into it).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[repr(C, packed(8))]
 pub struct BlockKey {
     /// Namespace fingerprint.
     pub ns: u64,

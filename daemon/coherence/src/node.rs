@@ -2,6 +2,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
+use smallvec::SmallVec;
+
 use crate::msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
 use crate::{
     Action, BlockKey, Bug, Config, ErrorKind, Event, Metrics, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef,
@@ -13,24 +15,92 @@ use crate::{
 /// would grant no lease anyway).
 const KEEPALIVES_REMEMBERED: usize = 64;
 
-/// A Valid local copy.
+/// Buckets of the version floor (see `Node::version_floor`): 512 KiB per
+/// node, so a key's version counter in one epoch is shared by 1/65536 of
+/// the keys that churn.
+const VERSION_BUCKETS: usize = 1 << 16;
+
+fn version_bucket(key: &BlockKey) -> usize {
+    let k = key.key;
+    let h = (k as u64 ^ (k >> 64) as u64 ^ key.ns).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (h >> 48) as usize
+}
+
+/// A Valid local copy (40 bytes: one per cached block). Its slot is the
+/// copy's for as long as the copy lives.
 #[derive(Clone, Copy, Debug)]
 struct Copy {
     slot: SlotRef,
-    meta: SlotMeta,
+    version: u64,
+    checksum: u64,
     /// Node-local id under which the home registered this copy.
     id: u64,
 }
 
-/// A local slot the core still cares about.
-#[derive(Debug, Default)]
+impl Copy {
+    /// What the slot's header and trailer say.
+    fn meta(&self, key: BlockKey) -> SlotMeta {
+        SlotMeta { key, version: self.version, generation: self.slot.generation, checksum: self.checksum }
+    }
+}
+
+/// Engine pins and read grants on a local slot. Exists only while there
+/// are some: a slot is otherwise kept by whoever references it (a Valid
+/// copy, a put in flight, a fetched copy being registered), and freed when
+/// its referencer lets go ([`Node::unreference`]).
+#[derive(Debug)]
 struct SlotHold {
-    /// Backs a Valid copy, a pending put or a fetched copy being registered.
+    /// Still referenced by a copy or an operation; when false the slot is
+    /// freed as soon as its pins and grants are gone.
     referenced: bool,
     /// Engine pins.
     pins: u32,
     /// Read grants: id -> deadline (local clock).
     grants: BTreeMap<u64, Time>,
+}
+
+impl SlotHold {
+    fn new() -> SlotHold {
+        SlotHold { referenced: true, pins: 0, grants: BTreeMap::new() }
+    }
+}
+
+/// Registered holders of a key at its home and the copy id each
+/// registered, by node id. Usually one or two: one kept inline.
+#[derive(Debug, Default)]
+struct Holders(SmallVec<[(NodeId, u64); 1]>);
+
+impl Holders {
+    fn single(h: NodeId, copy: u64) -> Holders {
+        Holders(smallvec::smallvec![(h, copy)])
+    }
+    fn insert(&mut self, h: NodeId, copy: u64) {
+        match self.0.binary_search_by_key(&h, |e| e.0) {
+            Ok(i) => self.0[i].1 = copy,
+            Err(i) => self.0.insert(i, (h, copy)),
+        }
+    }
+    fn remove(&mut self, h: NodeId) {
+        if let Ok(i) = self.0.binary_search_by_key(&h, |e| e.0) {
+            self.0.remove(i);
+        }
+    }
+    fn get(&self, h: NodeId) -> Option<u64> {
+        self.0.binary_search_by_key(&h, |e| e.0).ok().map(|i| self.0[i].1)
+    }
+    fn contains(&self, h: NodeId) -> bool {
+        self.get(h).is_some()
+    }
+    fn ids(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.0.iter().map(|e| e.0)
+    }
+    fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+    fn clear(&mut self) {
+        self.0.clear();
+        self.0.shrink_to_fit();
+    }
 }
 
 #[derive(Debug)]
@@ -115,10 +185,9 @@ struct Change {
 struct DirEntry {
     version: u64,
     /// Registered holders and the copy id each registered.
-    holders: BTreeMap<NodeId, u64>,
-    /// Last completed publish: (writer, op, version), to answer duplicates.
-    last_publish: Option<(NodeId, OpId, u64)>,
-    change: Option<Change>,
+    holders: Holders,
+    /// Boxed: few entries are changing at a time.
+    change: Option<Box<Change>>,
 }
 
 #[derive(Debug, Default)]
@@ -218,10 +287,23 @@ pub struct Node {
     metrics: Metrics,
     next_change: u64,
     trace: Vec<Trace>,
-    /// Highest version of each key this node has acked an invalidation of,
-    /// in this epoch: a late publish or registration answer for such a
-    /// version must not make a copy Valid.
+    /// Highest version of each key this node has acked an invalidation of
+    /// while a put or get of the key was in flight here: a late publish or
+    /// registration answer for such a version must not make a copy Valid.
+    /// An entry goes when the key's last operation ends.
     retired: BTreeMap<BlockKey, u64>,
+    /// Home: publishes completed lately, (writer, op) -> (key, version,
+    /// forgotten at), to answer a retransmitted request with its version
+    /// (and to unregister a writer that aborted) without a per-key record.
+    published: BTreeMap<(NodeId, OpId), (BlockKey, u64, Time)>,
+    /// `published` in expiry order (entries of replaced records are
+    /// skipped when they come up).
+    published_expiry: VecDeque<(Time, NodeId, OpId)>,
+    /// Home: per bucket of keys, the highest version a directory entry
+    /// had when it was dropped (no holders, no change). A new entry's
+    /// first version is above it, so a key's versions grow within an
+    /// epoch without keeping an entry per key ever seen.
+    version_floor: Vec<u64>,
     next_copy: u64,
 }
 
@@ -255,6 +337,9 @@ impl Node {
             next_change: 0,
             trace: Vec::new(),
             retired: BTreeMap::new(),
+            published: BTreeMap::new(),
+            published_expiry: VecDeque::new(),
+            version_floor: vec![0; VERSION_BUCKETS],
             next_copy: 0,
         }
     }
@@ -300,7 +385,7 @@ impl Node {
 
     /// Valid local copies: key, version, slot.
     pub fn copies(&self) -> impl Iterator<Item = (BlockKey, u64, SlotRef)> + '_ {
-        self.copies.iter().map(|(k, c)| (*k, c.meta.version, c.slot))
+        self.copies.iter().map(|(k, c)| (*k, c.version, c.slot))
     }
 
     /// The directory entries this node keeps as a home.
@@ -310,7 +395,7 @@ impl Node {
                 *k,
                 DirView {
                     version: e.version,
-                    holders: e.holders.keys().copied().collect(),
+                    holders: e.holders.ids().collect(),
                     changing: e.change.is_some(),
                 },
             )
@@ -329,9 +414,18 @@ impl Node {
         self.ops.len()
     }
 
-    /// Slots the core still holds (referenced, pinned or granted).
+    /// Slots the core still holds: backing a copy, a put in flight or a
+    /// fetched copy being registered, or no longer referenced but pinned
+    /// or granted. O(state): for tests and checkers.
     pub fn slots_held(&self) -> usize {
-        self.slots.len()
+        let by_ops = self
+            .ops
+            .values()
+            .filter(|o| {
+                matches!(o.kind, OpKind::Put { .. } | OpKind::Get { stage: GetStage::Registering { .. }, .. })
+            })
+            .count();
+        self.copies.len() + by_ops + self.slots.values().filter(|h| !h.referenced).count()
     }
 
     /// Whether a copy of `key` could be evicted now (no pins, no grants).
@@ -371,7 +465,8 @@ impl Node {
             .min(Timers::first(&ts.changes))
             .min(Timers::first(&ts.announces))
             .min(ts.grants.first().map_or(Time::MAX, |e| e.0))
-            .min(Timers::first(&ts.flushes));
+            .min(Timers::first(&ts.flushes))
+            .min(self.published_expiry.front().map_or(Time::MAX, |e| e.0));
         Some(t.max(self.now))
     }
 
@@ -428,7 +523,18 @@ impl Node {
             .filter(|(_, q)| !q.msgs.is_empty())
             .map(|(&to, q)| (q.since + self.cfg.ack_flush_delay_us_max, to))
             .collect();
-        same("flushes", &ts.flushes, flushes)
+        same("flushes", &ts.flushes, flushes)?;
+        if let Some((k, _)) = self.dir.iter().find(|(_, e)| e.holders.is_empty() && e.change.is_none()) {
+            return Err(format!("directory keeps an entry of {k:?} with no holders and no change"));
+        }
+        if let Some(k) = self.retired.keys().find(|k| !self.writes.contains_key(k) && !self.fetching.contains_key(k)) {
+            return Err(format!("retired version of {k:?} kept with no operation of the key in flight"));
+        }
+        let queued: BTreeSet<(Time, NodeId, OpId)> = self.published_expiry.iter().copied().collect();
+        if let Some((w, _)) = self.published.iter().find(|((w, o), (_, _, t))| !queued.contains(&(*t, *w, *o))) {
+            return Err(format!("published record of {w:?} has no expiry queued"));
+        }
+        Ok(())
     }
 
     /// Feeds one event at local time `now`; returns the actions to carry out.
@@ -573,29 +679,38 @@ impl Node {
         self.view.home_of(key) == Some(self.id)
     }
 
+    /// Pins a slot that backs a Valid copy.
     fn pin(&mut self, slot: SlotRef) {
-        self.slots.entry(slot).or_default().pins += 1;
+        self.slots.entry(slot).or_insert_with(SlotHold::new).pins += 1;
     }
 
-    /// Frees a slot the core no longer needs, once pins and grants are gone.
+    /// Drops a slot's hold once its pins and grants are gone, freeing the
+    /// slot if nothing references it any more.
     fn maybe_free(&mut self, slot: SlotRef) {
         let Some(h) = self.slots.get(&slot) else { return };
-        let grants_ok = h.grants.is_empty() || self.cfg.bug == Some(Bug::ReuseGrantedSlot);
-        if !h.referenced && h.pins == 0 && grants_ok {
+        let grants_ok = h.grants.is_empty() || (!h.referenced && self.cfg.bug == Some(Bug::ReuseGrantedSlot));
+        if h.pins == 0 && grants_ok {
             let h = self.slots.remove(&slot).expect("present");
             self.metrics.grants_outstanding -= h.grants.len() as u64;
             for (g, d) in h.grants {
                 self.timers.grants.remove(&(d + self.cfg.drift_margin_us, slot, g));
             }
-            self.actions.push(Action::FreeSlot { slot });
+            if !h.referenced {
+                self.actions.push(Action::FreeSlot { slot });
+            }
         }
     }
 
+    /// The copy or operation that referenced `slot` lets go of it: freed
+    /// now, or when its last pin or grant goes.
     fn unreference(&mut self, slot: SlotRef) {
-        if let Some(h) = self.slots.get_mut(&slot) {
-            h.referenced = false;
+        match self.slots.get_mut(&slot) {
+            Some(h) => {
+                h.referenced = false;
+                self.maybe_free(slot);
+            }
+            None => self.actions.push(Action::FreeSlot { slot }),
         }
-        self.maybe_free(slot);
     }
 
     /// Drops a Valid copy (it stays readable by existing pins and grants
@@ -638,7 +753,7 @@ impl Node {
         }
         if let Some(c) = self.copies.get(&key).copied() {
             self.pin(c.slot);
-            self.done(op, Outcome::Hit { version: c.meta.version, slot: c.slot });
+            self.done(op, Outcome::Hit { version: c.version, slot: c.slot });
             return;
         }
         let deadline = self.now + self.cfg.op_timeout_us;
@@ -689,7 +804,6 @@ impl Node {
         let copy = self.next_copy;
         self.insert_op(op, Op { deadline, kind: OpKind::Put { key, slot, checksum, copy, last_sent: self.now } });
         self.writes.insert(key, op);
-        self.slots.entry(slot).or_default().referenced = true;
         self.send(home, Msg::PublishReq { op, key, checksum, copy });
     }
 
@@ -713,7 +827,7 @@ impl Node {
         if let Some(c) = self.drop_copy(&key)
             && let Some(home) = self.view.home_of(&key)
         {
-            self.send(home, Msg::RemoveHolder { key, version: c.meta.version, copy: c.id });
+            self.send(home, Msg::RemoveHolder { key, version: c.version, copy: c.id });
         }
     }
 
@@ -723,6 +837,7 @@ impl Node {
         let OpKind::Get { key, waiters, .. } = o.kind else { unreachable!("finish_get on a non-get") };
         if self.fetching.get(&key) == Some(&op) {
             self.fetching.remove(&key);
+            self.key_ops_done(&key);
         }
         self.done(op, outcome);
         for w in waiters {
@@ -784,7 +899,6 @@ impl Node {
         if let Some((stage, _, _)) = self.get_stage(op) {
             *stage = GetStage::Registering { version, dest, meta, copy };
         }
-        self.slots.entry(dest).or_default().referenced = true;
         match self.view.home_of(&key) {
             Some(home) => self.send(home, Msg::AddHolderReq { op, key, version, copy }),
             None => {
@@ -852,6 +966,15 @@ impl Node {
             self.timers.announces.remove(&(t, m));
             self.resend_announce(m);
         }
+        // Publish records past their time.
+        while let Some(&(t, w, op)) = self.published_expiry.front()
+            && t <= now
+        {
+            self.published_expiry.pop_front();
+            if self.published.get(&(w, op)).is_some_and(|r| r.2 == t) {
+                self.published.remove(&(w, op));
+            }
+        }
         // Grants past their lease (plus the drift margin).
         while let Some(&(t, slot, g)) = self.timers.grants.first()
             && t <= now
@@ -877,7 +1000,7 @@ impl Node {
         let gone: Vec<NodeId> = c.waiting.keys().copied().filter(|h| self.view.member(*h).is_none()).collect();
         for h in gone {
             c.waiting.remove(&h);
-            e.holders.remove(&h);
+            e.holders.remove(h);
         }
         let mut to_send = Vec::new();
         for (h, sent) in c.waiting.iter_mut() {
@@ -920,6 +1043,7 @@ impl Node {
             &OpKind::Put { key, slot, .. } => {
                 self.remove_op(id);
                 self.writes.remove(&key);
+                self.key_ops_done(&key);
                 if let Some(home) = self.view.home_of(&key) {
                     self.send(home, Msg::PublishAbort { op: id, key });
                 }
@@ -950,6 +1074,8 @@ impl Node {
         self.dir.clear();
         self.timers.changes.clear();
         self.retired.clear();
+        self.published.clear();
+        self.published_expiry.clear();
         self.announced.clear();
         self.ready = false;
         self.announce_pending.clear();
@@ -963,7 +1089,7 @@ impl Node {
             self.view.members.iter().map(|m| (m.id, Vec::new())).collect();
         for (k, c) in &self.copies {
             if let Some(home) = self.view.home_of(k) {
-                entries.entry(home).or_default().push((*k, c.meta.version, c.id));
+                entries.entry(home).or_default().push((*k, c.version, c.id));
             }
         }
         for (m, e) in entries {
@@ -987,7 +1113,7 @@ impl Node {
         let Some((_, entries)) = self.announce_pending.remove(&to) else { return };
         let entries: Vec<_> = entries
             .into_iter()
-            .filter(|(k, v, id)| self.copies.get(k).is_some_and(|c| c.meta.version == *v && c.id == *id))
+            .filter(|(k, v, id)| self.copies.get(k).is_some_and(|c| c.version == *v && c.id == *id))
             .collect();
         self.send_announce(to, entries);
     }
@@ -1050,15 +1176,16 @@ impl Node {
             Msg::RemoveHolder { key, version, copy } => {
                 if let Some(e) = self.dir.get_mut(&key)
                     && e.version == version
-                    && e.holders.get(&from) == Some(&copy)
+                    && e.holders.get(from) == Some(copy)
                 {
-                    e.holders.remove(&from);
+                    e.holders.remove(from);
                     if let Some(c) = &mut e.change {
                         c.waiting.remove(&from);
                         if c.waiting.is_empty() {
                             self.complete_change(key);
                         }
                     }
+                    self.gc_entry(&key);
                 }
             }
             Msg::Announce { entries } => self.on_announce(from, entries),
@@ -1070,23 +1197,48 @@ impl Node {
         }
     }
 
-    fn next_version(&self, old: u64) -> u64 {
+    /// The version a change of `key` (now at `old`) assigns: above `old`,
+    /// in this epoch, and above every version of the key's bucket whose
+    /// entry was dropped in it.
+    fn next_version(&self, key: &BlockKey, old: u64) -> u64 {
         let base = self.view.epoch << 32;
-        assert!(old & 0xffff_ffff != 0xffff_ffff, "version counter exhausted in one epoch");
-        (old + 1).max(base | 1)
+        let next = (old + 1).max(base | 1).max(self.version_floor[version_bucket(key)] + 1);
+        assert!(next >> 32 == self.view.epoch, "version counter exhausted in one epoch");
+        next
+    }
+
+    /// Drops a directory entry with no holders and no change in progress
+    /// (remembering its version in the bucket's floor): the directory
+    /// holds only keys cached somewhere or changing.
+    fn gc_entry(&mut self, key: &BlockKey) {
+        if let Some(e) = self.dir.get(key)
+            && e.holders.is_empty()
+            && e.change.is_none()
+        {
+            let f = &mut self.version_floor[version_bucket(key)];
+            *f = (*f).max(e.version);
+            self.dir.remove(key);
+        }
+    }
+
+    /// The last put or get of `key` here ended: its retired version is no
+    /// longer needed.
+    fn key_ops_done(&mut self, key: &BlockKey) {
+        if !self.writes.contains_key(key) && !self.fetching.contains_key(key) {
+            self.retired.remove(key);
+        }
     }
 
     fn on_publish_req(&mut self, w: NodeId, op: OpId, key: BlockKey, checksum: u64, copy: u64) {
         if !self.ready || !self.is_home(&key) || !self.serving() {
             return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Busy, copy });
         }
-        let e = self.dir.entry(key).or_default();
-        if let Some((pw, pop, v)) = e.last_publish
-            && pw == w
-            && pop == op
+        if let Some(&(k, v, _)) = self.published.get(&(w, op))
+            && k == key
         {
             return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Stored(v), copy });
         }
+        let e = self.dir.entry(key).or_default();
         if let Some(c) = &e.change {
             if c.kind == (ChangeKind::Overwrite { writer: w, op, checksum, copy }) {
                 return; // duplicate of the change in progress
@@ -1105,16 +1257,16 @@ impl Node {
         let id = self.next_change;
         let e = self.dir.get_mut(&key).expect("a change needs a directory entry");
         let old_version = e.version;
-        let holders: Vec<NodeId> = e.holders.keys().copied().collect();
+        let holders: Vec<NodeId> = e.holders.ids().collect();
         let resend_at = now + self.cfg.retransmit_us;
-        e.change = Some(Change {
+        e.change = Some(Box::new(Change {
             id,
             kind,
             old_version,
             waiting: holders.iter().map(|&h| (h, now)).collect(),
             started: now,
             resend_at,
-        });
+        }));
         self.timers.changes.insert((resend_at, key));
         for &h in &holders {
             self.send(h, Msg::Invalidate { key, version: old_version, change: id });
@@ -1141,11 +1293,12 @@ impl Node {
                     self.send(requester, Msg::InvalidateResp { op, key, ok: false })
                 }
             }
+            self.gc_entry(&key);
             return;
         }
         let next = {
             let e = self.dir.get(&key).expect("entry of a change");
-            self.next_version(e.version)
+            self.next_version(&key, e.version)
         };
         let e = self.dir.get_mut(&key).expect("entry of a change");
         let Some(c) = e.change.take() else { return };
@@ -1158,8 +1311,10 @@ impl Node {
         match c.kind {
             ChangeKind::Overwrite { writer, op, copy, .. } => {
                 e.version = next;
-                e.holders = BTreeMap::from([(writer, copy)]);
-                e.last_publish = Some((writer, op, next));
+                e.holders = Holders::single(writer, copy);
+                let forget = self.now + 2 * self.cfg.op_timeout_us;
+                self.published.insert((writer, op), (key, next, forget));
+                self.published_expiry.push_back((forget, writer, op));
                 self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Stored(next), copy });
             }
             ChangeKind::Invalidate { requester, op } => {
@@ -1169,6 +1324,7 @@ impl Node {
                 e.version = next;
                 e.holders.clear();
                 self.send(requester, Msg::InvalidateResp { op, key, ok: true });
+                self.gc_entry(&key);
             }
         }
     }
@@ -1208,7 +1364,7 @@ impl Node {
                 let meta = SlotMeta { key, version, generation: slot.generation, checksum };
                 self.actions.push(Action::CommitSlot { slot, meta });
                 self.drop_copy(&key);
-                self.copies.insert(key, Copy { slot, meta, id: copy });
+                self.copies.insert(key, Copy { slot, version, checksum, id: copy });
                 if let Some(&f) = self.fetching.get(&key)
                     && let Some(Op { kind: OpKind::Get { doomed, .. }, .. }) = self.ops.get_mut(&f)
                 {
@@ -1221,6 +1377,7 @@ impl Node {
                 self.done(op, Outcome::Error(ErrorKind::Busy));
             }
         }
+        self.key_ops_done(&key);
     }
 
     fn on_publish_abort(&mut self, w: NodeId, op: OpId, key: BlockKey) {
@@ -1233,19 +1390,18 @@ impl Node {
                 self.timers.changes.remove(&(c.resend_at, key));
             }
         }
-        if let Some((pw, pop, v)) = e.last_publish
-            && pw == w
-            && pop == op
+        if let Some(&(k, v, _)) = self.published.get(&(w, op))
+            && k == key
             && e.version == v
-            && e.holders.contains_key(&w)
         {
-            e.holders.remove(&w);
+            e.holders.remove(w);
         }
+        self.gc_entry(&key);
     }
 
     fn on_invalidate(&mut self, home: NodeId, key: BlockKey, version: u64, change: u64) {
         if self.cfg.bug != Some(Bug::AckWithoutInvalidate) {
-            if self.copies.get(&key).is_some_and(|c| c.meta.version <= version) {
+            if self.copies.get(&key).is_some_and(|c| c.version <= version) {
                 self.drop_copy(&key);
             }
             if let Some(&f) = self.fetching.get(&key)
@@ -1254,7 +1410,9 @@ impl Node {
                 *doomed = true;
             }
         }
-        if self.cfg.bug != Some(Bug::AckWithoutInvalidate) {
+        if self.cfg.bug != Some(Bug::AckWithoutInvalidate)
+            && (self.writes.contains_key(&key) || self.fetching.contains_key(&key))
+        {
             let r = self.retired.entry(key).or_insert(version);
             *r = (*r).max(version);
         }
@@ -1274,7 +1432,7 @@ impl Node {
             Some(c) if c.id == change && c.old_version == version && c.waiting.contains_key(&h) => {
                 c.waiting.remove(&h);
                 self.metrics.inval_to_ack_us.record(now.saturating_sub(c.started));
-                e.holders.remove(&h);
+                e.holders.remove(h);
                 Some(c.waiting.is_empty())
             }
             _ => None,
@@ -1313,8 +1471,8 @@ impl Node {
             && self.is_home(&key)
             && let Some(e) = self.dir.get(&key)
             && e.change.is_none()
-            && e.holders.contains_key(&self.id)
-            && self.copies.get(&key).is_some_and(|c| c.meta.version == e.version)
+            && e.holders.contains(self.id)
+            && self.copies.get(&key).is_some_and(|c| c.version == e.version)
         {
             let version = e.version;
             self.metrics.locate_grants += 1;
@@ -1326,8 +1484,8 @@ impl Node {
             match self.dir.get(&key) {
                 None => LocateResult::Miss,
                 Some(e) if e.change.is_some() => LocateResult::Busy,
-                Some(e) => match e.holders.keys().find(|&&h| h != r) {
-                    Some(&holder) => LocateResult::Found { version: e.version, holder },
+                Some(e) => match e.holders.ids().find(|&h| h != r) {
+                    Some(holder) => LocateResult::Found { version: e.version, holder },
                     None => LocateResult::Miss,
                 },
             }
@@ -1353,14 +1511,14 @@ impl Node {
 
     fn on_grant_req(&mut self, r: NodeId, op: OpId, key: BlockKey, version: u64) {
         let result = match self.copies.get(&key) {
-            Some(c) if self.serving() && c.meta.version == version => {
+            Some(c) if self.serving() && c.version == version => {
                 self.next_grant += 1;
                 let grant = self.next_grant;
                 let deadline = self.now + self.cfg.grant_lease_us;
-                self.slots.entry(c.slot).or_default().grants.insert(grant, deadline);
+                self.slots.entry(c.slot).or_insert_with(SlotHold::new).grants.insert(grant, deadline);
                 self.timers.grants.insert((deadline + self.cfg.drift_margin_us, c.slot, grant));
                 self.metrics.grants_outstanding += 1;
-                GrantResult::Granted { slot: c.slot, meta: c.meta, lease_us: self.cfg.grant_lease_us, grant }
+                GrantResult::Granted { slot: c.slot, meta: c.meta(key), lease_us: self.cfg.grant_lease_us, grant }
             }
             _ => GrantResult::Refused,
         };
@@ -1452,7 +1610,7 @@ impl Node {
             self.unreference(dest);
             return self.finish_get(op, Outcome::Miss);
         }
-        self.copies.insert(key, Copy { slot: dest, meta, id: copy });
+        self.copies.insert(key, Copy { slot: dest, version: meta.version, checksum: meta.checksum, id: copy });
         self.pin(dest);
         self.finish_get(op, Outcome::Hit { version, slot: dest });
     }
@@ -1470,7 +1628,7 @@ impl Node {
                 e.holders.insert(h, copy);
             } else if version > e.version {
                 // Two versions announced: keep the newer, retire the older.
-                let old: Vec<NodeId> = std::mem::take(&mut e.holders).into_keys().collect();
+                let old: Vec<NodeId> = std::mem::take(&mut e.holders).ids().collect();
                 let old_version = e.version;
                 e.version = version;
                 e.holders.insert(h, copy);
@@ -1486,3 +1644,4 @@ impl Node {
         self.send(h, Msg::AnnounceAck);
     }
 }
+
