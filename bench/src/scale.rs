@@ -33,9 +33,20 @@ const BATCH: usize = 32;
 /// Keys per fill call.
 const FILL_CHUNK: usize = 1024;
 
-/// Key `i` of daemon `d`'s fill (`tag` 0), of its put samples (1).
-fn key(d: usize, tag: u128, i: usize) -> Key {
-    Key(((0x5ca1e0 + d as u128) << 96) | (tag << 64) | i as u128)
+fn splitmix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// Key `i` of daemon `d`'s fill (`tag` 0), of its put samples (1), of the
+/// blocks it invalidates (2): spread over the key space, as the chained
+/// prefix hashes of engines are.
+fn key(d: usize, tag: u64, i: usize) -> Key {
+    let seed = ((d as u64) << 62) ^ (tag << 56) ^ i as u64;
+    let hi = splitmix(seed);
+    Key(((hi as u128) << 64) | splitmix(hi ^ seed) as u128)
 }
 
 /// A block's bytes: its key, repeated.

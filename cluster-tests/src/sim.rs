@@ -43,11 +43,19 @@ pub struct SimConfig {
     /// Membership from a model of etcd (the daemon's `EtcdMember` state
     /// machine on every node) instead of the static coordinator.
     pub etcd: bool,
+    /// Scale: keys (namespace 8) put across the nodes before the fault
+    /// phase, a fifth of them also read by a second node; one client call
+    /// in ten then works on one of them. Each node gets room for them.
+    pub background: usize,
+    /// Run the O(state) checks (every copy for S1, each core's
+    /// `check_incremental`) every this many events; the per-key checks of
+    /// the keys the workload touches run after every event.
+    pub check_every: u64,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { nodes: 4, keys: 6, slots: 8, steps: 4000, bug: None, etcd: false }
+        SimConfig { nodes: 4, keys: 6, slots: 8, steps: 4000, bug: None, etcd: false, background: 0, check_every: 1 }
     }
 }
 
@@ -94,6 +102,10 @@ struct EtcdSession {
     watch_next: usize,
     /// Send times of keepalives etcd has not answered.
     pending: VecDeque<u64>,
+    /// A watch delivery was lost: the stream is broken (as a real watch
+    /// stream is: ordered, without gaps, or failed). Nothing more is
+    /// delivered on it; the session fails and restarts from a snapshot.
+    watch_broken: bool,
 }
 
 /// An invariant that failed.
@@ -130,6 +142,8 @@ pub struct RunStats {
     pub epochs: u64,
     /// Crashes injected.
     pub crashes: u64,
+    /// Copies held across the cluster when the prefill ended (scale runs).
+    pub prefilled: u64,
 }
 
 /// Small fast deterministic RNG (xorshift64*).
@@ -212,6 +226,8 @@ struct SimNode {
     incarnation: u64,
     clock: Clock,
     mem: Vec<Cell>,
+    /// Indices of the Free cells of `mem` (the lowest is used first).
+    free: BTreeSet<u32>,
     tick_at: Option<u64>,
     isolated_until: u64,
     /// Stalled (SIGSTOP, a scheduling stall) until then: it handles
@@ -394,6 +410,13 @@ pub struct World {
     max_committed: HashMap<BlockKey, u64>,
     completed: HashMap<BlockKey, Vec<(u64, u64)>>,
     pending_fail: Option<(&'static str, String)>,
+    /// Events fed to cores (paces the O(state) checks).
+    drives: u64,
+    /// Keys S1 and S3 check after every event: the workload's keys and
+    /// the background keys it touched.
+    watched: BTreeSet<BlockKey>,
+    /// Copies held across the cluster after the prefill.
+    prefilled: u64,
     pending_s3: Vec<(BlockKey, u64)>,
     /// Incarnation of the holder that granted each slot use (a grant, like
     /// an rkey, dies with its process).
@@ -459,8 +482,9 @@ impl World {
                         trailer: blank_meta(),
                         content: 0
                     };
-                    cfg.slots
+                    cfg.slots + 2 * cfg.background
                 ],
+                free: (0..(cfg.slots + 2 * cfg.background) as u32).collect(),
                 tick_at: None,
                 isolated_until: 0,
                 paused_until: 0,
@@ -490,6 +514,9 @@ impl World {
             max_committed: HashMap::new(),
             completed: HashMap::new(),
             pending_fail: None,
+            drives: 0,
+            watched: BTreeSet::new(),
+            prefilled: 0,
             pending_s3: Vec::new(),
             granted_by: HashMap::new(),
             trusted: HashMap::new(),
@@ -502,6 +529,7 @@ impl World {
         for n in 0..w.cfg.nodes as NodeId {
             w.boot(n);
         }
+        w.watched = (0..w.cfg.keys as u128).map(|key| BlockKey { ns: 7, key }).collect();
         w.push(1_000, Ev::ClientOp);
         w.push(MEMBERSHIP_TICK, Ev::MembershipTick);
         // The daemon requires lease_ttl > protocol lease + 2 margins; the
@@ -545,6 +573,7 @@ impl World {
         for c in sn.mem.iter_mut() {
             c.state = CellState::Free;
         }
+        sn.free = (0..sn.mem.len() as u32).collect();
         sn.tick_at = None;
         let local = self.local_now(n);
         let mcfg = StaticConfig {
@@ -583,7 +612,10 @@ impl World {
         let local = self.local_now(n);
         let Some(core) = self.nodes[n as usize].core.as_mut() else { return };
         let actions = core.handle(local, ev);
-        if let Err(e) = core.check_incremental() {
+        self.drives += 1;
+        if self.drives.is_multiple_of(self.cfg.check_every)
+            && let Err(e) = core.check_incremental()
+        {
             self.pending_fail.get_or_insert_with(|| ("INCR", format!("node {n}: {e}")));
         }
         let core = self.nodes[n as usize].core.as_mut().expect("driven");
@@ -625,7 +657,7 @@ fn blank_meta() -> SlotMeta {
 impl World {
     fn alloc(&mut self, n: NodeId) -> Option<SlotRef> {
         let sn = &mut self.nodes[n as usize];
-        let i = sn.mem.iter().position(|c| c.state == CellState::Free)?;
+        let i = *sn.free.first()? as usize;
         // S4 at the moment of reuse: no reader may still trust a grant of
         // the slot's previous use (a grant of a process that died with its
         // memory does not count: one-sided reads of it fail).
@@ -639,6 +671,7 @@ impl World {
             });
         }
         let sn = &mut self.nodes[n as usize];
+        sn.free.remove(&(i as u32));
         let c = &mut sn.mem[i];
         c.state = CellState::Used;
         c.generation += 1;
@@ -703,9 +736,11 @@ impl World {
                 self.commit_check(n, meta, content);
             }
             Action::FreeSlot { slot } => {
-                let c = &mut self.nodes[n as usize].mem[slot.slot as usize];
+                let sn = &mut self.nodes[n as usize];
+                let c = &mut sn.mem[slot.slot as usize];
                 if c.state == CellState::Used && c.generation == slot.generation {
                     c.state = CellState::Free;
+                    sn.free.insert(slot.slot);
                 }
             }
             Action::KeepAlive { sent_at } if self.cfg.etcd => self.etcd_keepalive(n, inc, sent_at),
@@ -823,45 +858,94 @@ impl World {
         if !self.up(n) || self.nodes[n as usize].paused_until > self.now {
             return;
         }
-        let key = BlockKey { ns: 7, key: self.rng.below(self.cfg.keys as u64) as u128 };
-        self.next_op += 1;
-        let op = self.next_op;
-        let inc = self.nodes[n as usize].incarnation;
+        let key = if self.cfg.background > 0 && self.rng.below(10) == 0 {
+            let k = BlockKey { ns: 8, key: self.rng.below(self.cfg.background as u64) as u128 };
+            self.watched.insert(k);
+            k
+        } else {
+            BlockKey { ns: 7, key: self.rng.below(self.cfg.keys as u64) as u128 }
+        };
         self.stats.ops += 1;
         let roll = self.rng.below(100);
         if roll < 55 {
-            self.ops.insert((n, inc, op), OpInfo::Get { key, start: self.now });
-            self.drive(n, Event::ClientGet { op, key });
+            self.client_get(n, key);
         } else if roll < 80 {
-            // The engine writes the block into a free slot first.
-            let slot = match self.alloc(n) {
-                Some(s) => Some(s),
-                None => {
-                    let keys: Vec<BlockKey> = self.nodes[n as usize]
-                        .core
-                        .as_ref()
-                        .map(|c| c.copies().map(|(k, _, _)| k).collect())
-                        .unwrap_or_default();
-                    for k in keys {
-                        self.drive(n, Event::Evict { key: k });
-                    }
-                    self.alloc(n)
-                }
-            };
-            let Some(slot) = slot else { return };
-            let content = self.rng.next_u64();
-            let c = &mut self.nodes[n as usize].mem[slot.slot as usize];
-            c.content = content;
-            c.header = SlotMeta { key, version: 0, generation: slot.generation, checksum: content };
-            c.trailer = c.header;
-            self.ops.insert((n, inc, op), OpInfo::Put { key });
-            self.drive(n, Event::ClientPut { op, key, slot, checksum: content });
+            self.client_put(n, key);
         } else if roll < 88 {
+            self.next_op += 1;
+            let op = self.next_op;
+            let inc = self.nodes[n as usize].incarnation;
             self.ops.insert((n, inc, op), OpInfo::Invalidate);
             self.drive(n, Event::ClientInvalidate { op, key });
         } else {
             self.drive(n, Event::Evict { key });
         }
+    }
+
+    fn client_get(&mut self, n: NodeId, key: BlockKey) {
+        self.next_op += 1;
+        let op = self.next_op;
+        let inc = self.nodes[n as usize].incarnation;
+        self.ops.insert((n, inc, op), OpInfo::Get { key, start: self.now });
+        self.drive(n, Event::ClientGet { op, key });
+    }
+
+    fn client_put(&mut self, n: NodeId, key: BlockKey) {
+        self.next_op += 1;
+        let op = self.next_op;
+        let inc = self.nodes[n as usize].incarnation;
+        // The engine writes the block into a free slot first.
+        let slot = match self.alloc(n) {
+            Some(s) => Some(s),
+            None => {
+                let keys: Vec<BlockKey> = self.nodes[n as usize]
+                    .core
+                    .as_ref()
+                    .map(|c| c.copies().map(|(k, _, _)| k).collect())
+                    .unwrap_or_default();
+                for k in keys {
+                    self.drive(n, Event::Evict { key: k });
+                }
+                self.alloc(n)
+            }
+        };
+        let Some(slot) = slot else { return };
+        let content = self.rng.next_u64();
+        let c = &mut self.nodes[n as usize].mem[slot.slot as usize];
+        c.content = content;
+        c.header = SlotMeta { key, version: 0, generation: slot.generation, checksum: content };
+        c.trailer = c.header;
+        self.ops.insert((n, inc, op), OpInfo::Put { key });
+        self.drive(n, Event::ClientPut { op, key, slot, checksum: content });
+    }
+
+    /// Scale runs: puts every background key (on node `key % nodes`), then
+    /// reads a fifth of them on the next node, without faults, before the
+    /// fault phase starts.
+    fn prefill(&mut self) -> Result<(), Violation> {
+        self.faults = false;
+        self.workload = false;
+        self.run_for(3_000_000)?;
+        let nodes = self.cfg.nodes as u64;
+        for i in 0..self.cfg.background as u64 {
+            self.client_put((i % nodes) as NodeId, BlockKey { ns: 8, key: i as u128 });
+            if i % 512 == 511 {
+                self.run_for(2_000)?;
+            }
+        }
+        self.run_for(500_000)?;
+        for i in (0..self.cfg.background as u64).step_by(5) {
+            self.client_get(((i + 1) % nodes) as NodeId, BlockKey { ns: 8, key: i as u128 });
+            if i % 2560 == 2555 {
+                self.run_for(2_000)?;
+            }
+        }
+        self.run_for(500_000)?;
+        self.prefilled = self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.copy_count() as u64).sum();
+        self.faults = true;
+        self.workload = true;
+        self.push(1, Ev::ClientOp);
+        Ok(())
     }
 
     fn read_exec(&mut self, r: Read) {
@@ -1110,7 +1194,7 @@ impl World {
                     m.apply(k, v, *r, false);
                 }
                 self.nodes[node as usize].session =
-                    Some(EtcdSession { id: sid, lease, watch_next, pending: VecDeque::new() });
+                    Some(EtcdSession { id: sid, lease, watch_next, pending: VecDeque::new(), watch_broken: false });
                 self.etcd_after_keys(node, inc);
             }
             Ev::EtcdKeepAlive { node, inc, sid, lease } => {
@@ -1166,11 +1250,16 @@ impl World {
                 if self.nodes[node as usize].incarnation != inc {
                     return;
                 }
-                if !self.reachable(node) {
-                    self.etcd_unreachable(node);
+                let reachable = self.reachable(node);
+                let Some(s) = self.nodes[node as usize].session.as_mut().filter(|s| s.id == sid) else { return };
+                if s.watch_broken {
                     return;
                 }
-                if self.nodes[node as usize].session.as_ref().is_none_or(|s| s.id != sid) {
+                if !reachable {
+                    // Lost: later deliveries would leave a gap in what the
+                    // node knows (a stale member set it could propose).
+                    s.watch_broken = true;
+                    self.etcd_unreachable(node);
                     return;
                 }
                 let Some(m) = self.nodes[node as usize].etcd.as_mut() else { return };
@@ -1198,7 +1287,7 @@ impl World {
                     let len = self.etcd.log.len();
                     for n in 0..self.cfg.nodes as NodeId {
                         let Some(s) = self.nodes[n as usize].session.as_ref() else { continue };
-                        if s.watch_next >= len {
+                        if s.watch_next >= len || s.watch_broken {
                             continue;
                         }
                         if !self.etcd_reachable(n) {
@@ -1273,14 +1362,28 @@ impl World {
         if let Some((inv, detail)) = self.pending_fail.take() {
             return Err(self.violation(inv, detail));
         }
-        // S1: the servable copies of a key all have one version.
+        // S1: the servable copies of a key all have one version. Every
+        // copy is compared every `check_every` events; the keys the
+        // workload touched (and those of changes that just completed)
+        // after every event.
+        let full = self.stats.events.is_multiple_of(self.cfg.check_every);
         let mut seen: HashMap<BlockKey, (u64, NodeId)> = HashMap::new();
+        let keys: Vec<BlockKey> = if full {
+            Vec::new()
+        } else {
+            self.watched.iter().copied().chain(self.pending_s3.iter().map(|(k, _)| *k)).collect()
+        };
         for (i, sn) in self.nodes.iter().enumerate() {
             let Some(core) = &sn.core else { continue };
             if !core.serving_at(sn.clock.local(self.now)) {
                 continue;
             }
-            for (k, v, _) in core.copies() {
+            let copies: Box<dyn Iterator<Item = (BlockKey, u64)>> = if full {
+                Box::new(core.copies().map(|(k, v, _)| (k, v)))
+            } else {
+                Box::new(keys.iter().filter_map(|k| core.copy_of(k).map(|(v, _)| (*k, v))))
+            };
+            for (k, v) in copies {
                 if let Some(&(v0, n0)) = seen.get(&k) {
                     if v0 != v {
                         return Err(self.violation(
@@ -1443,6 +1546,10 @@ impl World {
 
     /// Runs the fault phase, heals, and checks liveness.
     pub fn run(mut self) -> Result<RunStats, Violation> {
+        if self.cfg.background > 0 {
+            self.prefill()?;
+            self.stats.prefilled = self.prefilled;
+        }
         let mut steps = 0;
         while steps < self.cfg.steps {
             if !self.step()? {

@@ -40,6 +40,14 @@ struct Args {
     /// of etcd; the etcd-* bugs imply it).
     #[arg(long, default_value = "static")]
     membership: String,
+    /// Scale: keys put (and a fifth read on a second node) before the
+    /// fault phase; one client call in ten then works on one of them.
+    #[arg(long, default_value_t = 0)]
+    background: usize,
+    /// Run the O(state) checks (every copy, each core's full recount of
+    /// its incremental structures) every this many events.
+    #[arg(long, default_value_t = 1)]
+    check_every: u64,
     /// Print every event of every seed (use with --seeds 1).
     #[arg(long)]
     verbose: bool,
@@ -67,10 +75,24 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let cfg = SimConfig { nodes: a.nodes, keys: a.keys, slots: a.slots, steps: a.steps, bug, etcd };
+    if a.check_every == 0 {
+        eprintln!("kvmesh-sim: --check-every must be at least 1");
+        return std::process::ExitCode::from(2);
+    }
+    let cfg = SimConfig {
+        nodes: a.nodes,
+        keys: a.keys,
+        slots: a.slots,
+        steps: a.steps,
+        bug,
+        etcd,
+        background: a.background,
+        check_every: a.check_every,
+    };
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
     let mut locate_grants = 0u64;
+    let mut prefilled = 0u64;
     let mut violations = 0u64;
     let mut seeds_run = 0u64;
     let mut first_violation = None;
@@ -90,6 +112,7 @@ fn main() -> std::process::ExitCode {
                 locate_grants += s.locate_grants;
                 crashes += s.crashes;
                 epochs += s.epochs;
+                prefilled = prefilled.max(s.prefilled);
             }
             Err(v) => {
                 violations += 1;
@@ -124,6 +147,7 @@ fn main() -> std::process::ExitCode {
             "inject_bug": a.inject_bug,
             "events": events,
             "events_per_s": (events as f64 / secs).round(),
+            "prefilled_copies_max": prefilled,
         })
     );
     if violations > 0 { std::process::ExitCode::from(1) } else { std::process::ExitCode::SUCCESS }

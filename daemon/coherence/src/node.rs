@@ -388,6 +388,22 @@ impl Node {
         self.copies.iter().map(|(k, c)| (*k, c.version, c.slot))
     }
 
+    /// This node's Valid copy of `key`, if any: version and slot. O(log n).
+    pub fn copy_of(&self, key: &BlockKey) -> Option<(u64, SlotRef)> {
+        self.copies.get(key).map(|c| (c.version, c.slot))
+    }
+
+    /// Number of Valid copies.
+    pub fn copy_count(&self) -> usize {
+        self.copies.len()
+    }
+
+    /// Number of directory entries this node keeps as a home (keys held
+    /// somewhere or changing).
+    pub fn directory_len(&self) -> usize {
+        self.dir.len()
+    }
+
     /// The directory entries this node keeps as a home.
     pub fn directory(&self) -> impl Iterator<Item = (BlockKey, DirView)> + '_ {
         self.dir.iter().map(|(k, e)| {
