@@ -27,6 +27,9 @@ echo "== coherence simulator: 1000 seeds, then each planted bug must be caught" 
 cargo build --locked --release -q -p kvmesh-cluster-tests --bin kvmesh-sim
 target/release/kvmesh-sim --seeds 1000 | tail -1
 target/release/kvmesh-sim --seeds 1000 --membership etcd | tail -1
+echo "== coherence simulator at scale: 100,000 keys on 3 nodes, full-scan checks every 1000 events" >&2
+target/release/kvmesh-sim --seeds 3 --nodes 3 --background 100000 --check-every 1000 | tail -1
+target/release/kvmesh-sim --seeds 2 --nodes 3 --background 100000 --check-every 1000 --membership etcd | tail -1
 # Each planted bug must be caught by an invariant it breaks (skipping the
 # ack wait breaks both S1 and S3; whichever the run meets first).
 for planted in skip-ack-wait:S1/S3 ack-without-invalidate:S3 skip-validation:DATA reuse-granted-slot:S4 \
@@ -56,4 +59,6 @@ if ! grep -q '"wrong_reads":0' <<<"$out"; then
     echo "coherence bench: wrong reads (or no result)" >&2
     exit 1
 fi
+echo "== scale benchmark smoke run (2 daemons, small levels; verifies bytes and invalidations, ignores timing)" >&2
+cargo run --locked -q -p kvmesh-bench -- scale --json --blocks 2000,4000 --samples 40 --idle-s 1 >/dev/null
 echo "== all tests passed" >&2

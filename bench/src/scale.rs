@@ -200,7 +200,17 @@ pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64) -> 
         })?;
         eprintln!("filled to {level} blocks each in {:.1} s", t.elapsed().as_secs_f64());
         filled = level;
-        rows.push(rt.block_on(measure(&clients, &nss, &pids, &mut base, samples, idle_s, &mut inval_next, &mut put_next, filled))?);
+        rows.push(rt.block_on(measure(
+            &clients,
+            &nss,
+            &pids,
+            &mut base,
+            samples,
+            idle_s,
+            &mut inval_next,
+            &mut put_next,
+            filled,
+        ))?);
         let l = rows.last().expect("pushed");
         eprintln!(
             "level {:>8} blocks: pin local p50 {} us p99 {} us | pin remote p50 {} us p99 {} us | put p50 {} us p99 {} us \

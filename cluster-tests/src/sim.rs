@@ -788,10 +788,9 @@ impl World {
                     self.pending_fail.get_or_insert_with(|| {
                         (
                             "S7",
-                            format!(
-                                "node {n} reported {:?} stored at v{version:#x}, a version no home assigned",
-                                { key.key }
-                            ),
+                            format!("node {n} reported {:?} stored at v{version:#x}, a version no home assigned", {
+                                key.key
+                            }),
                         )
                     });
                 }
@@ -804,7 +803,12 @@ impl World {
             match self.assigned_at.get(&(key, version)).copied() {
                 None => {
                     self.pending_fail.get_or_insert_with(|| {
-                        ("S7", format!("node {n} served {:?} v{version:#x}, a version no client call created", { key.key }))
+                        (
+                            "S7",
+                            format!("node {n} served {:?} v{version:#x}, a version no client call created", {
+                                key.key
+                            }),
+                        )
                     });
                 }
                 Some(at) => {

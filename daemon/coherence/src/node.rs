@@ -407,14 +407,7 @@ impl Node {
     /// The directory entries this node keeps as a home.
     pub fn directory(&self) -> impl Iterator<Item = (BlockKey, DirView)> + '_ {
         self.dir.iter().map(|(k, e)| {
-            (
-                *k,
-                DirView {
-                    version: e.version,
-                    holders: e.holders.ids().collect(),
-                    changing: e.change.is_some(),
-                },
-            )
+            (*k, DirView { version: e.version, holders: e.holders.ids().collect(), changing: e.change.is_some() })
         })
     }
 
@@ -437,9 +430,7 @@ impl Node {
         let by_ops = self
             .ops
             .values()
-            .filter(|o| {
-                matches!(o.kind, OpKind::Put { .. } | OpKind::Get { stage: GetStage::Registering { .. }, .. })
-            })
+            .filter(|o| matches!(o.kind, OpKind::Put { .. } | OpKind::Get { stage: GetStage::Registering { .. }, .. }))
             .count();
         self.copies.len() + by_ops + self.slots.values().filter(|h| !h.referenced).count()
     }
@@ -516,7 +507,11 @@ impl Node {
                 if let Some(&first) = c.waiting.values().min()
                     && c.resend_at > first + rt
                 {
-                    return Err(format!("change of {k:?} fires at {} after its first resend {}", c.resend_at, first + rt));
+                    return Err(format!(
+                        "change of {k:?} fires at {} after its first resend {}",
+                        c.resend_at,
+                        first + rt
+                    ));
                 }
                 changes.insert((c.resend_at, *k));
             }
@@ -530,7 +525,11 @@ impl Node {
             }
         }
         if grants.len() as u64 != self.metrics.grants_outstanding {
-            return Err(format!("grants_outstanding {} but {} grants held", self.metrics.grants_outstanding, grants.len()));
+            return Err(format!(
+                "grants_outstanding {} but {} grants held",
+                self.metrics.grants_outstanding,
+                grants.len()
+            ));
         }
         same("grants", &ts.grants, grants)?;
         let flushes = self
@@ -634,13 +633,8 @@ impl Node {
     }
 
     fn flush(&mut self, force: bool) {
-        let due: Vec<NodeId> = self
-            .timers
-            .flushes
-            .iter()
-            .take_while(|&&(t, _)| force || t <= self.now)
-            .map(|&(_, to)| to)
-            .collect();
+        let due: Vec<NodeId> =
+            self.timers.flushes.iter().take_while(|&&(t, _)| force || t <= self.now).map(|&(_, to)| to).collect();
         for to in due {
             self.flush_peer(to);
         }
@@ -1660,4 +1654,3 @@ impl Node {
         self.send(h, Msg::AnnounceAck);
     }
 }
-

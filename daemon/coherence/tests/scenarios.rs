@@ -355,3 +355,74 @@ fn a_home_whose_lease_lapsed_assigns_no_version() {
     );
     assert_eq!(net.nodes[0].metrics().changes_completed, 0);
 }
+
+/// The directory holds keys cached somewhere (or changing), not every key
+/// ever put in the epoch: after puts, invalidations and evictions of many
+/// keys it is empty again, and a key put again still gets a newer version.
+#[test]
+fn directory_holds_only_cached_keys_after_churn() {
+    let mut net = Net::new(3, Config::default());
+    let mut versions = BTreeMap::new();
+    for i in 0..600u128 {
+        net.put((i % 2) as NodeId, 10 + i as u64, key(i), i as u64);
+    }
+    net.settle();
+    for i in 0..600u128 {
+        let Some(Outcome::Stored { version }) = net.outcome((i % 2) as NodeId, 10 + i as u64) else {
+            panic!("put {i}: {:?}", net.outcome((i % 2) as NodeId, 10 + i as u64))
+        };
+        versions.insert(i, version);
+    }
+    let entries: usize = net.nodes.iter().map(|n| n.directory_len()).sum();
+    assert_eq!(entries, 600, "one entry per cached key");
+    // Half invalidated (through node 2, which holds nothing), half evicted.
+    for i in 0..300u128 {
+        net.drive(2, Event::ClientInvalidate { op: 1_000 + i as u64, key: key(i) });
+    }
+    for i in 300..600u128 {
+        net.drive((i % 2) as NodeId, Event::Evict { key: key(i) });
+    }
+    net.settle();
+    for i in 0..300u64 {
+        assert_eq!(net.outcome(2, 1_000 + i), Some(Outcome::Invalidated));
+    }
+    for n in &net.nodes {
+        assert_eq!(n.copy_count(), 0);
+        assert_eq!(n.directory_len(), 0, "node {}: entries of keys nobody holds", n.id());
+        n.check_incremental().unwrap();
+    }
+    // Versions still grow per key (the bucket floors remember them).
+    for i in [0u128, 299, 300, 599] {
+        net.put(1, 5_000 + i as u64, key(i), 1);
+        net.settle();
+        let Some(Outcome::Stored { version }) = net.outcome(1, 5_000 + i as u64) else { panic!() };
+        assert!(version > versions[&i], "key {i}: v{version:#x} not above v{:#x}", versions[&i]);
+    }
+}
+
+/// A publish request retransmitted after the home completed it is answered
+/// with the version it was given, not published again.
+#[test]
+fn a_duplicate_publish_request_gets_its_first_version() {
+    let mut net = Net::new(2, Config::default());
+    // A key homed on node 1, put by node 0.
+    let k = (0..).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(1)).expect("a key homed on 1");
+    net.put(0, 1, k, 42);
+    net.flush();
+    let (from, to, batch) = net.wire.pop_front().expect("the publish request");
+    assert!(matches!(batch.msgs[..], [Msg::PublishReq { .. }]), "{batch:?}");
+    net.drive(to, Event::Receive { from, batch: batch.clone() });
+    net.settle();
+    let Some(Outcome::Stored { version }) = net.outcome(0, 1) else { panic!("{:?}", net.outcome(0, 1)) };
+    let changes = net.nodes[1].metrics().changes_completed;
+    net.drive(to, Event::Receive { from, batch });
+    net.flush();
+    let answer = net.wire.pop_front().expect("an answer to the duplicate");
+    assert!(
+        matches!(answer.2.msgs[..], [Msg::PublishResp { result: kvmesh_coherence::PublishResult::Stored(v), .. }] if v == version),
+        "{answer:?}"
+    );
+    assert_eq!(net.nodes[1].metrics().changes_completed, changes, "no second change for a duplicate");
+    net.settle();
+    assert_eq!(net.nodes[0].copy_of(&k).map(|c| c.0), Some(version));
+}
