@@ -15,9 +15,12 @@
 //!   and its anonymous memory per cached block (index, directory and
 //!   coherence state; the pool is shared memory and not counted).
 //!
-//! The baseline is the same bench at the smallest level, in the same run:
-//! the ratios of the largest level to it are printed. Every pinned block's
-//! bytes are checked after its timing (a wrong byte fails the bench).
+//! The baseline runs in the same process at the same time: a second pair
+//! of daemons holding only the smallest level's blocks. Every latency
+//! sample on the large cluster is taken next to one on the baseline (the
+//! order alternating), so both see the same machine; the ratios reported
+//! are large / baseline at each level. Every pinned block's bytes are
+//! checked after its timing (a wrong byte fails the bench).
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -106,16 +109,201 @@ async fn fill(c: &Client, ns: &Namespace, d: usize, from: usize, to: usize) -> a
     Ok(())
 }
 
-/// One level's figures.
-struct Level {
-    blocks: u64,
+/// Latency histograms of one cluster at one level.
+struct Lat {
     pin_local: Histogram<u64>,
     pin_remote: Histogram<u64>,
     put: Histogram<u64>,
-    invalidate_1k_ms: f64,
+    invalidate_ms: Vec<f64>,
+}
+
+impl Lat {
+    fn new() -> Lat {
+        Lat { pin_local: hist(), pin_remote: hist(), put: hist(), invalidate_ms: Vec::new() }
+    }
+    fn invalidate_1k_ms(&self) -> f64 {
+        let mut v = self.invalidate_ms.clone();
+        v.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
+        v[v.len() / 2]
+    }
+}
+
+/// One level's figures (the large cluster, and its baseline alongside).
+struct Level {
+    blocks: u64,
+    big: Lat,
+    base: Lat,
     idle_cpu_pct: f64,
     rss_mib: f64,
     bytes_per_block: f64,
+}
+
+/// Two clustered daemons and what the bench has put on them.
+struct Cluster {
+    _daemons: Vec<(DaemonProc, PathBuf)>,
+    clients: Vec<Client>,
+    nss: Vec<Namespace>,
+    pids: Vec<u32>,
+    filled: usize,
+    inval_next: usize,
+    put_next: usize,
+    rng: u64,
+}
+
+impl Cluster {
+    fn start(tag: &str, slots: usize, rt: &tokio::runtime::Runtime) -> anyhow::Result<Cluster> {
+        let stride = kvmesh_common::slot::slot_stride(BLOCK as u64);
+        let pool_mib = (slots as u64 * stride).div_ceil(1 << 20).max(16);
+        let daemons = start_cluster(tag, pool_mib)?;
+        let pids: Vec<u32> = daemons.iter().map(|(d, _)| d.pid()).collect();
+        // Large pools take a while to set up: retry the handshake.
+        let mut clients = Vec::new();
+        for (_, sock) in &daemons {
+            let t0 = Instant::now();
+            loop {
+                match rt.block_on(Client::connect(sock)) {
+                    Ok(c) => break clients.push(c),
+                    Err(e) if t0.elapsed() < Duration::from_secs(180) => {
+                        eprintln!("waiting for the daemon at {}: {e}", sock.display());
+                        std::thread::sleep(Duration::from_secs(1));
+                    }
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        wait_ready_blocking(&clients, rt)?;
+        let nss: Vec<Namespace> = clients
+            .iter()
+            .map(|c| rt.block_on(c.register_namespace("scale-bench", BLOCK as u64, "bench")))
+            .collect::<Result<_, _>>()?;
+        Ok(Cluster {
+            _daemons: daemons,
+            clients,
+            nss,
+            pids,
+            filled: 0,
+            inval_next: 0,
+            put_next: 0,
+            rng: 0x9e37_79b9_7f4a_7c15 ^ slots as u64,
+        })
+    }
+
+    /// Anonymous memory (KiB, the larger of the two daemons) and pool slots
+    /// of a daemon before anything is cached.
+    async fn empty_memory(&self) -> anyhow::Result<(u64, u64)> {
+        let mut anon = 0;
+        for &p in &self.pids {
+            anon = anon.max(mem_kib(p)?.1);
+        }
+        let slots = self.clients[0].stats().await?.pools.iter().map(|p| p.slots as u64).sum();
+        Ok((anon, slots))
+    }
+
+    async fn fill_to(&mut self, level: usize) -> anyhow::Result<()> {
+        let (a, b) = tokio::join!(
+            fill(&self.clients[0], &self.nss[0], 0, self.filled, level),
+            fill(&self.clients[1], &self.nss[1], 1, self.filled, level)
+        );
+        a.and(b)?;
+        self.filled = level;
+        Ok(())
+    }
+
+    /// 32 consecutive fill keys of daemon `d` at a pseudo-random place.
+    fn batch_of(&mut self, d: usize) -> Vec<Key> {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        let start = (self.rng as usize) % (self.filled - BATCH + 1);
+        (start..start + BATCH).map(|i| key(d, 0, i)).collect()
+    }
+
+    /// Pins 32 blocks daemon 1 holds; returns the pin's microseconds.
+    async fn pin_local(&mut self) -> anyhow::Result<u64> {
+        let keys = self.batch_of(0);
+        let (c, ns) = (&self.clients[0], &self.nss[0]);
+        let t = Instant::now();
+        let got = c.pin(ns, &keys).await?;
+        let us = t.elapsed().as_micros() as u64;
+        for (b, &k) in got.iter().zip(&keys) {
+            check(k, b.as_ref().with_context(|| format!("local block {k} missing"))?)?;
+        }
+        Ok(us)
+    }
+
+    /// Pins 32 blocks only daemon 2 holds through daemon 1, which drops
+    /// its new copies again afterwards (untimed) so the fill stays remote.
+    async fn pin_remote(&mut self) -> anyhow::Result<u64> {
+        let keys = self.batch_of(1);
+        let (c, ns) = (&self.clients[0], &self.nss[0]);
+        let t = Instant::now();
+        let got = c.pin(ns, &keys).await?;
+        let us = t.elapsed().as_micros() as u64;
+        for (b, &k) in got.iter().zip(&keys) {
+            check(k, b.as_ref().with_context(|| format!("remote block {k} missing"))?)?;
+        }
+        drop(got);
+        c.flush_releases().await;
+        if c.remove(ns, &keys).await?.iter().any(|r| !r) {
+            bail!("daemon 1 kept a fetched copy after remove");
+        }
+        Ok(us)
+    }
+
+    /// Puts 32 new blocks on daemon 1 (removed again afterwards, untimed).
+    async fn put(&mut self) -> anyhow::Result<u64> {
+        let keys: Vec<Key> = (self.put_next..self.put_next + BATCH).map(|i| key(0, 1, i)).collect();
+        self.put_next += BATCH;
+        let (c, ns) = (&self.clients[0], &self.nss[0]);
+        let data: Vec<Vec<u8>> = keys.iter().map(|&k| content(k)).collect();
+        let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|v| &v[..])).collect();
+        let t = Instant::now();
+        let s = c.put(ns, &items).await?;
+        let us = t.elapsed().as_micros() as u64;
+        if s.stored as usize != BATCH {
+            bail!("put of 32 new blocks: {s:?}");
+        }
+        if c.remove(ns, &keys).await?.iter().any(|r| !r) {
+            bail!("daemon 1 kept a put block after remove");
+        }
+        Ok(us)
+    }
+
+    /// Invalidates 1,000 keys held on both daemons (put on daemon 2 and
+    /// fetched by daemon 1 first, untimed); returns milliseconds.
+    async fn invalidate_1k(&mut self) -> anyhow::Result<f64> {
+        let keys: Vec<Key> = (self.inval_next..self.inval_next + 1000).map(|i| key(1, 2, i)).collect();
+        self.inval_next += 1000;
+        let data: Vec<Vec<u8>> = keys.iter().map(|&k| content(k)).collect();
+        let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|v| &v[..])).collect();
+        let s = self.clients[1].put(&self.nss[1], &items).await?;
+        if s.stored != 1000 {
+            bail!("put of 1000 keys to invalidate: {s:?}");
+        }
+        let (c, ns) = (&self.clients[0], &self.nss[0]);
+        for chunk in keys.chunks(500) {
+            if c.pin(ns, chunk).await?.iter().any(|b| b.is_none()) {
+                bail!("a key to invalidate was not fetched");
+            }
+        }
+        c.flush_releases().await;
+        let t = Instant::now();
+        let s = c.invalidate(ns, &keys).await?;
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        if s.failed > 0 || s.invalidated < 1000 {
+            bail!("invalidation of 1000 keys: {s:?}");
+        }
+        // Nobody may serve an invalidated key any more.
+        for (cl, n) in self.clients.iter().zip(&self.nss) {
+            for chunk in keys.chunks(500) {
+                if cl.pin(n, chunk).await?.iter().any(|b| b.is_some()) {
+                    bail!("an invalidated block was served");
+                }
+            }
+            cl.flush_releases().await;
+        }
+        Ok(ms)
+    }
 }
 
 fn wait_ready_blocking(clients: &[Client], rt: &tokio::runtime::Runtime) -> anyhow::Result<()> {
@@ -130,14 +318,14 @@ fn wait_ready_blocking(clients: &[Client], rt: &tokio::runtime::Runtime) -> anyh
         if ok {
             return Ok(());
         }
-        if t0.elapsed() > Duration::from_secs(30) {
+        if t0.elapsed() > Duration::from_secs(60) {
             bail!("the cluster did not form");
         }
         std::thread::sleep(Duration::from_millis(50));
     }
 }
 
-fn start_cluster(pool_mib: u64) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
+fn start_cluster(tag: &str, pool_mib: u64) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
     let ports: Vec<u16> = (0..2)
         .map(|_| Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()))
         .collect::<anyhow::Result<_>>()?;
@@ -151,256 +339,180 @@ fn start_cluster(pool_mib: u64) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
             ports[id - 1],
             ports[other - 1]
         );
-        out.push(start_daemon_tagged(&format!("scale-{id}"), &cfg)?);
+        out.push(start_daemon_tagged(&format!("{tag}-{id}"), &cfg)?);
     }
     Ok(out)
 }
 
 pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64) -> anyhow::Result<()> {
-    if levels.is_empty() || levels.windows(2).any(|w| w[0] >= w[1]) {
-        bail!("--blocks must be increasing");
+    if levels.is_empty() || levels.windows(2).any(|w| w[0] >= w[1]) || levels[0] < BATCH {
+        bail!("--blocks must be increasing, the first at least {BATCH}");
     }
     if samples == 0 {
         bail!("--samples must be at least 1");
     }
     let top = *levels.last().expect("non-empty");
-    // Room on each daemon for its fill, the remote blocks it fetches and
-    // the blocks it puts at every level, with slack; no eviction.
-    let per_level = 2 * BATCH + 3 * 1000;
-    let slots = top + levels.len() * per_level + 10_000;
-    let stride = kvmesh_common::slot::slot_stride(BLOCK as u64);
-    let pool_mib = (slots as u64 * stride).div_ceil(1 << 20);
-    eprintln!("scale: 2 daemons, {slots} slots of 4 KiB each ({pool_mib} MiB per pool)");
+    // Room on each daemon for its fill and what the measurements put, with
+    // slack; no eviction.
+    let slack = 4 * 1000 + 4 * BATCH + 10_000;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    let daemons = start_cluster(pool_mib)?;
-    let pids: Vec<u32> = daemons.iter().map(|(d, _)| d.pid()).collect();
-    let clients: Vec<Client> =
-        daemons.iter().map(|(_, s)| rt.block_on(Client::connect(s))).collect::<Result<_, _>>()?;
-    wait_ready_blocking(&clients, &rt)?;
-    let nss: Vec<Namespace> = clients
-        .iter()
-        .map(|c| rt.block_on(c.register_namespace("scale-bench", BLOCK as u64, "bench")))
-        .collect::<Result<_, _>>()?;
+    let mut base = Cluster::start("scale-base", levels[0] + slack, &rt)?;
+    let base_empty = rt.block_on(base.empty_memory())?;
+    rt.block_on(base.fill_to(levels[0]))?;
+    let mut big = Cluster::start("scale", top + slack, &rt)?;
+    let big_empty = rt.block_on(big.empty_memory())?;
+    // What a daemon spends per slot of its pool before it caches anything
+    // (slot table, free list, the index sized for every slot): the two
+    // clusters differ only in their pools' slot counts.
+    let fixed_per_slot = (big_empty.0 as f64 - base_empty.0 as f64) * 1024.0 / (big_empty.1 - base_empty.1) as f64;
+    eprintln!("fixed memory per pool slot (anonymous, before any block): {fixed_per_slot:.0} B");
+    eprintln!("scale: 2 daemons filled level by level to {levels:?} blocks each, next to 2 holding {}", levels[0]);
     // Anonymous memory of the formed, empty cluster: the base the
     // per-block overhead is measured from.
-    let mut base: Vec<(u64, u64)> =
-        pids.iter().map(|&p| mem_kib(p).map(|m| (m.1, 0))).collect::<anyhow::Result<_>>()?;
-    let mut filled = 0usize;
-    let mut inval_next = 0usize;
-    let mut put_next = 0usize;
+    let mut mem_base: Vec<(u64, u64)> =
+        big.pids.iter().map(|&p| mem_kib(p).map(|m| (m.1, 0))).collect::<anyhow::Result<_>>()?;
     let mut rows = Vec::new();
     for &level in levels {
         let t = Instant::now();
-        rt.block_on(async {
-            let (a, b) = tokio::join!(
-                fill(&clients[0], &nss[0], 0, filled, level),
-                fill(&clients[1], &nss[1], 1, filled, level)
-            );
-            a.and(b)
-        })?;
+        rt.block_on(big.fill_to(level))?;
         eprintln!("filled to {level} blocks each in {:.1} s", t.elapsed().as_secs_f64());
-        filled = level;
-        rows.push(rt.block_on(measure(
-            &clients,
-            &nss,
-            &pids,
-            &mut base,
-            samples,
-            idle_s,
-            &mut inval_next,
-            &mut put_next,
-            filled,
-        ))?);
-        let l = rows.last().expect("pushed");
+        let l = rt.block_on(measure(&mut big, &mut base, &mut mem_base, samples, idle_s))?;
+        let r = |a: &Histogram<u64>, b: &Histogram<u64>, q: f64| {
+            a.value_at_quantile(q) as f64 / b.value_at_quantile(q).max(1) as f64
+        };
         eprintln!(
-            "level {:>8} blocks: pin local p50 {} us p99 {} us | pin remote p50 {} us p99 {} us | put p50 {} us p99 {} us \
-             | invalidate 1k {:.1} ms | idle cpu {:.2}% | rss {:.0} MiB | {:.0} B/block",
+            "level {:>8} blocks: pin local p50 {} us p99 {} us (x{:.2} x{:.2}) | pin remote p50 {} us p99 {} us (x{:.2} \
+             x{:.2}) | put p50 {} us p99 {} us (x{:.2} x{:.2}) | invalidate 1k {:.1} ms (x{:.2}) | idle cpu {:.2}% | \
+             rss {:.0} MiB | {:.0} B/block",
             l.blocks,
-            l.pin_local.value_at_quantile(0.5),
-            l.pin_local.value_at_quantile(0.99),
-            l.pin_remote.value_at_quantile(0.5),
-            l.pin_remote.value_at_quantile(0.99),
-            l.put.value_at_quantile(0.5),
-            l.put.value_at_quantile(0.99),
-            l.invalidate_1k_ms,
+            l.big.pin_local.value_at_quantile(0.5),
+            l.big.pin_local.value_at_quantile(0.99),
+            r(&l.big.pin_local, &l.base.pin_local, 0.5),
+            r(&l.big.pin_local, &l.base.pin_local, 0.99),
+            l.big.pin_remote.value_at_quantile(0.5),
+            l.big.pin_remote.value_at_quantile(0.99),
+            r(&l.big.pin_remote, &l.base.pin_remote, 0.5),
+            r(&l.big.pin_remote, &l.base.pin_remote, 0.99),
+            l.big.put.value_at_quantile(0.5),
+            l.big.put.value_at_quantile(0.99),
+            r(&l.big.put, &l.base.put, 0.5),
+            r(&l.big.put, &l.base.put, 0.99),
+            l.big.invalidate_1k_ms(),
+            l.big.invalidate_1k_ms() / l.base.invalidate_1k_ms(),
             l.idle_cpu_pct,
             l.rss_mib,
             l.bytes_per_block
         );
+        rows.push(l);
     }
     let r2 = |x: f64| (x * 100.0).round() / 100.0;
+    let ratio = |a: &Histogram<u64>, b: &Histogram<u64>, q: f64| {
+        r2(a.value_at_quantile(q) as f64 / b.value_at_quantile(q).max(1) as f64)
+    };
     let out_rows: Vec<serde_json::Value> = rows
         .iter()
         .map(|l| {
             serde_json::json!({
                 "blocks": l.blocks,
-                "pin_local_p50_us": l.pin_local.value_at_quantile(0.5),
-                "pin_local_p99_us": l.pin_local.value_at_quantile(0.99),
-                "pin_remote_p50_us": l.pin_remote.value_at_quantile(0.5),
-                "pin_remote_p99_us": l.pin_remote.value_at_quantile(0.99),
-                "put_p50_us": l.put.value_at_quantile(0.5),
-                "put_p99_us": l.put.value_at_quantile(0.99),
-                "invalidate_1k_ms": r2(l.invalidate_1k_ms),
+                "pin_local_p50_us": l.big.pin_local.value_at_quantile(0.5),
+                "pin_local_p99_us": l.big.pin_local.value_at_quantile(0.99),
+                "pin_remote_p50_us": l.big.pin_remote.value_at_quantile(0.5),
+                "pin_remote_p99_us": l.big.pin_remote.value_at_quantile(0.99),
+                "put_p50_us": l.big.put.value_at_quantile(0.5),
+                "put_p99_us": l.big.put.value_at_quantile(0.99),
+                "invalidate_1k_ms": r2(l.big.invalidate_1k_ms()),
                 "idle_cpu_pct": r2(l.idle_cpu_pct),
                 "rss_mib": r2(l.rss_mib),
                 "bytes_per_block_overhead": l.bytes_per_block.round(),
+                "vs_baseline": {
+                    "baseline_blocks": levels[0],
+                    "pin_local_p50": ratio(&l.big.pin_local, &l.base.pin_local, 0.5),
+                    "pin_local_p99": ratio(&l.big.pin_local, &l.base.pin_local, 0.99),
+                    "pin_remote_p50": ratio(&l.big.pin_remote, &l.base.pin_remote, 0.5),
+                    "pin_remote_p99": ratio(&l.big.pin_remote, &l.base.pin_remote, 0.99),
+                    "put_p50": ratio(&l.big.put, &l.base.put, 0.5),
+                    "put_p99": ratio(&l.big.put, &l.base.put, 0.99),
+                    "invalidate_1k": r2(l.big.invalidate_1k_ms() / l.base.invalidate_1k_ms()),
+                },
             })
         })
         .collect();
-    let (first, last) = (&rows[0], rows.last().expect("non-empty"));
-    let ratio = |f: fn(&Level) -> f64| r2(f(last) / f(first).max(1.0));
-    let ratios = serde_json::json!({
-        "pin_local_p50": ratio(|l| l.pin_local.value_at_quantile(0.5) as f64),
-        "pin_local_p99": ratio(|l| l.pin_local.value_at_quantile(0.99) as f64),
-        "pin_remote_p50": ratio(|l| l.pin_remote.value_at_quantile(0.5) as f64),
-        "pin_remote_p99": ratio(|l| l.pin_remote.value_at_quantile(0.99) as f64),
-        "put_p50": ratio(|l| l.put.value_at_quantile(0.5) as f64),
-        "put_p99": ratio(|l| l.put.value_at_quantile(0.99) as f64),
-        "invalidate_1k": ratio(|l| l.invalidate_1k_ms),
-    });
     if !json {
-        eprintln!("ratios of the largest level to the smallest (baseline, same run): {ratios}");
+        eprintln!("ratios: the large cluster over the baseline pair measured alongside, same samples");
     }
     println!(
         "{}",
-        serde_json::json!({"bench": "scale", "samples": samples, "rows": out_rows, "ratio_largest_to_smallest": ratios})
+        serde_json::json!({
+            "bench": "scale",
+            "samples": samples,
+            "fixed_bytes_per_slot": fixed_per_slot.round(),
+            "rows": out_rows,
+        })
     );
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Measures one level: latency samples alternating between the large
+/// cluster and the baseline, then the large cluster's idle CPU and memory.
 async fn measure(
-    clients: &[Client],
-    nss: &[Namespace],
-    pids: &[u32],
-    base: &mut [(u64, u64)],
+    big: &mut Cluster,
+    base: &mut Cluster,
+    mem_base: &mut [(u64, u64)],
     samples: usize,
     idle_s: u64,
-    inval_next: &mut usize,
-    put_next: &mut usize,
-    filled: usize,
 ) -> anyhow::Result<Level> {
-    let (c, ns) = (&clients[0], &nss[0]);
-    // Local pins: 32 consecutive keys at a pseudo-random place of the fill.
-    let mut pin_local = hist();
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ filled as u64;
-    for _ in 0..samples {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let start = (x as usize) % (filled - BATCH + 1);
-        let keys: Vec<Key> = (start..start + BATCH).map(|i| key(0, 0, i)).collect();
-        let t = Instant::now();
-        let got = c.pin(ns, &keys).await?;
-        pin_local.record(t.elapsed().as_micros() as u64)?;
-        for (b, &k) in got.iter().zip(&keys) {
-            check(k, b.as_ref().with_context(|| format!("local block {k} missing"))?)?;
+    let (mut big_lat, mut base_lat) = (Lat::new(), Lat::new());
+    for i in 0..samples {
+        let first_big = i % 2 == 0;
+        for big_turn in [first_big, !first_big] {
+            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
+            lat.pin_local.record(cl.pin_local().await?)?;
         }
     }
-    // Remote pins: keys only daemon 2 holds; after each sample daemon 1
-    // drops its new copies again (untimed), so the fill stays remote.
-    let mut pin_remote = hist();
-    for _ in 0..samples {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let start = (x as usize) % (filled - BATCH + 1);
-        let keys: Vec<Key> = (start..start + BATCH).map(|i| key(1, 0, i)).collect();
-        let t = Instant::now();
-        let got = c.pin(ns, &keys).await?;
-        pin_remote.record(t.elapsed().as_micros() as u64)?;
-        for (b, &k) in got.iter().zip(&keys) {
-            check(k, b.as_ref().with_context(|| format!("remote block {k} missing"))?)?;
-        }
-        drop(got);
-        c.flush_releases().await;
-        let removed = c.remove(ns, &keys).await?;
-        if removed.iter().any(|r| !r) {
-            bail!("daemon 1 kept a fetched copy after remove");
+    for i in 0..samples {
+        for big_turn in [i % 2 == 0, i % 2 != 0] {
+            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
+            lat.pin_remote.record(cl.pin_remote().await?)?;
         }
     }
-    // Puts of 32 new blocks.
-    let mut put = hist();
-    for _ in 0..samples {
-        let keys: Vec<Key> = (*put_next..*put_next + BATCH).map(|i| key(0, 1, i)).collect();
-        *put_next += BATCH;
-        let data: Vec<Vec<u8>> = keys.iter().map(|&k| content(k)).collect();
-        let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|v| &v[..])).collect();
-        let t = Instant::now();
-        let s = c.put(ns, &items).await?;
-        put.record(t.elapsed().as_micros() as u64)?;
-        if s.stored as usize != BATCH {
-            bail!("put of 32 new blocks: {s:?}");
-        }
-        // Untimed: drop them again, so every level holds its fill only.
-        if c.remove(ns, &keys).await?.iter().any(|r| !r) {
-            bail!("daemon 1 kept a put block after remove");
+    for i in 0..samples {
+        for big_turn in [i % 2 == 0, i % 2 != 0] {
+            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
+            lat.put.record(cl.put().await?)?;
         }
     }
-    // Invalidations of 1,000 keys held on both daemons: put on daemon 2,
-    // fetched by daemon 1 (untimed), invalidated through daemon 1.
-    let mut inv = Vec::new();
-    for _ in 0..3 {
-        let keys: Vec<Key> = (*inval_next..*inval_next + 1000).map(|i| key(1, 2, i)).collect();
-        *inval_next += 1000;
-        let data: Vec<Vec<u8>> = keys.iter().map(|&k| content(k)).collect();
-        let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|v| &v[..])).collect();
-        let s = clients[1].put(&nss[1], &items).await?;
-        if s.stored != 1000 {
-            bail!("put of 1000 keys to invalidate: {s:?}");
-        }
-        for chunk in keys.chunks(500) {
-            let got = c.pin(ns, chunk).await?;
-            if got.iter().any(|b| b.is_none()) {
-                bail!("a key to invalidate was not fetched");
-            }
-        }
-        c.flush_releases().await;
-        let t = Instant::now();
-        let s = c.invalidate(ns, &keys).await?;
-        inv.push(t.elapsed().as_secs_f64() * 1e3);
-        if s.failed > 0 || s.invalidated < 1000 {
-            bail!("invalidation of 1000 keys: {s:?}");
-        }
-        // Nobody may serve an invalidated key any more.
-        for (cl, n) in clients.iter().zip(nss) {
-            for chunk in keys.chunks(500) {
-                if cl.pin(n, chunk).await?.iter().any(|b| b.is_some()) {
-                    bail!("an invalidated block was served");
-                }
-            }
+    for i in 0..3 {
+        for big_turn in [i % 2 == 0, i % 2 != 0] {
+            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
+            lat.invalidate_ms.push(cl.invalidate_1k().await?);
         }
     }
-    inv.sort_by(|a, b| a.partial_cmp(b).expect("no NaN"));
-    c.flush_releases().await;
     // Idle: nothing asked of the daemons (their clients stay connected).
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let before: Vec<f64> = pids.iter().map(|&p| cpu_s(p)).collect::<anyhow::Result<_>>()?;
+    let before: Vec<f64> = big.pids.iter().map(|&p| cpu_s(p)).collect::<anyhow::Result<_>>()?;
     let t = Instant::now();
     tokio::time::sleep(Duration::from_secs(idle_s)).await;
     let wall = t.elapsed().as_secs_f64();
     let mut idle_cpu_pct = 0f64;
-    for (&p, b) in pids.iter().zip(&before) {
+    for (&p, b) in big.pids.iter().zip(&before) {
         idle_cpu_pct = idle_cpu_pct.max((cpu_s(p)? - b) / wall * 100.0);
     }
     let mut rss_mib = 0f64;
     let mut bytes_per_block = 0f64;
-    for ((&p, b), cl) in pids.iter().zip(base.iter_mut()).zip(clients) {
+    for ((&p, mb), cl) in big.pids.iter().zip(mem_base.iter_mut()).zip(&big.clients) {
         let (rss, anon) = mem_kib(p)?;
         rss_mib = rss_mib.max(rss as f64 / 1024.0);
         // Marginal: what the blocks added since the previous level cost
         // (the first level's figure also carries one-time allocations).
         let blocks = valid_blocks(cl).await?;
-        let grown = blocks.saturating_sub(b.1).max(1);
-        bytes_per_block = bytes_per_block.max(anon.saturating_sub(b.0) as f64 * 1024.0 / grown as f64);
-        *b = (anon, blocks);
+        let grown = blocks.saturating_sub(mb.1).max(1);
+        bytes_per_block = bytes_per_block.max(anon.saturating_sub(mb.0) as f64 * 1024.0 / grown as f64);
+        *mb = (anon, blocks);
     }
     Ok(Level {
-        blocks: valid_blocks(c).await?,
-        pin_local,
-        pin_remote,
-        put,
-        invalidate_1k_ms: inv[inv.len() / 2],
+        blocks: valid_blocks(&big.clients[0]).await?,
+        big: big_lat,
+        base: base_lat,
         idle_cpu_pct,
         rss_mib,
         bytes_per_block,

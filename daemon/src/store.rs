@@ -434,8 +434,11 @@ impl Store {
                 stride,
                 slots,
                 free: (0..n).rev().collect(),
-                small: VecDeque::new(),
-                main: VecDeque::new(),
+                // Sized for every slot up front: a queue that grows copies
+                // itself under the store's lock (milliseconds at a million
+                // entries); the memory is touched only as entries arrive.
+                small: VecDeque::with_capacity(n as usize),
+                main: VecDeque::with_capacity(n as usize),
                 small_live: 0,
                 main_live: 0,
                 ghost: VecDeque::new(),
@@ -446,12 +449,16 @@ impl Store {
                 zombie: 0,
             });
         }
+        // The index never holds more keys than there are slots: sized once,
+        // it never rehashes (a rehash of a million keys would stall every
+        // engine call for tens of milliseconds under the lock).
+        let slots_total: usize = pools.iter().map(|p| p.slots.len()).sum();
         Ok(Store {
             pools,
             namespaces: Vec::new(),
             ns_by_name: HashMap::default(),
             ns_by_fingerprint: HashMap::default(),
-            index: HashMap::default(),
+            index: HashMap::with_capacity_and_hasher(slots_total, Default::default()),
             sessions: HashMap::default(),
             leases: HashMap::default(),
             deadlines: BTreeSet::new(),
