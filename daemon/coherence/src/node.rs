@@ -16,6 +16,9 @@ use crate::{
 /// would grant no lease anyway).
 const KEEPALIVES_REMEMBERED: usize = 64;
 
+/// One copy in an announce: key, version, copy id.
+type AnnounceEntry = (BlockKey, u64, u64);
+
 /// Buckets of the version floor (see `Node::version_floor`): 512 KiB per
 /// node, so a key's version counter in one epoch is shared by 1/65536 of
 /// the keys that churn.
@@ -283,7 +286,7 @@ pub struct Node {
     /// Announces not yet acknowledged: when each was (re)sent, and its
     /// entries (a retransmission resends those still held, without
     /// recomputing every copy's home).
-    announce_pending: BTreeMap<NodeId, (Time, Vec<(BlockKey, u64, u64)>)>,
+    announce_pending: BTreeMap<NodeId, (Time, Vec<AnnounceEntry>)>,
     out: BTreeMap<NodeId, OutQueue>,
     timers: Timers,
     inbox: VecDeque<(NodeId, Msg)>,
@@ -1099,7 +1102,7 @@ impl Node {
             return;
         }
         // One pass over the copies (each key's home computed once).
-        let mut entries: BTreeMap<NodeId, Vec<(BlockKey, u64, u64)>> =
+        let mut entries: BTreeMap<NodeId, Vec<AnnounceEntry>> =
             self.view.members.iter().map(|m| (m.id, Vec::new())).collect();
         for (k, c) in &self.copies {
             if let Some(home) = self.view.home_of(k) {
@@ -1111,7 +1114,7 @@ impl Node {
         }
     }
 
-    fn send_announce(&mut self, to: NodeId, entries: Vec<(BlockKey, u64, u64)>) {
+    fn send_announce(&mut self, to: NodeId, entries: Vec<AnnounceEntry>) {
         let sent = self.now;
         if let Some((old, _)) = self.announce_pending.insert(to, (sent, entries.clone())) {
             self.timers.announces.remove(&(old + self.cfg.retransmit_us, to));
