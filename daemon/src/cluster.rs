@@ -1323,6 +1323,8 @@ impl Cluster {
             etcd_connected: etcd.is_some_and(|s| s.connected.load(Ordering::Relaxed)),
             etcd_errors: etcd.map_or(0, |s| s.errors.load(Ordering::Relaxed)),
             etcd_keepalives_dropped: etcd.map_or(0, |s| s.keepalives_dropped.load(Ordering::Relaxed)),
+            copies: g.node.copy_count() as u64,
+            directory_entries: g.node.directory_len() as u64,
         }
     }
 

@@ -243,6 +243,7 @@ fn stats_json(s: &kvmesh_client::Stats) -> String {
                 "epoch_persist_failures": c.epoch_persist_failures,
                 "etcd_connected": c.etcd_connected, "etcd_errors": c.etcd_errors,
                 "etcd_keepalives_dropped": c.etcd_keepalives_dropped,
+                "copies": c.copies, "directory_entries": c.directory_entries,
             })
         }),
     })
