@@ -454,6 +454,11 @@ impl World {
         // One seed in four with clocks ten times worse and thin margins,
         // and messages as fast as 1 us: every lease and grant margin is
         // then what stands between a slow clock and a reused slot.
+        // Half the seeds announce in parts of 1-3 entries (each a batch
+        // that can be lost, duplicated or reordered on its own).
+        if rng.below(2) == 0 {
+            core_cfg.announce_entries_max = rng.range(1, 4) as usize;
+        }
         let tight = rng.below(4) == 0;
         if tight {
             core_cfg.drift_ppm = 2_000;

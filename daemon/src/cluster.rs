@@ -220,6 +220,7 @@ impl Cluster {
             drift_ppm: cfg.drift_ppm,
             drift_margin_us: cfg.drift_margin_ms * 1000,
             ops_max: cfg.ops_max,
+            announce_entries_max: cfg.announce_entries_max,
             bug: planted_bug(),
             trace: false,
         };

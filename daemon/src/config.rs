@@ -142,6 +142,9 @@ pub struct CoherenceConfig {
     pub capacity: u32,
     /// Most entries in one batch to a peer.
     pub batch_entries_max: usize,
+    /// Most copies in one announce message after a membership change
+    /// (more travel in several, each in a batch of its own).
+    pub announce_entries_max: usize,
     /// Longest an entry waits for company before its batch leaves.
     pub flush_delay_us: u64,
     /// Also send what a burst of input produced (received batches, the
@@ -187,6 +190,7 @@ impl Default for CoherenceConfig {
             coordinator: None,
             capacity: 1,
             batch_entries_max: 512,
+            announce_entries_max: 65_536,
             flush_delay_us: 200,
             flush_when_idle: true,
             op_timeout_ms: 2_000,
@@ -443,6 +447,7 @@ impl Config {
         for (name, v) in [
             ("capacity", c.capacity as u64),
             ("batch_entries_max", c.batch_entries_max as u64),
+            ("announce_entries_max", c.announce_entries_max as u64),
             ("flush_delay_us", c.flush_delay_us),
             ("op_timeout_ms", c.op_timeout_ms),
             ("retransmit_ms", c.retransmit_ms),
@@ -460,6 +465,10 @@ impl Config {
         }
         if c.batch_entries_max > 65_536 {
             return Err(format!("coherence.batch_entries_max: {} exceeds 65536", c.batch_entries_max));
+        }
+        if c.announce_entries_max > 262_144 {
+            // 40 bytes an entry: a part stays far below the 64 MiB frame.
+            return Err(format!("coherence.announce_entries_max: {} exceeds 262144", c.announce_entries_max));
         }
         if c.drift_ppm > 10_000 {
             return Err(format!("coherence.drift_ppm: {} exceeds 10000", c.drift_ppm));

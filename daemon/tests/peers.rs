@@ -476,3 +476,38 @@ async fn directories_shrink_back_when_blocks_go() {
         assert_eq!(got[0].as_deref(), Some(&block_bytes(*k, 16384)[..]));
     }
 }
+
+/// After a view change every daemon announces its copies to their homes in
+/// parts of `coherence.announce_entries_max` (here 16): B restarts, so A
+/// must announce the ~150 of its 300 copies that B is home of in ~10 parts
+/// before B serves as their home; then every block reads back through B.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_are_announced_in_parts_after_a_restart() {
+    let (a, mut b) = pair_with("announce-parts", "sm", &[], "[coherence]\nannounce_entries_max = 16\n");
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let ca = a.client().await;
+    let (sa, _) = namespaces(&ca).await;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(16);
+    let keys: Vec<Key> = (0..300).map(|_| Key(rng.random())).collect();
+    put_all(&ca, &sa, &keys).await;
+    let before = ca.stats().await.unwrap().coherence.expect("clustered");
+    b.restart(&[]);
+    b.wait_peers(1).await;
+    a.wait_peers(1).await;
+    let after = ca.stats().await.unwrap().coherence.expect("clustered");
+    assert!(after.epoch > before.epoch, "B's restart made a new view");
+    // A sent at least 150/16 announce batches to B (half the keys are
+    // homed at B, give or take) on top of what it sent before.
+    assert!(after.batches_sent - before.batches_sent >= 5, "{} batches", after.batches_sent - before.batches_sent);
+    let b_stats = b.client().await.stats().await.unwrap().coherence.expect("clustered");
+    assert!(b_stats.directory_entries > 100, "B is home of the keys A announced: {}", b_stats.directory_entries);
+    let cb = b.client().await;
+    let (sb, _) = namespaces(&cb).await;
+    for chunk in keys.chunks(50) {
+        let got = cb.pin(&sb, chunk).await.unwrap();
+        for (g, k) in got.iter().zip(chunk) {
+            assert_eq!(g.as_deref(), Some(&block_bytes(*k, 16384)[..]), "block {k} through B after the restart");
+        }
+    }
+}

@@ -6,7 +6,7 @@ use crate::msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
 use crate::{BlockKey, SlotMeta, SlotRef};
 
 /// Version of the encoding (first byte of every encoded batch).
-pub const CODEC_VERSION: u8 = 1;
+pub const CODEC_VERSION: u8 = 2;
 /// Most messages one decoded batch (or one announce) may hold.
 pub const DECODE_ENTRIES_MAX: usize = 1 << 20;
 
@@ -266,8 +266,11 @@ fn encode_msg(w: &mut W, m: &Msg) {
             w.u64(*version);
             w.u64(*copy);
         }
-        Msg::Announce { entries } => {
+        Msg::Announce { round, part, parts, entries } => {
             w.u8(16);
+            w.u64(*round);
+            w.u32(*part);
+            w.u32(*parts);
             w.u32(entries.len() as u32);
             for (k, v, c) in entries {
                 w.key(k);
@@ -322,12 +325,16 @@ fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
         14 => Msg::AddHolderResp { op: r.u64()?, key: r.key()?, version: r.u64()?, copy: r.u64()?, ok: r.bool()? },
         15 => Msg::RemoveHolder { key: r.key()?, version: r.u64()?, copy: r.u64()? },
         16 => {
+            let (round, part, parts) = (r.u64()?, r.u32()?, r.u32()?);
+            if parts == 0 || part >= parts {
+                return Err(DecodeError::Count(parts as u64));
+            }
             let n = r.count(40)?;
             let mut entries = Vec::with_capacity(n);
             for _ in 0..n {
                 entries.push((r.key()?, r.u64()?, r.u64()?));
             }
-            Msg::Announce { entries }
+            Msg::Announce { round, part, parts, entries }
         }
         17 => Msg::AnnounceAck,
         t => return Err(DecodeError::Tag(t)),
@@ -363,8 +370,13 @@ mod tests {
             Msg::AddHolderReq { op: 14, key, version: 15, copy: 16 },
             Msg::AddHolderResp { op: 14, key, version: 15, copy: 16, ok: true },
             Msg::RemoveHolder { key, version: 15, copy: 16 },
-            Msg::Announce { entries: vec![(key, 1, 2), (BlockKey { ns: 1, key: 2 }, 3, 4)] },
-            Msg::Announce { entries: vec![] },
+            Msg::Announce {
+                round: 7,
+                part: 1,
+                parts: 3,
+                entries: vec![(key, 1, 2), (BlockKey { ns: 1, key: 2 }, 3, 4)],
+            },
+            Msg::Announce { round: 1, part: 0, parts: 1, entries: vec![] },
             Msg::AnnounceAck,
         ]
     }

@@ -164,6 +164,10 @@ pub struct Config {
     pub drift_margin_us: u64,
     /// Most client operations in flight on one node.
     pub ops_max: usize,
+    /// Most entries in one announce message: a node's copies homed at one
+    /// member travel in parts of at most this many, each in a batch of its
+    /// own (a million copies would not fit one decodable message).
+    pub announce_entries_max: usize,
     /// Planted bugs, for checking that the simulator catches them.
     pub bug: Option<Bug>,
     /// Record protocol facts in `Node::take_trace` (for checkers).
@@ -183,6 +187,7 @@ impl Default for Config {
             drift_ppm: 200,
             drift_margin_us: 2_000,
             ops_max: 100_000,
+            announce_entries_max: 65_536,
             bug: None,
             trace: false,
         }

@@ -99,8 +99,11 @@ pub enum Msg {
     /// so a late RemoveHolder never unregisters a newer copy.
     RemoveHolder { key: BlockKey, version: u64, copy: u64 },
     /// Holder -> home after a membership change: the copies I hold whose
-    /// home you now are (all of them, possibly none): key, version, copy.
-    Announce { entries: Vec<(BlockKey, u64, u64)> },
+    /// home you now are (all of them, possibly none): key, version, copy;
+    /// in `parts` messages of one `round` (each (re)send is a new round), of
+    /// which this is number `part`. The home counts the holder announced
+    /// when it has every part of one round.
+    Announce { round: u64, part: u32, parts: u32, entries: Vec<(BlockKey, u64, u64)> },
     /// Home -> holder: announce received.
     AnnounceAck,
 }

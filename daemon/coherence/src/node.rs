@@ -282,6 +282,11 @@ pub struct Node {
     /// Home: directory entries (hashed, as `copies`).
     dir: FxHashMap<BlockKey, DirEntry>,
     announced: BTreeSet<NodeId>,
+    /// Home: announces being received, per holder: its round, its parts,
+    /// and the parts received (a newer round starts over).
+    announce_rx: BTreeMap<NodeId, (u64, u32, BTreeSet<u32>)>,
+    /// Holder: round number of the last announce sent (any member).
+    announce_round: u64,
     ready: bool,
     /// Announces not yet acknowledged: when each was (re)sent, and its
     /// entries (a retransmission resends those still held, without
@@ -334,6 +339,8 @@ impl Node {
             writes: BTreeMap::new(),
             dir: FxHashMap::default(),
             announced: BTreeSet::new(),
+            announce_rx: BTreeMap::new(),
+            announce_round: 0,
             ready: false,
             announce_pending: BTreeMap::new(),
             out: BTreeMap::new(),
@@ -1094,6 +1101,7 @@ impl Node {
         self.published.clear();
         self.published_expiry.clear();
         self.announced.clear();
+        self.announce_rx.clear();
         self.ready = false;
         self.announce_pending.clear();
         self.timers.announces.clear();
@@ -1116,11 +1124,21 @@ impl Node {
 
     fn send_announce(&mut self, to: NodeId, entries: Vec<AnnounceEntry>) {
         let sent = self.now;
-        if let Some((old, _)) = self.announce_pending.insert(to, (sent, entries.clone())) {
+        self.announce_round += 1;
+        let round = self.announce_round;
+        let per = self.cfg.announce_entries_max.max(1);
+        let parts = entries.len().div_ceil(per).max(1) as u32;
+        for part in 0..parts {
+            let lo = part as usize * per;
+            let chunk = entries[lo.min(entries.len())..(lo + per).min(entries.len())].to_vec();
+            self.send(to, Msg::Announce { round, part, parts, entries: chunk });
+            // Each part in a batch of its own (bounded message size).
+            self.flush_peer(to);
+        }
+        if let Some((old, _)) = self.announce_pending.insert(to, (sent, entries)) {
             self.timers.announces.remove(&(old + self.cfg.retransmit_us, to));
         }
         self.timers.announces.insert((sent + self.cfg.retransmit_us, to));
-        self.send(to, Msg::Announce { entries });
     }
 
     /// An announce was not acknowledged in time: resend the entries still
@@ -1205,7 +1223,7 @@ impl Node {
                     self.gc_entry(&key);
                 }
             }
-            Msg::Announce { entries } => self.on_announce(from, entries),
+            Msg::Announce { round, part, parts, entries } => self.on_announce(from, round, part, parts, entries),
             Msg::AnnounceAck => {
                 if let Some((sent, _)) = self.announce_pending.remove(&from) {
                     self.timers.announces.remove(&(sent + self.cfg.retransmit_us, from));
@@ -1632,7 +1650,19 @@ impl Node {
         self.finish_get(op, Outcome::Hit { version, slot: dest });
     }
 
-    fn on_announce(&mut self, h: NodeId, entries: Vec<(BlockKey, u64, u64)>) {
+    fn on_announce(&mut self, h: NodeId, round: u64, part: u32, parts: u32, entries: Vec<AnnounceEntry>) {
+        // Parts of a round older than one under way are ignored; a newer
+        // round starts over (its parts may split the copies differently).
+        if !self.announced.contains(&h) {
+            let rx = self.announce_rx.entry(h).or_insert((round, parts, BTreeSet::new()));
+            if round < rx.0 {
+                return;
+            }
+            if round > rx.0 || parts != rx.1 {
+                *rx = (round, parts, BTreeSet::new());
+            }
+            rx.2.insert(part);
+        }
         for (key, version, copy) in entries {
             if !self.is_home(&key) {
                 continue;
@@ -1656,8 +1686,15 @@ impl Node {
                 self.send(h, Msg::Invalidate { key, version, change: 0 });
             }
         }
-        self.announced.insert(h);
-        self.ready = self.view.members.iter().all(|m| self.announced.contains(&m.id));
-        self.send(h, Msg::AnnounceAck);
+        if self.announced.contains(&h) {
+            // A retransmission after we had it all: the ack was lost.
+            return self.send(h, Msg::AnnounceAck);
+        }
+        if self.announce_rx.get(&h).is_some_and(|rx| rx.2.len() as u32 == rx.1) {
+            self.announce_rx.remove(&h);
+            self.announced.insert(h);
+            self.ready = self.view.members.iter().all(|m| self.announced.contains(&m.id));
+            self.send(h, Msg::AnnounceAck);
+        }
     }
 }

@@ -325,7 +325,7 @@ fn copies_held_under_a_lapsed_lease_are_never_announced_into_a_new_view() {
         .filter(|(from, _, _)| *from == 1)
         .flat_map(|(_, _, b)| b.msgs.iter())
         .filter_map(|m| match m {
-            Msg::Announce { entries } => Some(entries.len()),
+            Msg::Announce { entries, .. } => Some(entries.len()),
             _ => None,
         })
         .collect();
@@ -425,4 +425,63 @@ fn a_duplicate_publish_request_gets_its_first_version() {
     assert_eq!(net.nodes[1].metrics().changes_completed, changes, "no second change for a duplicate");
     net.settle();
     assert_eq!(net.nodes[0].copy_of(&k).map(|c| c.0), Some(version));
+}
+
+/// Announces travel in parts of `announce_entries_max` entries, each in a
+/// batch of its own; a home counts a holder announced only with every part
+/// of one round: with a part lost it stays busy, and the retransmitted round
+/// completes it.
+#[test]
+fn a_large_announce_travels_in_parts_and_needs_them_all() {
+    let cfg = Config { announce_entries_max: 4, ..Config::default() };
+    let mut net = Net::new(2, cfg);
+    // Node 0 holds 10 keys whose home is node 1.
+    let keys: Vec<BlockKey> = (0..).map(key).filter(|k| net.nodes[0].view().home_of(k) == Some(1)).take(10).collect();
+    for (i, &k) in keys.iter().enumerate() {
+        net.put(0, 100 + i as u64, k, i as u64);
+    }
+    net.settle();
+    assert_eq!(net.nodes[0].copy_count(), 10);
+    // A new view: node 0 announces its 10 copies to node 1 in 3 parts.
+    let view = View { epoch: 2, members: (0..2).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
+    net.drive(0, Event::View(view.clone()));
+    net.drive(1, Event::View(view));
+    let parts: Vec<(u32, usize)> = net
+        .wire
+        .iter()
+        .filter(|(from, to, _)| (*from, *to) == (0, 1))
+        .flat_map(|(_, _, b)| b.msgs.iter())
+        .filter_map(|m| match m {
+            Msg::Announce { part, parts, entries, .. } => {
+                assert_eq!(*parts, 3);
+                Some((*part, entries.len()))
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(parts, vec![(0, 4), (1, 4), (2, 2)]);
+    assert!(
+        net.wire.iter().filter(|(from, to, _)| (*from, *to) == (0, 1)).all(|(_, _, b)| b.msgs.len() == 1),
+        "each part in a batch of its own"
+    );
+    // Lose the middle part.
+    let mut kept = std::collections::VecDeque::new();
+    while let Some((from, to, b)) = net.wire.pop_front() {
+        let middle = matches!(b.msgs[..], [Msg::Announce { part: 1, .. }]) && (from, to) == (0, 1);
+        if !middle {
+            kept.push_back((from, to, b));
+        }
+    }
+    net.wire = kept;
+    while let Some((from, to, batch)) = net.wire.pop_front() {
+        net.drive(to, Event::Receive { from, batch });
+    }
+    assert!(!net.nodes[1].directory_ready(), "a home missing a part stays busy");
+    // The retransmission (a new round) completes it.
+    net.now += Config::default().retransmit_us;
+    net.settle();
+    assert!(net.nodes[1].directory_ready());
+    for &k in &keys {
+        assert!(net.nodes[1].directory().any(|(dk, d)| dk == k && d.holders == vec![0]), "{k:?} registered");
+    }
 }
