@@ -119,6 +119,9 @@ enum Cmd {
         /// Seconds of idle CPU measurement per level.
         #[arg(long, default_value_t = 10)]
         idle_s: u64,
+        /// Block size, KiB (1 fits 4 million blocks per daemon in ~10 GiB).
+        #[arg(long, default_value_t = 4)]
+        block_kib: usize,
     },
     /// A raw UCX target for the transfer baseline (prints its address, then
     /// progresses until stdin closes).
@@ -163,7 +166,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Coherence { json, daemons, keys, invalidate_window, no_baseline } => {
             coherence::run(json, daemons, keys, invalidate_window, !no_baseline)
         }
-        Cmd::Scale { json, blocks, samples, idle_s } => scale::run(json, &blocks, samples, idle_s),
+        Cmd::Scale { json, blocks, samples, idle_s, block_kib } => {
+            scale::run(json, &blocks, samples, idle_s, block_kib)
+        }
         Cmd::UcxTarget { transport, bytes } => transfer::ucx_target(&transport, bytes),
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

@@ -31,7 +31,12 @@ use kvmesh_client::{Client, Key, Namespace};
 
 use crate::{DaemonProc, start_daemon_tagged};
 
-const BLOCK: usize = 4096;
+/// Block size of this run (`--block-kib`), set once in `run`.
+static BLOCK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+
+fn block() -> usize {
+    *BLOCK.get().expect("set in run")
+}
 const BATCH: usize = 32;
 /// Keys per fill call.
 const FILL_CHUNK: usize = 1024;
@@ -54,12 +59,12 @@ fn key(d: usize, tag: u64, i: usize) -> Key {
 
 /// A block's bytes: its key, repeated.
 fn content(k: Key) -> Vec<u8> {
-    k.0.to_le_bytes().repeat(BLOCK / 16)
+    k.0.to_le_bytes().repeat(block() / 16)
 }
 
 fn check(k: Key, got: &[u8]) -> anyhow::Result<()> {
     let want = k.0.to_le_bytes();
-    if got.len() != BLOCK || got.chunks_exact(16).any(|c| c != want) {
+    if got.len() != block() || got.chunks_exact(16).any(|c| c != want) {
         bail!("block {k} read back wrong bytes");
     }
     Ok(())
@@ -152,7 +157,7 @@ struct Cluster {
 
 impl Cluster {
     fn start(tag: &str, slots: usize, rt: &tokio::runtime::Runtime) -> anyhow::Result<Cluster> {
-        let stride = kvmesh_common::slot::slot_stride(BLOCK as u64);
+        let stride = kvmesh_common::slot::slot_stride(block() as u64);
         let pool_mib = (slots as u64 * stride).div_ceil(1 << 20).max(16);
         let daemons = start_cluster(tag, pool_mib)?;
         let pids: Vec<u32> = daemons.iter().map(|(d, _)| d.pid()).collect();
@@ -174,7 +179,7 @@ impl Cluster {
         wait_ready_blocking(&clients, rt)?;
         let nss: Vec<Namespace> = clients
             .iter()
-            .map(|c| rt.block_on(c.register_namespace("scale-bench", BLOCK as u64, "bench")))
+            .map(|c| rt.block_on(c.register_namespace("scale-bench", block() as u64, "bench")))
             .collect::<Result<_, _>>()?;
         Ok(Cluster {
             _daemons: daemons,
@@ -334,9 +339,10 @@ fn start_cluster(tag: &str, pool_mib: u64) -> anyhow::Result<Vec<(DaemonProc, Pa
         let other = 3 - id;
         let cfg = format!(
             "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\n\
-             [[pools]]\nname = \"p4k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n\
+             [[pools]]\nname = \"blocks\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n\
              [[peers]]\nid = {other}\naddr = \"127.0.0.1:{}\"\n",
             ports[id - 1],
+            block() / 1024,
             ports[other - 1]
         );
         out.push(start_daemon_tagged(&format!("{tag}-{id}"), &cfg)?);
@@ -344,7 +350,11 @@ fn start_cluster(tag: &str, pool_mib: u64) -> anyhow::Result<Vec<(DaemonProc, Pa
     Ok(out)
 }
 
-pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64) -> anyhow::Result<()> {
+pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64, block_kib: usize) -> anyhow::Result<()> {
+    if !(1..=1024).contains(&block_kib) {
+        bail!("--block-kib must be 1..=1024");
+    }
+    BLOCK.set(block_kib * 1024).map_err(|_| anyhow::anyhow!("block size set twice"))?;
     if levels.is_empty() || levels.windows(2).any(|w| w[0] >= w[1]) || levels[0] < BATCH {
         bail!("--blocks must be increasing, the first at least {BATCH}");
     }
@@ -366,7 +376,10 @@ pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64) -> 
     // clusters differ only in their pools' slot counts.
     let fixed_per_slot = (big_empty.0 as f64 - base_empty.0 as f64) * 1024.0 / (big_empty.1 - base_empty.1) as f64;
     eprintln!("fixed memory per pool slot (anonymous, before any block): {fixed_per_slot:.0} B");
-    eprintln!("scale: 2 daemons filled level by level to {levels:?} blocks each, next to 2 holding {}", levels[0]);
+    eprintln!(
+        "scale: 2 daemons filled level by level to {levels:?} blocks of {block_kib} KiB each, next to 2 holding {}",
+        levels[0]
+    );
     // Anonymous memory of the formed, empty cluster: the base the
     // per-block overhead is measured from.
     let mut mem_base: Vec<(u64, u64)> =
