@@ -141,6 +141,7 @@ struct Level {
     idle_cpu_pct: f64,
     rss_mib: f64,
     bytes_per_block: f64,
+    marginal: f64,
 }
 
 /// Two clustered daemons and what the bench has put on them.
@@ -382,8 +383,8 @@ pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64, blo
     );
     // Anonymous memory of the formed, empty cluster: the base the
     // per-block overhead is measured from.
-    let mut mem_base: Vec<(u64, u64)> =
-        big.pids.iter().map(|&p| mem_kib(p).map(|m| (m.1, 0))).collect::<anyhow::Result<_>>()?;
+    let mut mem_base: Vec<(u64, u64, u64)> =
+        big.pids.iter().map(|&p| mem_kib(p).map(|m| (m.1, m.1, 0))).collect::<anyhow::Result<_>>()?;
     let mut rows = Vec::new();
     for &level in levels {
         let t = Instant::now();
@@ -396,7 +397,7 @@ pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64, blo
         eprintln!(
             "level {:>8} blocks: pin local p50 {} us p99 {} us (x{:.2} x{:.2}) | pin remote p50 {} us p99 {} us (x{:.2} \
              x{:.2}) | put p50 {} us p99 {} us (x{:.2} x{:.2}) | invalidate 1k {:.1} ms (x{:.2}) | idle cpu {:.2}% | \
-             rss {:.0} MiB | {:.0} B/block",
+             rss {:.0} MiB | {:.0} B/block ({:.0} marginal)",
             l.blocks,
             l.big.pin_local.value_at_quantile(0.5),
             l.big.pin_local.value_at_quantile(0.99),
@@ -414,7 +415,8 @@ pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64, blo
             l.big.invalidate_1k_ms() / l.base.invalidate_1k_ms(),
             l.idle_cpu_pct,
             l.rss_mib,
-            l.bytes_per_block
+            l.bytes_per_block,
+            l.marginal
         );
         rows.push(l);
     }
@@ -437,6 +439,7 @@ pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64, blo
                 "idle_cpu_pct": r2(l.idle_cpu_pct),
                 "rss_mib": r2(l.rss_mib),
                 "bytes_per_block_overhead": l.bytes_per_block.round(),
+                "bytes_per_block_marginal": l.marginal.round(),
                 "vs_baseline": {
                     "baseline_blocks": levels[0],
                     "pin_local_p50": ratio(&l.big.pin_local, &l.base.pin_local, 0.5),
@@ -470,7 +473,7 @@ pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64, blo
 async fn measure(
     big: &mut Cluster,
     base: &mut Cluster,
-    mem_base: &mut [(u64, u64)],
+    mem_base: &mut [(u64, u64, u64)],
     samples: usize,
     idle_s: u64,
 ) -> anyhow::Result<Level> {
@@ -512,15 +515,19 @@ async fn measure(
     }
     let mut rss_mib = 0f64;
     let mut bytes_per_block = 0f64;
+    let mut marginal = 0f64;
     for ((&p, mb), cl) in big.pids.iter().zip(mem_base.iter_mut()).zip(&big.clients) {
         let (rss, anon) = mem_kib(p)?;
         rss_mib = rss_mib.max(rss as f64 / 1024.0);
-        // Marginal: what the blocks added since the previous level cost
-        // (the first level's figure also carries one-time allocations).
+        // Average: everything the daemon's anonymous memory grew by since
+        // it was empty, per block it holds (maps sized up front are paid
+        // as their pages are touched, so early levels carry more).
+        // Marginal: per block added since the previous level.
         let blocks = valid_blocks(cl).await?;
-        let grown = blocks.saturating_sub(mb.1).max(1);
-        bytes_per_block = bytes_per_block.max(anon.saturating_sub(mb.0) as f64 * 1024.0 / grown as f64);
-        *mb = (anon, blocks);
+        bytes_per_block = bytes_per_block.max(anon.saturating_sub(mb.0) as f64 * 1024.0 / blocks.max(1) as f64);
+        let grown = blocks.saturating_sub(mb.2).max(1);
+        marginal = marginal.max(anon.saturating_sub(mb.1) as f64 * 1024.0 / grown as f64);
+        *mb = (mb.0, anon, blocks);
     }
     Ok(Level {
         blocks: valid_blocks(&big.clients[0]).await?,
@@ -529,5 +536,6 @@ async fn measure(
         idle_cpu_pct,
         rss_mib,
         bytes_per_block,
+        marginal,
     })
 }

@@ -221,6 +221,7 @@ impl Cluster {
             drift_margin_us: cfg.drift_margin_ms * 1000,
             ops_max: cfg.ops_max,
             announce_entries_max: cfg.announce_entries_max,
+            expected_copies: store.lock().pools().iter().map(|p| p.slot_count() as usize).sum(),
             bug: planted_bug(),
             trace: false,
         };

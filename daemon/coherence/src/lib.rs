@@ -168,6 +168,12 @@ pub struct Config {
     /// member travel in parts of at most this many, each in a batch of its
     /// own (a million copies would not fit one decodable message).
     pub announce_entries_max: usize,
+    /// Copies this node expects to hold at most (its pool slots): the
+    /// copy and directory maps are sized for that many at start, so they
+    /// never rehash millions of entries while the driver's lock is held
+    /// (at 4 million, a rehash stalls the node for about a second). 0:
+    /// grow as needed.
+    pub expected_copies: usize,
     /// Planted bugs, for checking that the simulator catches them.
     pub bug: Option<Bug>,
     /// Record protocol facts in `Node::take_trace` (for checkers).
@@ -188,6 +194,7 @@ impl Default for Config {
             drift_margin_us: 2_000,
             ops_max: 100_000,
             announce_entries_max: 65_536,
+            expected_copies: 0,
             bug: None,
             trace: false,
         }

@@ -322,6 +322,7 @@ pub struct Node {
 impl Node {
     /// A fresh node (empty pool) of incarnation `incarnation`.
     pub fn new(id: NodeId, incarnation: u64, cfg: Config) -> Node {
+        let expected = cfg.expected_copies;
         Node {
             id,
             incarnation,
@@ -331,13 +332,13 @@ impl Node {
             lease_until: None,
             last_keepalive: None,
             keepalives_sent: VecDeque::new(),
-            copies: FxHashMap::default(),
+            copies: FxHashMap::with_capacity_and_hasher(expected, Default::default()),
             slots: BTreeMap::new(),
             next_grant: 0,
             ops: BTreeMap::new(),
             fetching: BTreeMap::new(),
             writes: BTreeMap::new(),
-            dir: FxHashMap::default(),
+            dir: FxHashMap::with_capacity_and_hasher(expected, Default::default()),
             announced: BTreeSet::new(),
             announce_rx: BTreeMap::new(),
             announce_round: 0,
