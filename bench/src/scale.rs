@@ -114,6 +114,15 @@ async fn fill(c: &Client, ns: &Namespace, d: usize, from: usize, to: usize) -> a
     Ok(())
 }
 
+/// The measured operations, in the order they are measured.
+#[derive(Clone, Copy)]
+enum What {
+    PinLocal,
+    PinRemote,
+    Put,
+    Invalidate,
+}
+
 /// Latency histograms of one cluster at one level.
 struct Lat {
     pin_local: Histogram<u64>,
@@ -224,31 +233,31 @@ impl Cluster {
         (start..start + BATCH).map(|i| key(d, 0, i)).collect()
     }
 
+    /// Pins `keys` through daemon 1 and checks every block's bytes
+    /// (untimed); returns the pin's microseconds.
+    async fn timed_pin(&self, keys: &[Key], what: &str) -> anyhow::Result<u64> {
+        let (c, ns) = (&self.clients[0], &self.nss[0]);
+        let t = Instant::now();
+        let got = c.pin(ns, keys).await?;
+        let us = t.elapsed().as_micros() as u64;
+        for (b, &k) in got.iter().zip(keys) {
+            check(k, b.as_ref().with_context(|| format!("{what} block {k} missing"))?)?;
+        }
+        Ok(us)
+    }
+
     /// Pins 32 blocks daemon 1 holds; returns the pin's microseconds.
     async fn pin_local(&mut self) -> anyhow::Result<u64> {
         let keys = self.batch_of(0);
-        let (c, ns) = (&self.clients[0], &self.nss[0]);
-        let t = Instant::now();
-        let got = c.pin(ns, &keys).await?;
-        let us = t.elapsed().as_micros() as u64;
-        for (b, &k) in got.iter().zip(&keys) {
-            check(k, b.as_ref().with_context(|| format!("local block {k} missing"))?)?;
-        }
-        Ok(us)
+        self.timed_pin(&keys, "local").await
     }
 
     /// Pins 32 blocks only daemon 2 holds through daemon 1, which drops
     /// its new copies again afterwards (untimed) so the fill stays remote.
     async fn pin_remote(&mut self) -> anyhow::Result<u64> {
         let keys = self.batch_of(1);
+        let us = self.timed_pin(&keys, "remote").await?;
         let (c, ns) = (&self.clients[0], &self.nss[0]);
-        let t = Instant::now();
-        let got = c.pin(ns, &keys).await?;
-        let us = t.elapsed().as_micros() as u64;
-        for (b, &k) in got.iter().zip(&keys) {
-            check(k, b.as_ref().with_context(|| format!("remote block {k} missing"))?)?;
-        }
-        drop(got);
         c.flush_releases().await;
         if c.remove(ns, &keys).await?.iter().any(|r| !r) {
             bail!("daemon 1 kept a fetched copy after remove");
@@ -478,29 +487,20 @@ async fn measure(
     idle_s: u64,
 ) -> anyhow::Result<Level> {
     let (mut big_lat, mut base_lat) = (Lat::new(), Lat::new());
-    for i in 0..samples {
-        let first_big = i % 2 == 0;
-        for big_turn in [first_big, !first_big] {
-            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
-            lat.pin_local.record(cl.pin_local().await?)?;
-        }
-    }
-    for i in 0..samples {
-        for big_turn in [i % 2 == 0, i % 2 != 0] {
-            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
-            lat.pin_remote.record(cl.pin_remote().await?)?;
-        }
-    }
-    for i in 0..samples {
-        for big_turn in [i % 2 == 0, i % 2 != 0] {
-            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
-            lat.put.record(cl.put().await?)?;
-        }
-    }
-    for i in 0..3 {
-        for big_turn in [i % 2 == 0, i % 2 != 0] {
-            let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
-            lat.invalidate_ms.push(cl.invalidate_1k().await?);
+    for (what, n) in
+        [(What::PinLocal, samples), (What::PinRemote, samples), (What::Put, samples), (What::Invalidate, 3)]
+    {
+        for i in 0..n {
+            // Alternate which cluster goes first.
+            for big_turn in [i % 2 == 0, i % 2 != 0] {
+                let (cl, lat) = if big_turn { (&mut *big, &mut big_lat) } else { (&mut *base, &mut base_lat) };
+                match what {
+                    What::PinLocal => lat.pin_local.record(cl.pin_local().await?)?,
+                    What::PinRemote => lat.pin_remote.record(cl.pin_remote().await?)?,
+                    What::Put => lat.put.record(cl.put().await?)?,
+                    What::Invalidate => lat.invalidate_ms.push(cl.invalidate_1k().await?),
+                }
+            }
         }
     }
     // Idle: nothing asked of the daemons (their clients stay connected).

@@ -51,11 +51,23 @@ pub struct SimConfig {
     /// `check_incremental`) every this many events; the per-key checks of
     /// the keys the workload touches run after every event.
     pub check_every: u64,
+    /// Batches (per thousand) delayed 20–300 ms: the long tail.
+    pub long_delay_per_mille: u32,
 }
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { nodes: 4, keys: 6, slots: 8, steps: 4000, bug: None, etcd: false, background: 0, check_every: 1 }
+        SimConfig {
+            nodes: 4,
+            keys: 6,
+            slots: 8,
+            steps: 4000,
+            bug: None,
+            etcd: false,
+            background: 0,
+            check_every: 1,
+            long_delay_per_mille: 4,
+        }
     }
 }
 
@@ -415,8 +427,6 @@ pub struct World {
     /// Keys S1 and S3 check after every event: the workload's keys and
     /// the background keys it touched.
     watched: BTreeSet<BlockKey>,
-    /// Copies held across the cluster after the prefill.
-    prefilled: u64,
     pending_s3: Vec<(BlockKey, u64)>,
     /// Incarnation of the holder that granted each slot use (a grant, like
     /// an rkey, dies with its process).
@@ -521,7 +531,6 @@ impl World {
             pending_fail: None,
             drives: 0,
             watched: BTreeSet::new(),
-            prefilled: 0,
             pending_s3: Vec::new(),
             granted_by: HashMap::new(),
             trusted: HashMap::new(),
@@ -698,7 +707,7 @@ impl World {
                 if !self.faults || (self.rng.chance(0.97) && self.reachable(n)) {
                     let copies = if self.faults && self.rng.chance(0.03) { 2 } else { 1 };
                     for _ in 0..copies {
-                        let d = if self.faults && self.rng.chance(0.004) {
+                        let d = if self.faults && self.rng.chance(self.cfg.long_delay_per_mille as f64 / 1000.0) {
                             // The long tail: a batch of a change (or epoch)
                             // that ended long ago.
                             self.rng.range(20_000, 300_000)
@@ -950,7 +959,7 @@ impl World {
             }
         }
         self.run_for(500_000)?;
-        self.prefilled = self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.copy_count() as u64).sum();
+        self.stats.prefilled = self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.copy_count() as u64).sum();
         self.faults = true;
         self.workload = true;
         self.push(1, Ev::ClientOp);
@@ -1557,7 +1566,6 @@ impl World {
     pub fn run(mut self) -> Result<RunStats, Violation> {
         if self.cfg.background > 0 {
             self.prefill()?;
-            self.stats.prefilled = self.prefilled;
         }
         let mut steps = 0;
         while steps < self.cfg.steps {

@@ -48,6 +48,9 @@ struct Args {
     /// its incremental structures) every this many events.
     #[arg(long, default_value_t = 1)]
     check_every: u64,
+    /// Batches per thousand delayed 20-300 ms (the long tail).
+    #[arg(long, default_value_t = 4)]
+    long_delay_per_mille: u32,
     /// Print every event of every seed (use with --seeds 1).
     #[arg(long)]
     verbose: bool,
@@ -75,6 +78,10 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
+    if a.long_delay_per_mille > 1000 {
+        eprintln!("kvmesh-sim: --long-delay-per-mille must be at most 1000");
+        return std::process::ExitCode::from(2);
+    }
     if a.check_every == 0 {
         eprintln!("kvmesh-sim: --check-every must be at least 1");
         return std::process::ExitCode::from(2);
@@ -88,6 +95,7 @@ fn main() -> std::process::ExitCode {
         etcd,
         background: a.background,
         check_every: a.check_every,
+        long_delay_per_mille: a.long_delay_per_mille,
     };
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);

@@ -318,12 +318,8 @@ pub enum Event {
         /// Local time the keepalive was sent.
         sent_at: Time,
     },
-    /// Time passed.
+    /// Time passed: does what is due (O(log n) per timer due).
     Tick,
-    /// Time passed, and only batches whose flush window ended need to go
-    /// (O(peers); `Tick` does everything, in O(state)). For drivers that
-    /// wake for `Node::next_flush` more often than for `next_timeout`.
-    Flush,
 }
 
 /// What a client call ended with.

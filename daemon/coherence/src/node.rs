@@ -103,7 +103,6 @@ impl Holders {
     }
     fn clear(&mut self) {
         self.0.clear();
-        self.0.shrink_to_fit();
     }
 }
 
@@ -403,7 +402,7 @@ impl Node {
         self.copies.iter().map(|(k, c)| (*k, c.version, c.slot))
     }
 
-    /// This node's Valid copy of `key`, if any: version and slot. O(log n).
+    /// This node's Valid copy of `key`, if any: version and slot.
     pub fn copy_of(&self, key: &BlockKey) -> Option<(u64, SlotRef)> {
         self.copies.get(key).map(|c| (c.version, c.slot))
     }
@@ -463,12 +462,6 @@ impl Node {
         self.now = self.now.max(now);
         self.flush(true);
         std::mem::take(&mut self.actions)
-    }
-
-    /// When a queued batch's flush window ends (local clock), if any are
-    /// queued. O(log peers).
-    pub fn next_flush(&self) -> Option<Time> {
-        self.timers.flushes.first().map(|&(t, _)| t.max(self.now))
     }
 
     /// When the node next needs a `Tick` (local clock), if ever. O(log n):
@@ -601,7 +594,6 @@ impl Node {
                 self.lease_until = Some(self.lease_until.map_or(until, |u| u.max(until)));
             }
             Event::Tick => self.tick(),
-            Event::Flush => {}
         }
         self.drain_inbox();
         self.flush(false);
@@ -1036,11 +1028,7 @@ impl Node {
         }
         let (version, change) = (c.old_version, c.id);
         if c.waiting.is_empty() {
-            // complete_change ends the change; its timer is already gone,
-            // so keep the bookkeeping exact by re-arming first.
-            c.resend_at = now;
-            self.timers.changes.insert((now, key));
-            self.complete_change(key);
+            self.complete_change(key); // its timer entry is already gone
         } else {
             c.resend_at = c.waiting.values().min().expect("non-empty") + rt;
             self.timers.changes.insert((c.resend_at, key));
