@@ -26,6 +26,7 @@
 //! daemon may reuse the slot. Dropping the client, or the process dying,
 //! releases all its pins and uncommitted allocations at once.
 #![forbid(unsafe_code)]
+#![recursion_limit = "256"]
 
 use std::ops::{Deref, DerefMut};
 use std::os::fd::AsFd;
@@ -47,6 +48,10 @@ use tokio::sync::{mpsc, oneshot};
 use tonic::transport::{Channel, Endpoint};
 
 pub use kvmesh_ffi_os::default_socket_path;
+
+pub mod blocking;
+mod stats_json;
+pub use stats_json::stats_json;
 
 /// Errors of the client library.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +84,10 @@ pub enum ClientError {
     /// Mapping or claiming pool memory failed.
     #[error("pool memory: {0}")]
     Shm(#[from] ShmError),
+    /// A lease (of a pin or an allocation) passed before the operation
+    /// finished; nothing read under it can be trusted. Retry.
+    #[error("lease expired: {0}")]
+    LeaseExpired(String),
 }
 
 impl ClientError {
@@ -89,6 +98,7 @@ impl ClientError {
             ClientError::Connect { .. } | ClientError::Handshake { .. } => tonic::Code::Unavailable,
             ClientError::InvalidArgument(_) => tonic::Code::InvalidArgument,
             ClientError::Protocol(_) | ClientError::Shm(_) => tonic::Code::Internal,
+            ClientError::LeaseExpired(_) => tonic::Code::DeadlineExceeded,
         }
     }
 }
@@ -660,7 +670,7 @@ impl Client {
         }
         // A copy that outlived its lease may have raced a reuse of the slot.
         if held.iter().any(|b| b.lease_remaining().is_zero()) {
-            return Err(ClientError::Protocol("copy finished after the pin lease expired; retry".into()));
+            return Err(ClientError::LeaseExpired("copy finished after the pin lease expired; retry".into()));
         }
         // Unpins ride on the next pin (or leave within a millisecond).
         drop(held);
@@ -680,7 +690,8 @@ impl Client {
     /// Put of a new version of mutable keys, phase one: reserves a slot per
     /// key even when the key is cached. The commit publishes the new
     /// version; when it returns, no daemon of the cluster serves an older
-    /// one.
+    /// one. (On a daemon without peers the cached version is removed when
+    /// the slot is allocated: readers miss until the commit.)
     pub async fn allocate_overwrite(&self, ns: &Namespace, keys: &[Key]) -> Result<Vec<Allocation>> {
         self.allocate_inner(ns, keys, 0, true).await
     }

@@ -8,7 +8,7 @@ pub mod handshake;
 pub mod key;
 pub mod slot;
 
-pub use key::{Key, KeyParseError};
+pub use key::{KEY_SEED, Key, KeyParseError};
 pub use slot::{SlotMeta, SlotState, ValidationError};
 
 /// xxh3-64 of a block payload, the checksum stored in slot headers.

@@ -218,7 +218,17 @@ impl pb::engine_server::Engine for EngineService {
         let r = req.into_inner();
         let now = Instant::now();
         let (out, deadline) = match &self.cluster {
-            None => self.store.lock().allocate(session, r.namespace_id, &keys(&r.keys), r.lease_ms, now)?,
+            None => {
+                let keys = keys(&r.keys);
+                let mut store = self.store.lock();
+                if r.overwrite {
+                    // Without peers an overwrite retires the cached version
+                    // now: until the commit, readers miss (never read old
+                    // and new mixed).
+                    store.remove(r.namespace_id, &keys)?;
+                }
+                store.allocate(session, r.namespace_id, &keys, r.lease_ms, now)?
+            }
             Some(c) => c.allocate(session, r.namespace_id, &keys(&r.keys), r.lease_ms, r.overwrite)?,
         };
         let allocations = out

@@ -94,7 +94,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             let client = connect(args.socket).await?;
             let s = client.stats().await?;
             if json {
-                println!("{}", stats_json(&s));
+                println!("{}", kvmesh_client::stats_json(&s));
             } else {
                 print_stats(&s);
             }
@@ -181,73 +181,6 @@ async fn run(args: Args) -> Result<(), Failure> {
         }
     }
     Ok(())
-}
-
-fn stats_json(s: &kvmesh_client::Stats) -> String {
-    let pools: Vec<serde_json::Value> = s
-        .pools
-        .iter()
-        .map(|p| {
-            serde_json::json!({
-                "name": p.name, "device": p.device, "bytes": p.bytes, "slot_payload_bytes": p.slot_payload_bytes,
-                "slots": p.slots, "free": p.free, "valid": p.valid, "pending": p.pending, "pinned": p.pinned,
-                "zombie": p.zombie, "mlocked": p.mlocked,
-            })
-        })
-        .collect();
-    serde_json::json!({
-        "pools": pools,
-        "namespaces": s.namespaces,
-        "sessions": s.sessions,
-        "pins_outstanding": s.pins_outstanding,
-        "allocations_outstanding": s.allocations_outstanding,
-        "lookups": s.lookups,
-        "hits": s.hits,
-        "misses": s.misses,
-        "pins": s.pins,
-        "commits": s.commits,
-        "aborts": s.aborts,
-        "evictions": s.evictions,
-        "removes": s.removes,
-        "lease_expirations": s.lease_expirations,
-        "session_releases": s.session_releases,
-        "resource_exhausted": s.resource_exhausted,
-        "uptime_ms": s.uptime_ms,
-        "remote_fetched": s.remote_fetched,
-        "remote_misses": s.remote_misses,
-        "remote_validation_failures": s.remote_validation_failures,
-        "transfer_failures": s.transfer_failures,
-        "transfer_timeouts": s.transfer_timeouts,
-        "slots_quarantined": s.slots_quarantined,
-        "grants_given": s.grants_given,
-        "peers_connected": s.peers_connected,
-        "coherence": s.coherence.as_ref().map(|c| {
-            let batching = if c.batches_sent == 0 { 0.0 } else { c.msgs_sent as f64 / c.batches_sent as f64 };
-            let ack_batching = if c.ack_batches_sent == 0 { 0.0 } else { c.acks_sent as f64 / c.ack_batches_sent as f64 };
-            serde_json::json!({
-                "serving": c.serving, "epoch": c.epoch, "members": c.members,
-                "batches_sent": c.batches_sent, "msgs_sent": c.msgs_sent, "batching_factor": batching,
-                "invalidates_sent": c.invalidates_sent, "acks_sent": c.acks_sent,
-                "ack_batches_sent": c.ack_batches_sent, "ack_batching_factor": ack_batching,
-                "stale_epoch_drops": c.stale_epoch_drops, "validation_failures": c.validation_failures,
-                "late_transfers": c.late_transfers, "grants_outstanding": c.grants_outstanding,
-                "changes_completed": c.changes_completed, "ignored_acks": c.ignored_acks,
-                "inval_to_ack_count": c.inval_to_ack_count, "inval_to_ack_p50_us": c.inval_to_ack_p50_us,
-                "inval_to_ack_p99_us": c.inval_to_ack_p99_us, "inval_to_ack_max_us": c.inval_to_ack_max_us,
-                "peer_queue_drops": c.peer_queue_drops, "decode_errors": c.decode_errors,
-                "batches_received": c.batches_received, "ops_in_flight": c.ops_in_flight,
-                "directory_ready": c.directory_ready, "locate_grants": c.locate_grants,
-                "membership_recovering": c.membership_recovering,
-                "unsolicited_keepalive_acks": c.unsolicited_keepalive_acks,
-                "membership_foreign_drops": c.membership_foreign_drops,
-                "epoch_persist_failures": c.epoch_persist_failures,
-                "etcd_connected": c.etcd_connected, "etcd_errors": c.etcd_errors,
-                "etcd_keepalives_dropped": c.etcd_keepalives_dropped,
-                "copies": c.copies, "directory_entries": c.directory_entries,
-            })
-        }),
-    })
-    .to_string()
 }
 
 fn print_stats(s: &kvmesh_client::Stats) {

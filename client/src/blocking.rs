@@ -1,0 +1,86 @@
+//! A synchronous face of [`crate::Client`] for callers without an async
+//! runtime: the C ABI, the Python package, plain threads.
+//!
+//! A [`Client`] owns a small tokio runtime (one worker thread, which runs
+//! the connection and the background release of dropped pins) and runs
+//! each call to completion on the calling thread with
+//! [`Client::block_on`]. Any number of threads may call through one
+//! `Client` at once (it is `Send + Sync`); each call blocks only its
+//! caller. Calling from inside an async runtime is refused (it would block
+//! that runtime's thread): use the async [`crate::Client`] there.
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+
+use crate::{ClientError, Result};
+
+/// A connection to the local kvmeshd with its own runtime. Cheap to clone:
+/// clones share the connection and the runtime, which lives until the last
+/// clone (and every guard made through it) is gone.
+#[derive(Clone)]
+pub struct Client {
+    rt: Arc<tokio::runtime::Runtime>,
+    inner: crate::Client,
+}
+
+impl Client {
+    /// Connects to the daemon at `path`, or at the default socket path.
+    pub fn connect(path: Option<&Path>) -> Result<Client> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(ClientError::InvalidArgument(
+                "the blocking client cannot be used from inside an async runtime; use kvmesh_client::Client".into(),
+            ));
+        }
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("kvmesh-client")
+            .enable_all()
+            .build()
+            .map_err(|e| ClientError::Protocol(format!("cannot start the client runtime: {e}")))?;
+        let inner = match path {
+            Some(p) => rt.block_on(crate::Client::connect(p))?,
+            None => rt.block_on(crate::Client::connect_default())?,
+        };
+        Ok(Client { rt: Arc::new(rt), inner })
+    }
+
+    /// The async client (for futures passed to [`Client::block_on`]).
+    pub fn inner(&self) -> &crate::Client {
+        &self.inner
+    }
+
+    /// Runs `f` to completion on the calling thread. Fails (instead of
+    /// panicking) when the caller is itself inside an async runtime.
+    pub fn block_on<F: Future>(&self, f: F) -> Result<F::Output> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(ClientError::InvalidArgument(
+                "blocking kvmesh call from inside an async runtime; use kvmesh_client::Client".into(),
+            ));
+        }
+        Ok(self.rt.block_on(f))
+    }
+
+    /// Runs a fallible call: `block_on` with the two error layers joined.
+    pub fn call<T, F: Future<Output = Result<T>>>(&self, f: F) -> Result<T> {
+        self.block_on(f)?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refuses_a_missing_socket_with_the_path() {
+        let e = Client::connect(Some(Path::new("/nonexistent/kvmesh.sock"))).err().expect("no daemon there");
+        assert!(matches!(e, ClientError::Connect { .. }), "{e:?}");
+        assert!(e.to_string().contains("/nonexistent/kvmesh.sock"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn refuses_to_run_inside_a_runtime() {
+        let e = Client::connect(None).err().expect("refused");
+        assert!(matches!(e, ClientError::InvalidArgument(_)), "{e:?}");
+    }
+}
