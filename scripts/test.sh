@@ -23,6 +23,8 @@ else
 fi
 echo "== tests" >&2
 cargo test --workspace --locked
+echo "== Python package: built from source with pip into target/pyvenv, pytest against a real kvmeshd" >&2
+scripts/python-test.sh
 echo "== coherence simulator: 1000 seeds, then each planted bug must be caught" >&2
 cargo build --locked --release -q -p kvmesh-cluster-tests --bin kvmesh-sim
 target/release/kvmesh-sim --seeds 1000 | tail -1

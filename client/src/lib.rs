@@ -103,6 +103,52 @@ impl ClientError {
     }
 }
 
+/// What kind of failure a [`ClientError`] is, for callers that map errors
+/// to codes or exception classes (the C ABI, the Python package).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// A bad argument, or one the daemon rejects (wrong block size for a
+    /// registered namespace, a batch too large).
+    InvalidArgument,
+    /// An unknown namespace.
+    NotFound,
+    /// The pool is full of pinned or pending blocks, or a session limit
+    /// was reached.
+    ResourceExhausted,
+    /// A lease ended before the operation finished.
+    LeaseExpired,
+    /// The daemon or the cluster refused (write in progress, not serving,
+    /// timeout).
+    Refused,
+    /// The daemon cannot be reached or the connection broke.
+    Unavailable,
+    /// A bug or an unexpected answer.
+    Internal,
+}
+
+impl ClientError {
+    /// The kind of this error.
+    pub fn kind(&self) -> ErrorKind {
+        use tonic::Code;
+        match self {
+            ClientError::Connect { .. } | ClientError::Handshake { .. } => ErrorKind::Unavailable,
+            ClientError::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            ClientError::LeaseExpired(_) => ErrorKind::LeaseExpired,
+            ClientError::Protocol(_) | ClientError::Shm(_) => ErrorKind::Internal,
+            ClientError::Rpc(s) => match s.code() {
+                Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => ErrorKind::InvalidArgument,
+                Code::NotFound => ErrorKind::NotFound,
+                Code::ResourceExhausted => ErrorKind::ResourceExhausted,
+                Code::Aborted | Code::AlreadyExists | Code::PermissionDenied | Code::DeadlineExceeded => {
+                    ErrorKind::Refused
+                }
+                Code::Unavailable | Code::Cancelled | Code::Unknown | Code::Unauthenticated => ErrorKind::Unavailable,
+                _ => ErrorKind::Internal,
+            },
+        }
+    }
+}
+
 type Result<T> = std::result::Result<T, ClientError>;
 
 /// A registered namespace (see [`Client::register_namespace`]).

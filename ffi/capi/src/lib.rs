@@ -37,7 +37,9 @@ use std::path::Path;
 use std::sync::{Mutex, TryLockError};
 
 use kvmesh_client::blocking;
-use kvmesh_client::{Allocation, ClientError, CommitOutcome, Key, Namespace, PinOptions, PinnedBlock, WritableBlock};
+use kvmesh_client::{
+    Allocation, ClientError, CommitOutcome, ErrorKind, Key, Namespace, PinOptions, PinnedBlock, WritableBlock,
+};
 
 /// Version of this C ABI. Raised on any incompatible change to a function
 /// signature, a struct layout or the meaning of a code; compare it with
@@ -184,22 +186,14 @@ impl Fail {
 
 impl From<ClientError> for Fail {
     fn from(e: ClientError) -> Fail {
-        use tonic::Code;
-        let code = match &e {
-            ClientError::Connect { .. } | ClientError::Handshake { .. } => KVMESH_E_TRANSPORT,
-            ClientError::InvalidArgument(_) => KVMESH_E_INVALID,
-            ClientError::LeaseExpired(_) => KVMESH_E_LEASE_EXPIRED,
-            ClientError::Protocol(_) | ClientError::Shm(_) => KVMESH_E_INTERNAL,
-            ClientError::Rpc(s) => match s.code() {
-                Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => KVMESH_E_INVALID,
-                Code::NotFound => KVMESH_E_NOT_FOUND,
-                Code::ResourceExhausted => KVMESH_E_EXHAUSTED,
-                Code::Aborted | Code::AlreadyExists | Code::PermissionDenied | Code::DeadlineExceeded => {
-                    KVMESH_E_REFUSED
-                }
-                Code::Unavailable | Code::Cancelled | Code::Unknown | Code::Unauthenticated => KVMESH_E_TRANSPORT,
-                _ => KVMESH_E_INTERNAL,
-            },
+        let code = match e.kind() {
+            ErrorKind::InvalidArgument => KVMESH_E_INVALID,
+            ErrorKind::NotFound => KVMESH_E_NOT_FOUND,
+            ErrorKind::ResourceExhausted => KVMESH_E_EXHAUSTED,
+            ErrorKind::LeaseExpired => KVMESH_E_LEASE_EXPIRED,
+            ErrorKind::Refused => KVMESH_E_REFUSED,
+            ErrorKind::Unavailable => KVMESH_E_TRANSPORT,
+            ErrorKind::Internal => KVMESH_E_INTERNAL,
         };
         Fail(code, e.to_string())
     }

@@ -1,0 +1,727 @@
+//! `kvmesh._kvmesh`: the native half of the Python package (`python/`).
+//!
+//! The public API is the pure-Python `kvmesh` package, which wraps these
+//! classes; this module keeps to what needs Rust: the connection (the
+//! blocking client, called with the GIL released), key conversion, and the
+//! lifetime rules of pinned and allocated blocks.
+//!
+//! **Zero-copy views under abi3 (CPython >= 3.9).** The limited API of 3.9
+//! has no buffer protocol for extension classes, so a block's bytes reach
+//! Python as a `ctypes` array over the pool address, wrapped in a
+//! `memoryview` by the package. Each such array holds an [`Export`] token;
+//! while any token of a batch lives, its pins are kept (a `release()` then
+//! only marks the batch: the unpin follows the last view). An allocation
+//! refuses to commit while a writable view of it lives, and an abort waits
+//! for the views like a release. So no view ever reads or writes a slot the
+//! daemon may have handed to another block — within the lease, which the
+//! daemon enforces.
+#![deny(unsafe_op_in_unsafe_fn)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use kvmesh_client::blocking;
+use kvmesh_client::{Allocation, ClientError, CommitOutcome, ErrorKind, Key, PinOptions, PinnedBlock, WritableBlock};
+use pyo3::exceptions::{PyIndexError, PyRuntimeError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyInt, PyString, PyType};
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// An exception of `kvmesh.errors` by class name.
+fn error(py: Python<'_>, class: &str, msg: String) -> PyErr {
+    static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    let module = ERRORS.get_or_try_init(py, || py.import("kvmesh.errors").map(Bound::unbind));
+    match module.and_then(|m| m.bind(py).getattr(class)).and_then(|c| Ok(c.cast_into::<PyType>()?)) {
+        Ok(cls) => PyErr::from_type(cls, msg),
+        Err(_) => PyRuntimeError::new_err(format!("{class}: {msg}")),
+    }
+}
+
+fn invalid(py: Python<'_>, msg: impl Into<String>) -> PyErr {
+    error(py, "InvalidArgument", msg.into())
+}
+
+fn client_error(py: Python<'_>, e: ClientError) -> PyErr {
+    let class = match e.kind() {
+        ErrorKind::InvalidArgument => "InvalidArgument",
+        ErrorKind::NotFound => "NotFound",
+        ErrorKind::ResourceExhausted => "ResourceExhausted",
+        ErrorKind::LeaseExpired => "LeaseExpired",
+        ErrorKind::Refused => "Refused",
+        ErrorKind::Unavailable => "DaemonUnavailable",
+        ErrorKind::Internal => "KvmeshError",
+    };
+    error(py, class, e.to_string())
+}
+
+/// One key from `bytes` (16, big-endian), `int` (0 <= k < 2**128) or `str`
+/// (32 hex digits).
+fn key_of(py: Python<'_>, k: &Bound<'_, PyAny>) -> PyResult<Key> {
+    if let Ok(b) = k.cast::<PyBytes>() {
+        let bytes: [u8; 16] = b
+            .as_bytes()
+            .try_into()
+            .map_err(|_| invalid(py, format!("a key as bytes must be 16 bytes, got {}", b.as_bytes().len())))?;
+        return Ok(Key(u128::from_be_bytes(bytes)));
+    }
+    if let Ok(s) = k.cast::<PyString>() {
+        let s = s.to_cow()?;
+        return s.parse().map_err(|e: kvmesh_common::KeyParseError| invalid(py, e.to_string()));
+    }
+    if k.is_instance_of::<PyInt>() {
+        return k
+            .extract::<u128>()
+            .map(Key)
+            .map_err(|_| invalid(py, format!("a key as int must be in [0, 2**128), got {k}")));
+    }
+    Err(invalid(py, format!("a key is 16 bytes, an int or 32 hex digits, not {}", k.get_type().name()?)))
+}
+
+fn keys_of(py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<Key>> {
+    if keys.is_instance_of::<PyString>() || keys.is_instance_of::<PyBytes>() {
+        return Err(invalid(py, "keys must be a sequence of keys, not a single key"));
+    }
+    let iter = keys.try_iter().map_err(|_| invalid(py, "keys must be an iterable of keys"))?;
+    iter.map(|k| key_of(py, &k?)).collect()
+}
+
+fn key_bytes(py: Python<'_>, k: Key) -> Bound<'_, PyBytes> {
+    PyBytes::new(py, &k.0.to_be_bytes())
+}
+
+/// A registered namespace.
+#[pyclass(module = "kvmesh", frozen, name = "Namespace")]
+struct PyNamespace {
+    ns: kvmesh_client::Namespace,
+}
+
+#[pymethods]
+impl PyNamespace {
+    /// Handle used in requests (valid on the daemon that registered it).
+    #[getter]
+    fn id(&self) -> u32 {
+        self.ns.id
+    }
+    /// Name.
+    #[getter]
+    fn name(&self) -> &str {
+        &self.ns.name
+    }
+    /// Size of every block in bytes.
+    #[getter]
+    fn block_bytes(&self) -> u64 {
+        self.ns.block_bytes
+    }
+    /// Layout fingerprint string given at registration.
+    #[getter]
+    fn layout(&self) -> &str {
+        &self.ns.layout
+    }
+    /// Pool holding its blocks.
+    #[getter]
+    fn pool(&self) -> u32 {
+        self.ns.pool
+    }
+    /// 64-bit fingerprint of (name, block size, layout).
+    #[getter]
+    fn fingerprint(&self) -> u64 {
+        self.ns.fingerprint
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Namespace(name={:?}, block_bytes={}, layout={:?}, id={})",
+            self.ns.name, self.ns.block_bytes, self.ns.layout, self.ns.id
+        )
+    }
+}
+
+/// A connection to the local kvmeshd (see `kvmesh.Client`).
+#[pyclass(module = "kvmesh._kvmesh", frozen, name = "Client")]
+struct PyClient {
+    client: Mutex<Option<blocking::Client>>,
+    namespaces: Mutex<HashMap<String, kvmesh_client::Namespace>>,
+    socket: String,
+}
+
+impl PyClient {
+    fn get(&self, py: Python<'_>) -> PyResult<blocking::Client> {
+        lock(&self.client).clone().ok_or_else(|| error(py, "DaemonUnavailable", "the client is closed".into()))
+    }
+
+    fn ns(&self, py: Python<'_>, ns: &Bound<'_, PyAny>) -> PyResult<kvmesh_client::Namespace> {
+        if let Ok(n) = ns.cast::<PyNamespace>() {
+            return Ok(n.get().ns.clone());
+        }
+        let Ok(name) = ns.cast::<PyString>() else {
+            return Err(invalid(
+                py,
+                format!("a namespace is a kvmesh.Namespace or its name, not {}", ns.get_type().name()?),
+            ));
+        };
+        let name = name.to_cow()?.into_owned();
+        if let Some(n) = lock(&self.namespaces).get(&name) {
+            return Ok(n.clone());
+        }
+        let c = self.get(py)?;
+        let n = py.detach(|| c.call(c.inner().namespace(&name))).map_err(|e| client_error(py, e))?;
+        lock(&self.namespaces).insert(name, n.clone());
+        Ok(n)
+    }
+
+    /// Runs a call on the daemon with the GIL released.
+    fn call<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&blocking::Client) -> Result<T, ClientError> + Send,
+    ) -> PyResult<T> {
+        let c = self.get(py)?;
+        py.detach(|| f(&c)).map_err(|e| client_error(py, e))
+    }
+}
+
+/// The address and length of a `ctypes` array (the package passes caller
+/// buffers as `(ctypes.c_char * n).from_buffer(buf)`, which holds the
+/// buffer's export while the array lives).
+fn carray(py: Python<'_>, a: &Bound<'_, PyAny>) -> PyResult<(usize, usize)> {
+    static CTYPES: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    let ctypes = CTYPES.get_or_try_init(py, || py.import("ctypes").map(Bound::unbind))?.bind(py);
+    if !a.is_instance(&ctypes.getattr("Array")?)? {
+        return Err(invalid(py, "internal: expected a ctypes array over the caller's buffer"));
+    }
+    let addr: usize = ctypes.getattr("addressof")?.call1((a,))?.extract()?;
+    let len: usize = ctypes.getattr("sizeof")?.call1((a,))?.extract()?;
+    Ok((addr, len))
+}
+
+#[pymethods]
+impl PyClient {
+    #[new]
+    #[pyo3(signature = (socket=None))]
+    fn new(py: Python<'_>, socket: Option<std::path::PathBuf>) -> PyResult<PyClient> {
+        let c = py.detach(|| blocking::Client::connect(socket.as_deref())).map_err(|e| client_error(py, e))?;
+        let socket = c.inner().socket_path().display().to_string();
+        Ok(PyClient { client: Mutex::new(Some(c)), namespaces: Mutex::new(HashMap::new()), socket })
+    }
+
+    /// The daemon socket this client is connected to.
+    #[getter]
+    fn socket(&self) -> &str {
+        &self.socket
+    }
+
+    /// Most keys in one request (the daemon's `limits.batch_keys_max`).
+    #[getter]
+    fn batch_keys_max(&self, py: Python<'_>) -> PyResult<u32> {
+        Ok(self.get(py)?.inner().hello().batch_keys_max)
+    }
+
+    fn close(&self) {
+        lock(&self.client).take();
+    }
+
+    #[pyo3(signature = (name, block_bytes, layout=""))]
+    fn register_namespace(
+        &self,
+        py: Python<'_>,
+        name: String,
+        block_bytes: u64,
+        layout: &str,
+    ) -> PyResult<PyNamespace> {
+        let layout = layout.to_string();
+        let ns = self.call(py, |c| c.call(c.inner().register_namespace(&name, block_bytes, &layout)))?;
+        lock(&self.namespaces).insert(ns.name.clone(), ns.clone());
+        Ok(PyNamespace { ns })
+    }
+
+    fn namespace(&self, py: Python<'_>, name: String) -> PyResult<PyNamespace> {
+        let ns = self.call(py, |c| c.call(c.inner().namespace(&name)))?;
+        lock(&self.namespaces).insert(ns.name.clone(), ns.clone());
+        Ok(PyNamespace { ns })
+    }
+
+    fn lookup(&self, py: Python<'_>, ns: &Bound<'_, PyAny>, keys: &Bound<'_, PyAny>) -> PyResult<(u32, Vec<bool>)> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        let r = self.call(py, |c| c.call(c.inner().lookup(&ns, &keys)))?;
+        Ok((r.prefix_len, r.present))
+    }
+
+    #[pyo3(signature = (ns, keys, lease_ms=0, stop_at_first_miss=false))]
+    fn pin(
+        &self,
+        py: Python<'_>,
+        ns: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        lease_ms: u64,
+        stop_at_first_miss: bool,
+    ) -> PyResult<PyBatch> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        let opts = PinOptions { lease_ms, stop_at_first_miss };
+        let c = self.get(py)?;
+        let mut blocks = py.detach(|| c.call(c.inner().pin_with(&ns, &keys, opts))).map_err(|e| client_error(py, e))?;
+        blocks.resize_with(keys.len(), || None);
+        Ok(PyBatch { state: Arc::new(Mutex::new(BatchState { blocks, exports: 0, released: false })), keys, client: c })
+    }
+
+    fn _get_into(
+        &self,
+        py: Python<'_>,
+        ns: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        dst: &Bound<'_, PyAny>,
+    ) -> PyResult<Vec<bool>> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        let (addr, len) = carray(py, dst)?;
+        self.call(py, move |c| {
+            let dst: &mut [u8] = if len == 0 {
+                &mut []
+            } else {
+                // SAFETY: `addr`/`len` are those of a live ctypes array made
+                // by `from_buffer` over a writable, C-contiguous buffer; the
+                // caller (kvmesh.Client.get_into) keeps the array, hence the
+                // buffer export, alive until this call returns, and no other
+                // reference into it is used meanwhile.
+                unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+            };
+            c.call(c.inner().get_into(&ns, &keys, dst))
+        })
+    }
+
+    fn _put(
+        &self,
+        py: Python<'_>,
+        ns: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        blocks: Vec<Bound<'_, PyAny>>,
+        overwrite: bool,
+    ) -> PyResult<(u32, u32, u32, u32, u32, Option<String>)> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        if keys.len() != blocks.len() {
+            return Err(invalid(py, "internal: keys and blocks differ in length"));
+        }
+        // (address, length) of each block; the objects stay referenced by
+        // `blocks` (alive) for the whole call.
+        let mut parts = Vec::with_capacity(blocks.len());
+        for b in &blocks {
+            if let Ok(bytes) = b.cast::<PyBytes>() {
+                let s = bytes.as_bytes();
+                parts.push((s.as_ptr() as usize, s.len()));
+            } else {
+                parts.push(carray(py, b)?);
+            }
+        }
+        let s = self.call(py, move |c| {
+            let views: Vec<(Key, &[u8])> = keys
+                .iter()
+                .zip(&parts)
+                .map(|(&k, &(addr, len))| {
+                    let s: &[u8] = if len == 0 {
+                        &[]
+                    } else {
+                        // SAFETY: each (addr, len) is a `bytes` object's
+                        // immutable contents or a live ctypes array over a
+                        // caller buffer (see `_get_into`); `blocks` keeps
+                        // every object alive until this call returns.
+                        unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+                    };
+                    (k, s)
+                })
+                .collect();
+            if overwrite { c.call(c.inner().put_overwrite(&ns, &views)) } else { c.call(c.inner().put(&ns, &views)) }
+        })?;
+        Ok((s.stored, s.existed, s.in_progress, s.lost, s.refused, s.first_refusal))
+    }
+
+    #[pyo3(signature = (ns, keys, overwrite=false, lease_ms=0))]
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        ns: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        overwrite: bool,
+        lease_ms: u64,
+    ) -> PyResult<PyAllocation> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        let c = self.get(py)?;
+        let allocs = py
+            .detach(|| {
+                if overwrite {
+                    c.call(c.inner().allocate_overwrite(&ns, &keys))
+                } else {
+                    c.call(c.inner().allocate_with_lease(&ns, &keys, lease_ms))
+                }
+            })
+            .map_err(|e| client_error(py, e))?;
+        Ok(PyAllocation {
+            state: Arc::new(Mutex::new(AllocState {
+                slots: allocs.into_iter().map(Some).collect(),
+                exports: 0,
+                done: false,
+            })),
+            keys,
+            client: c,
+        })
+    }
+
+    fn invalidate(
+        &self,
+        py: Python<'_>,
+        ns: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+    ) -> PyResult<(u64, u64, String)> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        let s = self.call(py, |c| c.call(c.inner().invalidate(&ns, &keys)))?;
+        Ok((s.invalidated, s.failed, s.first_error))
+    }
+
+    fn invalidate_namespace(&self, py: Python<'_>, ns: &Bound<'_, PyAny>) -> PyResult<(u64, u64, String)> {
+        let ns = self.ns(py, ns)?;
+        let s = self.call(py, |c| c.call(c.inner().invalidate_namespace(&ns)))?;
+        Ok((s.invalidated, s.failed, s.first_error))
+    }
+
+    fn remove(&self, py: Python<'_>, ns: &Bound<'_, PyAny>, keys: &Bound<'_, PyAny>) -> PyResult<Vec<bool>> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        self.call(py, |c| c.call(c.inner().remove(&ns, &keys)))
+    }
+
+    fn stats_json(&self, py: Python<'_>) -> PyResult<String> {
+        let s = self.call(py, |c| c.call(c.inner().stats()))?;
+        Ok(kvmesh_client::stats_json(&s))
+    }
+}
+
+struct BatchState {
+    blocks: Vec<Option<PinnedBlock>>,
+    /// Live views (`Export` tokens) of this batch.
+    exports: usize,
+    released: bool,
+}
+
+/// Pinned blocks (see `kvmesh.Batch`).
+#[pyclass(module = "kvmesh._kvmesh", frozen, name = "Batch")]
+struct PyBatch {
+    state: Arc<Mutex<BatchState>>,
+    keys: Vec<Key>,
+    client: blocking::Client,
+}
+
+/// Keeps a batch's pins, or an allocation's slots, while a view lives.
+#[pyclass(module = "kvmesh._kvmesh", frozen, name = "Export")]
+struct Export {
+    of: Exported,
+}
+
+enum Exported {
+    Batch(Arc<Mutex<BatchState>>),
+    Alloc(Arc<Mutex<AllocState>>),
+}
+
+impl Drop for Export {
+    fn drop(&mut self) {
+        match &self.of {
+            Exported::Batch(b) => {
+                let mut st = lock(b);
+                st.exports -= 1;
+                if st.exports == 0 && st.released {
+                    // Unpins in the background (the guards' drop).
+                    st.blocks.clear();
+                }
+            }
+            Exported::Alloc(a) => {
+                let mut st = lock(a);
+                st.exports -= 1;
+                if st.exports == 0 && st.done {
+                    // Aborts in the background (the guards' drop).
+                    st.slots.clear();
+                }
+            }
+        }
+    }
+}
+
+#[pymethods]
+impl PyBatch {
+    fn __len__(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Keys of the batch, as 16-byte `bytes`.
+    #[getter]
+    fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        self.keys.iter().map(|&k| key_bytes(py, k)).collect()
+    }
+
+    /// Per entry: pinned (True) or a miss (False).
+    #[getter]
+    fn present(&self) -> Vec<bool> {
+        lock(&self.state).blocks.iter().map(Option::is_some).collect()
+    }
+
+    #[getter]
+    fn released(&self) -> bool {
+        lock(&self.state).released
+    }
+
+    /// Milliseconds left on the batch's lease (0: ended, or no pin).
+    #[getter]
+    fn lease_remaining_ms(&self) -> u64 {
+        let st = lock(&self.state);
+        st.blocks.iter().flatten().map(|b| b.lease_remaining().as_millis() as u64).min().unwrap_or(0)
+    }
+
+    /// Number of live views of this batch.
+    #[getter]
+    fn views(&self) -> usize {
+        lock(&self.state).exports
+    }
+
+    /// `(address, length, token)` of entry `i` for a view, or None on a miss.
+    fn _export(&self, py: Python<'_>, i: isize) -> PyResult<Option<(usize, usize, Export)>> {
+        let mut st = lock(&self.state);
+        if st.released {
+            return Err(error(py, "Released", "the batch was released; pin again".into()));
+        }
+        let i = index(i, st.blocks.len())?;
+        let Some(b) = &st.blocks[i] else { return Ok(None) };
+        if b.lease_remaining().is_zero() {
+            return Err(error(py, "LeaseExpired", format!("the lease of entry {i} has ended; pin again")));
+        }
+        let (addr, len) = (b.as_ptr() as usize, b.len());
+        st.exports += 1;
+        Ok(Some((addr, len, Export { of: Exported::Batch(Arc::clone(&self.state)) })))
+    }
+
+    /// Re-reads entry `i`'s whole slot and checks it still holds this block
+    /// with a matching checksum (raises `KvmeshError` if not).
+    fn verify(&self, py: Python<'_>, i: isize) -> PyResult<()> {
+        let st = lock(&self.state);
+        if st.released {
+            return Err(error(py, "Released", "the batch was released; pin again".into()));
+        }
+        let i = index(i, st.blocks.len())?;
+        let b = st.blocks[i].as_ref().ok_or_else(|| error(py, "Miss", format!("entry {i} is a miss")))?;
+        b.verify().map_err(|e| error(py, "KvmeshError", format!("entry {i} failed validation: {e}")))
+    }
+
+    /// Unpins (now if no view of the batch lives, else when the last view
+    /// goes). Idempotent.
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        let blocks: Vec<PinnedBlock> = {
+            let mut st = lock(&self.state);
+            if st.released {
+                return Ok(());
+            }
+            st.released = true;
+            if st.exports > 0 {
+                return Ok(());
+            }
+            std::mem::take(&mut st.blocks).into_iter().flatten().collect()
+        };
+        if blocks.is_empty() {
+            return Ok(());
+        }
+        let c = self.client.clone();
+        py.detach(|| c.call(c.inner().unpin(blocks))).map(|_| ()).map_err(|e| client_error(py, e))
+    }
+}
+
+fn index(i: isize, len: usize) -> PyResult<usize> {
+    let j = if i < 0 { i + len as isize } else { i };
+    if j < 0 || j as usize >= len {
+        return Err(PyIndexError::new_err(format!("index {i} out of {len} entries")));
+    }
+    Ok(j as usize)
+}
+
+struct AllocState {
+    slots: Vec<Option<Allocation>>,
+    exports: usize,
+    /// Committed or aborted.
+    done: bool,
+}
+
+/// Slots of a put in progress (see `kvmesh.Allocation`).
+#[pyclass(module = "kvmesh._kvmesh", frozen, name = "Allocation")]
+struct PyAllocation {
+    state: Arc<Mutex<AllocState>>,
+    keys: Vec<Key>,
+    client: blocking::Client,
+}
+
+fn status_name(a: &Option<Allocation>) -> &'static str {
+    match a {
+        Some(Allocation::Allocated(_)) => "allocated",
+        Some(Allocation::Exists) => "exists",
+        Some(Allocation::InProgress) => "in_progress",
+        None => "done",
+    }
+}
+
+#[pymethods]
+impl PyAllocation {
+    fn __len__(&self) -> usize {
+        self.keys.len()
+    }
+
+    #[getter]
+    fn keys<'py>(&self, py: Python<'py>) -> Vec<Bound<'py, PyBytes>> {
+        self.keys.iter().map(|&k| key_bytes(py, k)).collect()
+    }
+
+    /// Per entry: "allocated" (write it), "exists" or "in_progress".
+    #[getter]
+    fn status(&self) -> Vec<&'static str> {
+        lock(&self.state).slots.iter().map(status_name).collect()
+    }
+
+    #[getter]
+    fn done(&self) -> bool {
+        lock(&self.state).done
+    }
+
+    #[getter]
+    fn views(&self) -> usize {
+        lock(&self.state).exports
+    }
+
+    fn _export(&self, py: Python<'_>, i: isize) -> PyResult<Option<(usize, usize, Export)>> {
+        let mut st = lock(&self.state);
+        if st.done {
+            return Err(error(py, "Released", "the allocation was committed or aborted".into()));
+        }
+        let i = index(i, st.slots.len())?;
+        let Some(Allocation::Allocated(w)) = &mut st.slots[i] else { return Ok(None) };
+        let (addr, len) = (w.as_mut_ptr() as usize, w.len());
+        st.exports += 1;
+        Ok(Some((addr, len, Export { of: Exported::Alloc(Arc::clone(&self.state)) })))
+    }
+
+    /// Commits every allocated entry; per entry "stored", "exists",
+    /// "in_progress", "lost" (lease ended: not stored) or "refused: why".
+    fn commit(&self, py: Python<'_>) -> PyResult<Vec<String>> {
+        let (writes, mut out) = {
+            let mut st = lock(&self.state);
+            if st.done {
+                return Err(error(py, "Released", "the allocation was already committed or aborted".into()));
+            }
+            if st.exports > 0 {
+                return Err(invalid(
+                    py,
+                    format!(
+                        "{} writable view(s) of the allocation are alive: release them (del, or memoryview.release()) before commit",
+                        st.exports
+                    ),
+                ));
+            }
+            st.done = true;
+            let mut writes: Vec<WritableBlock> = Vec::new();
+            let mut out = Vec::with_capacity(st.slots.len());
+            for s in std::mem::take(&mut st.slots) {
+                out.push(match s {
+                    Some(Allocation::Allocated(w)) => {
+                        writes.push(w);
+                        String::new()
+                    }
+                    other => status_name(&other).to_string(),
+                });
+            }
+            (writes, out)
+        };
+        if writes.is_empty() {
+            return Ok(out);
+        }
+        let c = self.client.clone();
+        let results = py.detach(|| c.call(c.inner().commit(writes))).map_err(|e| client_error(py, e))?;
+        let mut results = results.into_iter();
+        for o in out.iter_mut().filter(|o| o.is_empty()) {
+            *o = match results.next() {
+                Some(CommitOutcome::Committed { .. }) => "stored".into(),
+                Some(CommitOutcome::Refused(why)) => format!("refused: {why}"),
+                Some(CommitOutcome::Lost) | None => "lost".into(),
+            };
+        }
+        Ok(out)
+    }
+
+    /// Frees the slots without storing anything (when the last writable
+    /// view goes, if some live). Idempotent.
+    fn abort(&self, py: Python<'_>) -> PyResult<()> {
+        let writes: Vec<WritableBlock> = {
+            let mut st = lock(&self.state);
+            if st.done {
+                return Ok(());
+            }
+            st.done = true;
+            if st.exports > 0 {
+                return Ok(());
+            }
+            std::mem::take(&mut st.slots)
+                .into_iter()
+                .filter_map(|s| match s {
+                    Some(Allocation::Allocated(w)) => Some(w),
+                    _ => None,
+                })
+                .collect()
+        };
+        if writes.is_empty() {
+            return Ok(());
+        }
+        let c = self.client.clone();
+        py.detach(|| c.call(c.inner().abort(writes))).map(|_| ()).map_err(|e| client_error(py, e))
+    }
+}
+
+/// `kvmesh.chain_key`: the key of a block of `tokens` after the block whose
+/// key is `parent` (None for the first block), as 16-byte `bytes`.
+#[pyfunction]
+#[pyo3(signature = (parent, tokens))]
+fn chain_key<'py>(
+    py: Python<'py>,
+    parent: Option<&Bound<'py, PyAny>>,
+    tokens: Vec<u32>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let parent = parent.map(|p| key_of(py, p)).transpose()?;
+    Ok(key_bytes(py, Key::chain(parent, &tokens)))
+}
+
+/// `kvmesh.prefix_keys`: keys of the full blocks of `tokens`.
+#[pyfunction]
+fn prefix_keys<'py>(py: Python<'py>, tokens: Vec<u32>, block_tokens: usize) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+    if block_tokens == 0 {
+        return Err(invalid(py, "block_tokens must be at least 1"));
+    }
+    let keys = py.detach(|| Key::prefix_keys(&tokens, block_tokens));
+    Ok(keys.into_iter().map(|k| key_bytes(py, k)).collect())
+}
+
+/// Normalizes a key (bytes, int or hex str) to 16-byte `bytes`.
+#[pyfunction]
+fn key<'py>(py: Python<'py>, k: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyBytes>> {
+    Ok(key_bytes(py, key_of(py, k)?))
+}
+
+#[pymodule]
+fn _kvmesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("KEY_SEED", kvmesh_common::KEY_SEED)?;
+    m.add_class::<PyClient>()?;
+    m.add_class::<PyNamespace>()?;
+    m.add_class::<PyBatch>()?;
+    m.add_class::<PyAllocation>()?;
+    m.add_class::<Export>()?;
+    m.add_function(wrap_pyfunction!(chain_key, m)?)?;
+    m.add_function(wrap_pyfunction!(prefix_keys, m)?)?;
+    m.add_function(wrap_pyfunction!(key, m)?)?;
+    Ok(())
+}
