@@ -63,4 +63,7 @@ if ! grep -q '"wrong_reads":0' <<<"$out"; then
 fi
 echo "== scale benchmark smoke run (2 daemons, small levels; verifies bytes and invalidations, ignores timing)" >&2
 cargo run --locked -q -p kvmesh-bench -- scale --json --blocks 2000,4000 --samples 40 --idle-s 1 >/dev/null
+echo "== bindings benchmark smoke run (C and Python sides against a daemon; checks hits, ignores timing)" >&2
+cargo build --locked -q -p kvmesh-capi
+cargo run --locked -q -p kvmesh-bench -- bindings --json --block-kib 64 --iters 2 --rounds 1 >/dev/null
 echo "== all tests passed" >&2

@@ -8,6 +8,7 @@
 //! single-thread `memcpy` of the same bytes in the same order.
 #![forbid(unsafe_code)]
 
+mod bindings;
 mod coherence;
 mod scale;
 mod transfer;
@@ -123,6 +124,34 @@ enum Cmd {
         #[arg(long, default_value_t = 4)]
         block_kib: usize,
     },
+    /// The C ABI and the Python package vs the Rust client in the same run:
+    /// copy-get and pin + read of 64 blocks, one-key lookup latency. Needs
+    /// `cargo build --release -p kvmesh-capi` and the Python package
+    /// installed (`PROFILE=release scripts/python-test.sh --install-only`).
+    Bindings {
+        /// Print only the final JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Block sizes in KiB.
+        #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+        block_kib: Vec<u64>,
+        /// Iterations per round and language.
+        #[arg(long, default_value_t = 50)]
+        iters: usize,
+        /// Interleaved rounds (the result is their median).
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+        /// Python interpreter with `kvmesh` installed ("none": skip Python);
+        /// default target/pyvenv/bin/python.
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// Skip the C side.
+        #[arg(long)]
+        no_c: bool,
+    },
+    /// The Rust side of `bindings` (one process per round).
+    #[command(hide = true)]
+    BindingsRustSide { socket: PathBuf, namespace: String, iters: usize },
     /// A raw UCX target for the transfer baseline (prints its address, then
     /// progresses until stdin closes).
     #[command(hide = true)]
@@ -166,6 +195,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Coherence { json, daemons, keys, invalidate_window, no_baseline } => {
             coherence::run(json, daemons, keys, invalidate_window, !no_baseline)
         }
+        Cmd::Bindings { json, block_kib, iters, rounds, python, no_c } => {
+            bindings::run(json, &block_kib, iters, rounds, python, !no_c)
+        }
+        Cmd::BindingsRustSide { socket, namespace, iters } => bindings::rust_side(&socket, &namespace, iters),
         Cmd::Scale { json, blocks, samples, idle_s, block_kib } => {
             scale::run(json, &blocks, samples, idle_s, block_kib)
         }

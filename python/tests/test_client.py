@@ -436,3 +436,12 @@ def test_version_and_abi():
     assert kvmesh.__version__
     assert kvmesh.KEY_SEED == 0x6B766D657368
     assert isinstance(ctypes.sizeof(ctypes.c_char * 4), int)
+
+
+def test_readme_example_runs(daemon):
+    here = os.path.dirname(os.path.abspath(__file__))
+    example = os.path.join(here, "..", "examples", "basic.py")
+    out = subprocess.run([sys.executable, example, daemon.socket], capture_output=True, text=True, check=True).stdout
+    assert "cached prefix: 4 of 4 blocks" in out
+    assert out.count("matches: True") == 4
+    assert "copied: [True, True, True, True]" in out
