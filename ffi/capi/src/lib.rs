@@ -1167,3 +1167,58 @@ pub unsafe extern "C" fn kvmesh_prefix_keys(
         Ok(KVMESH_OK)
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn last_error() -> String {
+        kvmesh_last_error_string()
+    }
+
+    #[test]
+    fn a_panic_becomes_an_internal_error_with_its_message() {
+        let prev = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {})); // keep the test output clean
+        let code = guard("kvmesh_test", || panic!("boom {}", 42));
+        std::panic::set_hook(prev);
+        assert_eq!(code, KVMESH_E_INTERNAL);
+        assert!(last_error().contains("kvmesh_test: internal error (panic): boom 42"), "{}", last_error());
+    }
+
+    #[test]
+    fn failures_set_the_message_of_the_calling_thread_only() {
+        assert_eq!(guard("a", || Err(Fail::invalid("first"))), KVMESH_E_INVALID);
+        std::thread::spawn(|| {
+            assert_eq!(guard("b", || Err(Fail(KVMESH_E_NOT_FOUND, "other thread".into()))), KVMESH_E_NOT_FOUND);
+            assert_eq!(last_error(), "b: other thread");
+        })
+        .join()
+        .unwrap();
+        assert_eq!(last_error(), "a: first");
+    }
+
+    #[test]
+    fn null_arguments_are_usage_errors() {
+        let mut ns = kvmesh_namespace_t::default();
+        // SAFETY: NULL handles and outputs are part of the contract (refused).
+        unsafe {
+            assert_eq!(kvmesh_get_namespace(std::ptr::null(), c"x".as_ptr(), &mut ns), KVMESH_E_INVALID);
+            assert_eq!(kvmesh_open(std::ptr::null(), std::ptr::null_mut()), KVMESH_E_INVALID);
+            assert_eq!(kvmesh_batch_len(std::ptr::null()), 0);
+            assert_eq!(kvmesh_unpin(std::ptr::null_mut()), KVMESH_OK);
+        }
+        assert!(last_error().contains("NULL"), "{}", last_error());
+    }
+
+    #[test]
+    fn every_code_has_a_name() {
+        for code in -7..=2 {
+            // SAFETY: kvmesh_code_name returns a static NUL-terminated string.
+            let name = unsafe { CStr::from_ptr(kvmesh_code_name(code)) }.to_str().unwrap();
+            assert!(name.starts_with("KVMESH_") && name != "KVMESH_UNKNOWN_CODE", "{code}: {name}");
+        }
+        // SAFETY: as above.
+        assert_eq!(unsafe { CStr::from_ptr(kvmesh_code_name(99)) }.to_str().unwrap(), "KVMESH_UNKNOWN_CODE");
+    }
+}
