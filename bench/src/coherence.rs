@@ -54,7 +54,7 @@ fn quantile(buckets: &[u64], q: f64) -> u64 {
     kvmesh_coherence::quantile_of_buckets(buckets, q)
 }
 
-async fn wait_ready(clients: &[Client], n: u32) -> anyhow::Result<()> {
+pub(crate) async fn wait_ready(clients: &[Client], n: u32) -> anyhow::Result<()> {
     let t0 = Instant::now();
     loop {
         let mut ok = true;

@@ -10,6 +10,7 @@
 
 mod bindings;
 mod coherence;
+mod replay;
 mod scale;
 mod transfer;
 
@@ -28,6 +29,17 @@ use kvmesh_client::{Allocation, Client, Key, Namespace};
 struct Args {
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// Arrival process of `load`.
+#[derive(Clone, Copy, Debug, clap::ValueEnum)]
+enum ArrivalKind {
+    /// Poisson arrivals at --rate.
+    Poisson,
+    /// Gamma-distributed gaps (--burst-shape, --burst-scale-ms).
+    Bursts,
+    /// A staircase of Poisson rates (--stairs, --stair-secs).
+    Stairs,
 }
 
 #[derive(Subcommand)]
@@ -149,6 +161,84 @@ enum Cmd {
         #[arg(long)]
         no_c: bool,
     },
+    /// Replays a request trace (Mooncake FAST'25 JSONL) open-loop against
+    /// a real cluster, with offline references, CSV and plots
+    /// (docs/REPLAY.md).
+    Replay {
+        /// The trace file (one JSON object per line).
+        trace: PathBuf,
+        /// Skip malformed lines (counted and reported) instead of failing.
+        #[arg(long)]
+        skip_bad_lines: bool,
+        #[command(flatten)]
+        opts: replay::run::ReplayOpts,
+    },
+    /// Generates a seeded synthetic trace (written with --write, replayed
+    /// with --replay, or both).
+    Load {
+        /// Seed: the same seed gives the same trace.
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        /// Arrival process.
+        #[arg(long, value_enum, default_value = "poisson")]
+        arrival: ArrivalKind,
+        /// Poisson rate, requests/s.
+        #[arg(long, default_value_t = 20.0)]
+        rate: f64,
+        /// Bursts: shape of the Gamma-distributed gaps.
+        #[arg(long, default_value_t = 2.0)]
+        burst_shape: f64,
+        /// Bursts: scale of the gaps, ms.
+        #[arg(long, default_value_t = 100.0)]
+        burst_scale_ms: f64,
+        /// Staircase rates, requests/s ("50,100,200,400/s").
+        #[arg(long, value_delimiter = ',', default_value = "50,100,200,400")]
+        stairs: Vec<String>,
+        /// Seconds per stair.
+        #[arg(long, default_value_t = 30.0)]
+        stair_secs: f64,
+        /// Stop after this many requests.
+        #[arg(long)]
+        requests: Option<usize>,
+        /// Seconds of arrivals (poisson, bursts).
+        #[arg(long, default_value_t = 60.0)]
+        duration_s: f64,
+        /// Zipf exponent of the new prompt tokens per request.
+        #[arg(long, default_value_t = 1.2)]
+        zipf_alpha: f64,
+        /// Fewest new prompt tokens per request.
+        #[arg(long, default_value_t = 10)]
+        min_tokens: u64,
+        /// Most new prompt tokens per request.
+        #[arg(long, default_value_t = 4096)]
+        max_tokens: u64,
+        /// Shared system prompts (0: none).
+        #[arg(long, default_value_t = 8)]
+        system_prompts: usize,
+        /// Tokens of each system prompt.
+        #[arg(long, default_value_t = 1024)]
+        system_prompt_tokens: u64,
+        /// Probability that a request is the next turn of an open session.
+        #[arg(long, default_value_t = 0.5)]
+        followup_prob: f64,
+        /// Most turns of a session.
+        #[arg(long, default_value_t = 8)]
+        max_turns: u32,
+        /// Fewest output tokens.
+        #[arg(long, default_value_t = 16)]
+        output_min: u64,
+        /// Most output tokens.
+        #[arg(long, default_value_t = 512)]
+        output_max: u64,
+        /// Write the trace to this file.
+        #[arg(long)]
+        write: Option<PathBuf>,
+        /// Replay it against a cluster.
+        #[arg(long)]
+        replay: bool,
+        #[command(flatten)]
+        opts: replay::run::ReplayOpts,
+    },
     /// The Rust side of `bindings` (one process per round).
     #[command(hide = true)]
     BindingsRustSide { socket: PathBuf, namespace: String, iters: usize },
@@ -197,6 +287,84 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Bindings { json, block_kib, iters, rounds, python, no_c } => {
             bindings::run(json, &block_kib, iters, rounds, python, !no_c)
+        }
+        Cmd::Replay { trace, skip_bad_lines, opts } => {
+            let t = replay::trace::read(&trace, opts.block_tokens, skip_bad_lines)?;
+            if t.skipped > 0 {
+                eprintln!("replay: skipped {} bad lines; first: {}", t.skipped, t.first_skip.unwrap_or_default());
+            }
+            let summary = replay::run::run(t.requests, &opts, t.skipped)?;
+            println!("{summary}");
+            Ok(())
+        }
+        Cmd::Load {
+            seed,
+            arrival,
+            rate,
+            burst_shape,
+            burst_scale_ms,
+            stairs,
+            stair_secs,
+            requests,
+            duration_s,
+            zipf_alpha,
+            min_tokens,
+            max_tokens,
+            system_prompts,
+            system_prompt_tokens,
+            followup_prob,
+            max_turns,
+            output_min,
+            output_max,
+            write,
+            replay,
+            opts,
+        } => {
+            use replay::synth::{Arrival, SynthConfig};
+            let arrival = match arrival {
+                ArrivalKind::Poisson => Arrival::Poisson { rate },
+                ArrivalKind::Bursts => Arrival::Bursts { shape: burst_shape, scale_ms: burst_scale_ms },
+                ArrivalKind::Stairs => Arrival::Stairs {
+                    rates: stairs
+                        .iter()
+                        .map(|s| {
+                            s.trim()
+                                .trim_end_matches("/s")
+                                .parse::<f64>()
+                                .map_err(|e| anyhow::anyhow!("--stairs {s:?}: {e}"))
+                        })
+                        .collect::<anyhow::Result<_>>()?,
+                    stair_secs,
+                },
+            };
+            let cfg = SynthConfig {
+                seed,
+                arrival,
+                requests,
+                duration_s,
+                block_tokens: opts.block_tokens,
+                zipf_alpha,
+                min_tokens,
+                max_tokens,
+                system_prompts,
+                system_prompt_tokens,
+                followup_prob,
+                max_turns,
+                output_min,
+                output_max,
+            };
+            let trace = replay::synth::generate(&cfg)?;
+            if let Some(path) = &write {
+                replay::trace::write(path, &trace)?;
+                eprintln!("load: wrote {} requests to {}", trace.len(), path.display());
+            }
+            if replay {
+                let summary = replay::run::run(trace, &opts, 0)?;
+                println!("{summary}");
+            } else if write.is_none() {
+                anyhow::bail!("nothing to do: give --write PATH, --replay, or both");
+            }
+            Ok(())
         }
         Cmd::BindingsRustSide { socket, namespace, iters } => bindings::rust_side(&socket, &namespace, iters),
         Cmd::Scale { json, blocks, samples, idle_s, block_kib } => {

@@ -1,0 +1,662 @@
+//! The open-loop replay of a trace against a real cluster.
+
+use std::io::IsTerminal;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use hdrhistogram::Histogram;
+use kvmesh_client::{Client, ErrorKind, Key, Namespace};
+use parking_lot::Mutex;
+
+use super::model;
+use super::plot::{self, Chart, Scale, Series};
+use super::trace::Request;
+use crate::DaemonProc;
+
+/// Which daemon ("engine on that node") serves a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Policy {
+    /// Request i goes to daemon i mod N.
+    RoundRobin,
+    /// A seeded random daemon.
+    Random,
+    /// The daemon chosen by a hash of the first block id (requests sharing a
+    /// first block meet on one node).
+    PrefixAffinity,
+}
+
+/// Options shared by `replay` and `load --replay`.
+#[derive(Clone, Debug, clap::Args)]
+pub(crate) struct ReplayOpts {
+    /// Daemons to start (UCX over shared memory); ignored with --sockets.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) daemons: u32,
+    /// Use running daemons instead (their engine sockets, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) sockets: Vec<PathBuf>,
+    /// Pool of each started daemon, MiB.
+    #[arg(long, default_value_t = 256)]
+    pub(crate) pool_mib: u64,
+    /// Tokens per block of the trace's hash_ids.
+    #[arg(long, default_value_t = 512)]
+    pub(crate) block_tokens: u64,
+    /// KV bytes per token: block_bytes = bytes_per_token * block_tokens.
+    #[arg(long, default_value_t = 32)]
+    pub(crate) bytes_per_token: u64,
+    /// Namespace (the model name).
+    #[arg(long, default_value = "replay-model")]
+    pub(crate) model: String,
+    /// Arrival times are divided by this.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) speed: f64,
+    /// Requests in flight at most; an arrival beyond waits (and may be late).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) max_inflight: usize,
+    /// A request that starts more than this after its arrival is late.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) late_ms: u64,
+    /// Daemon choice per request.
+    #[arg(long, value_enum, default_value = "prefix-affinity")]
+    pub(crate) policy: Policy,
+    /// Pins are held for this many µs per missing token (a simulated
+    /// prefill) before the missing blocks are put.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) prefill_us_per_token: f64,
+    /// Stop after this many requests of the trace (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) limit: usize,
+    /// Output directory (CSV time series, plots).
+    #[arg(long, default_value = "replay-out")]
+    pub(crate) out: PathBuf,
+    /// Seed of the `random` policy.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) policy_seed: u64,
+    /// Print only the final JSON line on stdout.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+const OPS: [&str; 4] = ["lookup", "pin_read", "put", "request"];
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds")
+}
+
+/// Counters of one second of the run (by completion time).
+#[derive(Clone, Debug, Default)]
+struct Second {
+    started: u64,
+    finished: u64,
+    late: u64,
+    offered: u64,
+    blocks: u64,
+    local_hits: u64,
+    remote_hits: u64,
+    missed: u64,
+    ideal_hits: u64,
+    lru_hits: u64,
+    bytes_read: u64,
+    bytes_written: u64,
+    errors: u64,
+    request_us: Option<Histogram<u64>>,
+}
+
+#[derive(Default)]
+struct Totals {
+    local_hits: AtomicU64,
+    remote_hits: AtomicU64,
+    missed: AtomicU64,
+    wrong_bytes: AtomicU64,
+    above_ideal: AtomicU64,
+    put_stored: AtomicU64,
+    put_existed: AtomicU64,
+    put_failed: AtomicU64,
+    finished: AtomicU64,
+}
+
+struct Shared {
+    hists: Mutex<Vec<Histogram<u64>>>,
+    seconds: Mutex<Vec<Second>>,
+    errors: Mutex<std::collections::BTreeMap<String, u64>>,
+    totals: Totals,
+    t0: Instant,
+}
+
+impl Shared {
+    fn second(&self, at: Instant, f: impl FnOnce(&mut Second)) {
+        let s = at.saturating_duration_since(self.t0).as_secs() as usize;
+        let mut v = self.seconds.lock();
+        if v.len() <= s {
+            v.resize_with(s + 1, Second::default);
+        }
+        f(&mut v[s]);
+    }
+    fn error(&self, what: &str, kind: Option<ErrorKind>) {
+        let k = match kind {
+            Some(k) => format!("{what}:{k:?}"),
+            None => what.to_string(),
+        };
+        *self.errors.lock().entry(k).or_default() += 1;
+        self.second(Instant::now(), |s| s.errors += 1);
+    }
+}
+
+/// The key of a trace block id (the id fixes its whole prefix).
+pub(crate) fn key_of(id: u64) -> Key {
+    Key::chain(None, &[id as u32, (id >> 32) as u32])
+}
+
+/// Block content: a deterministic function of the key, so every byte read
+/// is checked.
+fn fill(key: Key, out: &mut [u8]) {
+    let mut x = key.lo() ^ key.hi().rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15;
+    for c in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        c.copy_from_slice(&b[..c.len()]);
+    }
+}
+
+fn wrong_bytes(key: Key, got: &[u8], scratch: &mut Vec<u8>) -> u64 {
+    scratch.resize(got.len(), 0);
+    fill(key, scratch);
+    if scratch[..] == got[..] {
+        return 0;
+    }
+    scratch.iter().zip(got).filter(|(a, b)| a != b).count() as u64
+}
+
+fn pick(policy: Policy, i: usize, r: &Request, n: usize, seed: u64) -> usize {
+    let h = |x: u64| {
+        let k = Key::chain(None, &[x as u32, (x >> 32) as u32, seed as u32]);
+        (k.lo() % n as u64) as usize
+    };
+    match policy {
+        Policy::RoundRobin => i % n,
+        Policy::Random => h(i as u64),
+        Policy::PrefixAffinity => r.hash_ids.first().map_or(i % n, |&id| h(id)),
+    }
+}
+
+/// Starts `n` daemons forming one cluster (static membership, sm).
+fn start_cluster(n: u32, pool_mib: u64, block_bytes: u64) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
+    let ports: Vec<u16> = (0..n)
+        .map(|_| Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()))
+        .collect::<anyhow::Result<_>>()?;
+    let mut out = Vec::new();
+    for id in 1..=n {
+        let mut cfg = format!(
+            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\n\
+             [[pools]]\nname = \"replay\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = {block_bytes}\nmlock = false\n",
+            ports[id as usize - 1]
+        );
+        for (i, p) in ports.iter().enumerate() {
+            if i as u32 + 1 != id {
+                cfg.push_str(&format!("[[peers]]\nid = {}\naddr = \"127.0.0.1:{p}\"\n", i + 1));
+            }
+        }
+        out.push(crate::start_daemon_tagged(&format!("replay-{id}"), &cfg)?);
+    }
+    Ok(out)
+}
+
+struct Plan {
+    keys: Vec<Key>,
+    daemon: usize,
+    input_tokens: u64,
+    ideal: u32,
+    lru: u32,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn one_request(
+    sh: Arc<Shared>,
+    client: Client,
+    ns: Namespace,
+    plan: Arc<Plan>,
+    block_bytes: usize,
+    prefill_us_per_token: f64,
+    block_tokens: u64,
+) {
+    let t_req = Instant::now();
+    let n = plan.keys.len();
+    let t = Instant::now();
+    let local = match client.lookup(&ns, &plan.keys).await {
+        Ok(l) => l.prefix_len as usize,
+        Err(e) => {
+            sh.error("lookup", Some(e.kind()));
+            0
+        }
+    };
+    sh.hists.lock()[0].saturating_record(t.elapsed().as_micros() as u64);
+    let t = Instant::now();
+    let opts = kvmesh_client::PinOptions { lease_ms: 0, stop_at_first_miss: true };
+    let pinned = match client.pin_with(&ns, &plan.keys, opts).await {
+        Ok(p) => p.into_iter().map_while(|b| b).collect::<Vec<_>>(),
+        Err(e) => {
+            sh.error("pin", Some(e.kind()));
+            Vec::new()
+        }
+    };
+    let mut scratch = Vec::with_capacity(block_bytes);
+    let mut wrong = 0;
+    for b in &pinned {
+        wrong += wrong_bytes(b.key(), b, &mut scratch);
+    }
+    sh.hists.lock()[1].saturating_record(t.elapsed().as_micros() as u64);
+    let hits = pinned.len();
+    let local_hits = local.min(hits);
+    let remote_hits = hits - local_hits;
+    if hits as u32 > plan.ideal {
+        sh.totals.above_ideal.fetch_add(1, Ordering::Relaxed);
+    }
+    if wrong > 0 {
+        sh.totals.wrong_bytes.fetch_add(wrong, Ordering::Relaxed);
+    }
+    // Prefill of the missing tokens, holding the pins.
+    let missing_tokens = plan.input_tokens.saturating_sub(hits as u64 * block_tokens);
+    let prefill = Duration::from_secs_f64(missing_tokens as f64 * prefill_us_per_token / 1e6);
+    if !prefill.is_zero() {
+        tokio::time::sleep(prefill).await;
+    }
+    let mut written = 0u64;
+    if hits < n {
+        let t = Instant::now();
+        let data: Vec<Vec<u8>> = plan.keys[hits..]
+            .iter()
+            .map(|&k| {
+                let mut v = vec![0u8; block_bytes];
+                fill(k, &mut v);
+                v
+            })
+            .collect();
+        let items: Vec<(Key, &[u8])> = plan.keys[hits..].iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+        match client.put(&ns, &items).await {
+            Ok(s) => {
+                written = s.stored as u64;
+                sh.totals.put_stored.fetch_add(s.stored as u64, Ordering::Relaxed);
+                sh.totals.put_existed.fetch_add((s.existed + s.in_progress) as u64, Ordering::Relaxed);
+                let failed = (s.lost + s.refused) as u64;
+                if failed > 0 {
+                    sh.totals.put_failed.fetch_add(failed, Ordering::Relaxed);
+                    sh.error("put:not_stored", None);
+                }
+            }
+            Err(e) => sh.error("put", Some(e.kind())),
+        }
+        sh.hists.lock()[2].saturating_record(t.elapsed().as_micros() as u64);
+    }
+    drop(pinned);
+    let done = Instant::now();
+    let req_us = done.duration_since(t_req).as_micros() as u64;
+    sh.hists.lock()[3].saturating_record(req_us);
+    sh.totals.local_hits.fetch_add(local_hits as u64, Ordering::Relaxed);
+    sh.totals.remote_hits.fetch_add(remote_hits as u64, Ordering::Relaxed);
+    sh.totals.missed.fetch_add((n - hits) as u64, Ordering::Relaxed);
+    sh.totals.finished.fetch_add(1, Ordering::Relaxed);
+    sh.second(done, |s| {
+        s.finished += 1;
+        s.blocks += n as u64;
+        s.local_hits += local_hits as u64;
+        s.remote_hits += remote_hits as u64;
+        s.missed += (n - hits) as u64;
+        s.ideal_hits += plan.ideal as u64;
+        s.lru_hits += plan.lru as u64;
+        s.bytes_read += (hits * block_bytes) as u64;
+        s.bytes_written += written * block_bytes as u64;
+        s.request_us.get_or_insert_with(hist).saturating_record(req_us);
+    });
+}
+
+fn ops_json(hists: &[Histogram<u64>]) -> serde_json::Value {
+    let mut m = serde_json::Map::new();
+    for (name, h) in OPS.iter().zip(hists) {
+        m.insert(
+            name.to_string(),
+            serde_json::json!({
+                "count": h.len(),
+                "p50_us": h.value_at_quantile(0.5), "p90_us": h.value_at_quantile(0.9),
+                "p99_us": h.value_at_quantile(0.99), "p999_us": h.value_at_quantile(0.999), "max_us": h.max(),
+            }),
+        );
+    }
+    serde_json::Value::Object(m)
+}
+
+/// Replays `requests`; prints tables on stderr and the JSON summary last.
+pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) -> anyhow::Result<serde_json::Value> {
+    if !(o.speed > 0.0 && o.speed.is_finite()) {
+        bail!("--speed must be a positive number, got {}", o.speed);
+    }
+    if o.max_inflight == 0 {
+        bail!("--max-inflight must be at least 1");
+    }
+    if o.block_tokens == 0 || o.bytes_per_token == 0 {
+        bail!("--block-tokens and --bytes-per-token must be at least 1");
+    }
+    let mut requests = requests;
+    if o.limit > 0 {
+        requests.truncate(o.limit);
+    }
+    let block_bytes = o.bytes_per_token * o.block_tokens;
+    std::fs::create_dir_all(&o.out).with_context(|| format!("create {}", o.out.display()))?;
+
+    // The cluster under test.
+    let (_daemons, sockets): (Vec<DaemonProc>, Vec<PathBuf>) = if o.sockets.is_empty() {
+        if o.daemons == 0 {
+            bail!("--daemons must be at least 1");
+        }
+        start_cluster(o.daemons, o.pool_mib, block_bytes)?.into_iter().unzip()
+    } else {
+        (Vec::new(), o.sockets.clone())
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let (clients, nss, slots) = rt.block_on(async {
+        let mut clients = Vec::new();
+        for s in &sockets {
+            clients.push(Client::connect(s).await.with_context(|| format!("connect to {}", s.display()))?);
+        }
+        if o.sockets.is_empty() && clients.len() > 1 {
+            crate::coherence::wait_ready(&clients, clients.len() as u32).await?;
+        }
+        let mut nss = Vec::new();
+        let mut slots = 0u64;
+        for c in &clients {
+            nss.push(c.register_namespace(&o.model, block_bytes, "replay").await?);
+            let st = c.stats().await?;
+            slots +=
+                st.pools.iter().filter(|p| p.slot_payload_bytes >= block_bytes).map(|p| p.slots as u64).sum::<u64>();
+        }
+        anyhow::Ok((clients, nss, slots))
+    })?;
+
+    // Offline references.
+    let ideal = model::ideal(&requests);
+    let lru = model::lru(&requests, slots as usize);
+    let n_daemons = clients.len();
+    let plans: Vec<Arc<Plan>> = requests
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            Arc::new(Plan {
+                keys: r.hash_ids.iter().map(|&id| key_of(id)).collect(),
+                daemon: pick(o.policy, i, r, n_daemons, o.policy_seed),
+                input_tokens: r.input_length,
+                ideal: ideal[i],
+                lru: lru[i],
+            })
+        })
+        .collect();
+    let total_blocks: u64 = requests.iter().map(|r| r.hash_ids.len() as u64).sum();
+    let ideal_hits: u64 = ideal.iter().map(|&h| h as u64).sum();
+    let lru_hits: u64 = lru.iter().map(|&h| h as u64).sum();
+
+    let t0 = Instant::now() + Duration::from_millis(50);
+    let sh = Arc::new(Shared {
+        hists: Mutex::new(OPS.iter().map(|_| hist()).collect()),
+        seconds: Mutex::new(Vec::new()),
+        errors: Mutex::new(Default::default()),
+        totals: Totals::default(),
+        t0,
+    });
+    let mut delay = hist();
+    let mut late = 0u64;
+    let span_ms = requests.last().map_or(0, |r| r.timestamp) as f64 / o.speed;
+    let tty = std::io::stderr().is_terminal() && !o.json;
+    let bar = if tty {
+        let b = indicatif::ProgressBar::new(requests.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    eprintln!(
+        "replay: {} requests, {} blocks of {} B, {} daemons, policy {:?}, speed {} ({:.1} s of arrivals)",
+        requests.len(),
+        total_blocks,
+        block_bytes,
+        n_daemons,
+        o.policy,
+        o.speed,
+        span_ms / 1e3
+    );
+    rt.block_on(async {
+        let sem = Arc::new(tokio::sync::Semaphore::new(o.max_inflight));
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut last_report = Instant::now();
+        for (i, (r, plan)) in requests.iter().zip(&plans).enumerate() {
+            let due = t0 + Duration::from_secs_f64(r.timestamp as f64 / o.speed / 1e3);
+            tokio::time::sleep_until(due.into()).await;
+            sh.second(due, |s| s.offered += 1);
+            let permit = Arc::clone(&sem).acquire_owned().await.expect("semaphore open");
+            let start = Instant::now();
+            let d = start.saturating_duration_since(due);
+            delay.saturating_record(d.as_micros() as u64);
+            let is_late = d > Duration::from_millis(o.late_ms);
+            if is_late {
+                late += 1;
+            }
+            sh.second(start, |s| {
+                s.started += 1;
+                s.late += is_late as u64;
+            });
+            let (sh2, client, ns, plan) =
+                (Arc::clone(&sh), clients[plan.daemon].clone(), nss[plan.daemon].clone(), Arc::clone(plan));
+            let (pf, bt) = (o.prefill_us_per_token, o.block_tokens);
+            tasks.spawn(async move {
+                one_request(sh2, client, ns, plan, block_bytes as usize, pf, bt).await;
+                drop(permit);
+            });
+            while tasks.try_join_next().is_some() {}
+            if let Some(b) = &bar {
+                b.set_position(i as u64 + 1);
+                b.set_message(format!("late {late}"));
+            } else if last_report.elapsed() >= Duration::from_secs(5) {
+                last_report = Instant::now();
+                eprintln!(
+                    "replay: {:>6.1} s  started {}  finished {}  late {late}",
+                    t0.elapsed().as_secs_f64(),
+                    i + 1,
+                    sh.totals.finished.load(Ordering::Relaxed)
+                );
+            }
+        }
+        while tasks.join_next().await.is_some() {}
+    });
+    if let Some(b) = bar {
+        b.finish();
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    drop(clients);
+
+    let t = &sh.totals;
+    let local_hits = t.local_hits.load(Ordering::Relaxed);
+    let remote_hits = t.remote_hits.load(Ordering::Relaxed);
+    let hits = local_hits + remote_hits;
+    let ratio = |h: u64| if total_blocks == 0 { 0.0 } else { h as f64 / total_blocks as f64 };
+    let hists = sh.hists.lock().clone();
+    let seconds = sh.seconds.lock().clone();
+    let errors = sh.errors.lock().clone();
+
+    // Outputs: CSV, plots, summary.
+    let csv = o.out.join("timeseries.csv");
+    {
+        use std::io::Write;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&csv)?);
+        writeln!(
+            w,
+            "second,offered,started,finished,late,blocks,local_hits,remote_hits,missed,ideal_hits,lru_hits,bytes_read,bytes_written,errors,request_p50_us,request_p99_us"
+        )?;
+        for (i, s) in seconds.iter().enumerate() {
+            let (p50, p99) =
+                s.request_us.as_ref().map_or((0, 0), |h| (h.value_at_quantile(0.5), h.value_at_quantile(0.99)));
+            writeln!(
+                w,
+                "{i},{},{},{},{},{},{},{},{},{},{},{},{},{},{p50},{p99}",
+                s.offered,
+                s.started,
+                s.finished,
+                s.late,
+                s.blocks,
+                s.local_hits,
+                s.remote_hits,
+                s.missed,
+                s.ideal_hits,
+                s.lru_hits,
+                s.bytes_read,
+                s.bytes_written,
+                s.errors
+            )?;
+        }
+        w.flush()?;
+    }
+    let plots = write_plots(&o.out, &hists, &seconds)?;
+    let summary = serde_json::json!({
+        "bench": "replay",
+        "requests": requests.len(),
+        "skipped_lines": skipped_lines,
+        "daemons": n_daemons,
+        "policy": format!("{:?}", o.policy),
+        "speed": o.speed,
+        "block_bytes": block_bytes,
+        "blocks": total_blocks,
+        "elapsed_s": elapsed,
+        "hit_ratio": ratio(hits),
+        "ideal_hit_ratio": ratio(ideal_hits),
+        "lru_hit_ratio": ratio(lru_hits),
+        "hit_ratio_of_ideal": if ideal_hits == 0 { 0.0 } else { hits as f64 / ideal_hits as f64 },
+        "local_hits": local_hits,
+        "remote_hits": remote_hits,
+        "missed_blocks": t.missed.load(Ordering::Relaxed),
+        "above_ideal": t.above_ideal.load(Ordering::Relaxed),
+        "wrong_bytes": t.wrong_bytes.load(Ordering::Relaxed),
+        "bytes_read": hits * block_bytes,
+        "bytes_written": t.put_stored.load(Ordering::Relaxed) * block_bytes,
+        "put_existed": t.put_existed.load(Ordering::Relaxed),
+        "put_failed": t.put_failed.load(Ordering::Relaxed),
+        "late": late,
+        "late_ratio": if requests.is_empty() { 0.0 } else { late as f64 / requests.len() as f64 },
+        "start_delay_us": {"p50": delay.value_at_quantile(0.5), "p99": delay.value_at_quantile(0.99), "max": delay.max()},
+        "errors": errors,
+        "ops": ops_json(&hists),
+        "out": {"csv": csv, "plots": plots},
+        "baseline": serde_json::Value::Null,
+    });
+    eprintln!(
+        "replay: {} requests in {elapsed:.1} s, hit ratio {:.3} (ideal {:.3}, LRU {:.3}), local {local_hits} remote {remote_hits}, late {late}, wrong bytes {}",
+        requests.len(),
+        ratio(hits),
+        ratio(ideal_hits),
+        ratio(lru_hits),
+        t.wrong_bytes.load(Ordering::Relaxed)
+    );
+    for (name, h) in OPS.iter().zip(&hists) {
+        eprintln!(
+            "  {name:>9}: p50 {} us  p90 {}  p99 {}  p99.9 {}  max {}  ({} samples)",
+            h.value_at_quantile(0.5),
+            h.value_at_quantile(0.9),
+            h.value_at_quantile(0.99),
+            h.value_at_quantile(0.999),
+            h.max(),
+            h.len()
+        );
+    }
+    Ok(summary)
+}
+
+fn write_plots(out: &Path, hists: &[Histogram<u64>], seconds: &[Second]) -> anyhow::Result<Vec<PathBuf>> {
+    let mut files = Vec::new();
+    // Latency CDFs.
+    let series: Vec<Series> = OPS
+        .iter()
+        .zip(hists)
+        .filter(|(_, h)| !h.is_empty())
+        .map(|(name, h)| Series { label: format!("kvmesh {name}"), points: plot::cdf_from_histogram(h) })
+        .collect();
+    files.extend(plot::line_chart(
+        &out.join("latency_cdf"),
+        &Chart {
+            title: "Latency CDF per operation",
+            x_label: "latency (µs, log scale)",
+            y_label: "requests at or below (%)",
+            x_scale: Scale::Log,
+            y_range: Some((0.0, 100.0)),
+            series: &series,
+        },
+    )?);
+    // Hit ratio over time (cumulative), against the references.
+    let (mut b, mut h, mut i, mut l) = (0u64, 0u64, 0u64, 0u64);
+    let (mut kv, mut id, mut lr) = (Vec::new(), Vec::new(), Vec::new());
+    for (s, sec) in seconds.iter().enumerate() {
+        b += sec.blocks;
+        h += sec.local_hits + sec.remote_hits;
+        i += sec.ideal_hits;
+        l += sec.lru_hits;
+        if b > 0 {
+            let x = s as f64 + 1.0;
+            kv.push((x, 100.0 * h as f64 / b as f64));
+            id.push((x, 100.0 * i as f64 / b as f64));
+            lr.push((x, 100.0 * l as f64 / b as f64));
+        }
+    }
+    files.extend(plot::line_chart(
+        &out.join("hit_ratio"),
+        &Chart {
+            title: "Block hit ratio over time (cumulative)",
+            x_label: "time since start (s)",
+            y_label: "hit ratio (% of blocks)",
+            x_scale: Scale::Linear,
+            y_range: Some((0.0, 100.0)),
+            series: &[
+                Series { label: "kvmesh".into(), points: kv },
+                Series { label: "ideal (infinite cache)".into(), points: id },
+                Series { label: "LRU (cluster capacity)".into(), points: lr },
+            ],
+        },
+    )?);
+    // Throughput and P99 against offered load (one point per second).
+    let mut thr: Vec<(f64, f64)> = Vec::new();
+    let mut p99: Vec<(f64, f64)> = Vec::new();
+    for sec in seconds {
+        if sec.offered > 0 {
+            thr.push((sec.offered as f64, sec.finished as f64));
+            if let Some(hh) = &sec.request_us {
+                p99.push((sec.offered as f64, hh.value_at_quantile(0.99) as f64 / 1e3));
+            }
+        }
+    }
+    thr.sort_by(|a, b| a.0.total_cmp(&b.0));
+    p99.sort_by(|a, b| a.0.total_cmp(&b.0));
+    files.extend(plot::line_chart(
+        &out.join("throughput"),
+        &Chart {
+            title: "Completed requests against offered load (one point per second)",
+            x_label: "offered load (requests/s)",
+            y_label: "completed (requests/s)",
+            x_scale: Scale::Linear,
+            y_range: None,
+            series: &[Series { label: "completed".into(), points: thr }],
+        },
+    )?);
+    files.extend(plot::line_chart(
+        &out.join("p99_vs_load"),
+        &Chart {
+            title: "Request P99 latency against offered load (one point per second)",
+            x_label: "offered load (requests/s)",
+            y_label: "request P99 (ms)",
+            x_scale: Scale::Linear,
+            y_range: None,
+            series: &[Series { label: "request P99".into(), points: p99 }],
+        },
+    )?);
+    Ok(files)
+}
