@@ -67,7 +67,8 @@ mod tests {
     #[test]
     fn lru_forgets_the_least_recent_and_never_beats_the_ideal() {
         let t = [req(&[1, 2]), req(&[3, 4]), req(&[1, 2]), req(&[5, 6]), req(&[3, 4]), req(&[1, 2])];
-        assert_eq!(lru(&t, 4), vec![0, 0, 2, 0, 0, 2]);
+        assert_eq!(lru(&t, 4), vec![0, 0, 2, 0, 0, 0]);
+        assert_eq!(lru(&t, 6), vec![0, 0, 2, 0, 2, 2]);
         assert_eq!(lru(&t, 1000), ideal(&t));
         for cap in 0..8 {
             let l = lru(&t, cap);

@@ -153,7 +153,7 @@ mod tests {
         let good = "{\"timestamp\":5,\"input_length\":512,\"output_length\":1,\"hash_ids\":[1]}";
         for (bad, why) in [
             ("{\"timestamp\":1,\"input_len", "not a trace record"),
-            ("{\"timestamp\":1,\"input_length\":600,\"output_length\":1,\"hash_ids\":[1]}", "expected 2"),
+            ("{\"timestamp\":6,\"input_length\":600,\"output_length\":1,\"hash_ids\":[1]}", "expected 2"),
             ("{\"timestamp\":1,\"input_length\":512,\"output_length\":1,\"hash_ids\":[1]}", "below the previous"),
             ("{\"timestamp\":9,\"input_length\":1024,\"output_length\":1,\"hash_ids\":[7,1]}", "not a prefix tree"),
             ("[1,2,3]", "not a trace record"),
