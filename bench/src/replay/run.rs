@@ -79,7 +79,9 @@ pub(crate) struct ReplayOpts {
     pub(crate) json: bool,
 }
 
-const OPS: [&str; 4] = ["lookup", "pin_read", "put", "request"];
+/// Operations with a latency histogram: the three calls, a request from
+/// its start, and `e2e` from its scheduled arrival (queueing included).
+const OPS: [&str; 5] = ["lookup", "pin_read", "put", "request", "e2e"];
 
 fn hist() -> Histogram<u64> {
     Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds")
@@ -102,6 +104,7 @@ struct Second {
     bytes_written: u64,
     errors: u64,
     request_us: Option<Histogram<u64>>,
+    e2e_us: Option<Histogram<u64>>,
 }
 
 #[derive(Default)]
@@ -121,6 +124,7 @@ struct Shared {
     hists: Mutex<Vec<Histogram<u64>>>,
     seconds: Mutex<Vec<Second>>,
     errors: Mutex<std::collections::BTreeMap<String, u64>>,
+    first_refusal: Mutex<Option<String>>,
     totals: Totals,
     t0: Instant,
 }
@@ -222,6 +226,7 @@ async fn one_request(
     block_bytes: usize,
     prefill_us_per_token: f64,
     block_tokens: u64,
+    due: Instant,
 ) {
     let t_req = Instant::now();
     let n = plan.keys.len();
@@ -282,9 +287,13 @@ async fn one_request(
                 sh.totals.put_stored.fetch_add(s.stored as u64, Ordering::Relaxed);
                 sh.totals.put_existed.fetch_add((s.existed + s.in_progress) as u64, Ordering::Relaxed);
                 let failed = (s.lost + s.refused) as u64;
-                if failed > 0 {
-                    sh.totals.put_failed.fetch_add(failed, Ordering::Relaxed);
-                    sh.error("put:not_stored", None);
+                sh.totals.put_failed.fetch_add(failed, Ordering::Relaxed);
+                if s.lost > 0 {
+                    sh.error("put:lost", None);
+                }
+                if let Some(why) = s.first_refusal {
+                    sh.error("put:refused", None);
+                    sh.first_refusal.lock().get_or_insert(why);
                 }
             }
             Err(e) => sh.error("put", Some(e.kind())),
@@ -294,7 +303,12 @@ async fn one_request(
     drop(pinned);
     let done = Instant::now();
     let req_us = done.duration_since(t_req).as_micros() as u64;
-    sh.hists.lock()[3].saturating_record(req_us);
+    let e2e_us = done.saturating_duration_since(due).as_micros() as u64;
+    {
+        let mut h = sh.hists.lock();
+        h[3].saturating_record(req_us);
+        h[4].saturating_record(e2e_us);
+    }
     sh.totals.local_hits.fetch_add(local_hits as u64, Ordering::Relaxed);
     sh.totals.remote_hits.fetch_add(remote_hits as u64, Ordering::Relaxed);
     sh.totals.missed.fetch_add((n - hits) as u64, Ordering::Relaxed);
@@ -310,6 +324,7 @@ async fn one_request(
         s.bytes_read += (hits * block_bytes) as u64;
         s.bytes_written += written * block_bytes as u64;
         s.request_us.get_or_insert_with(hist).saturating_record(req_us);
+        s.e2e_us.get_or_insert_with(hist).saturating_record(e2e_us);
     });
 }
 
@@ -401,6 +416,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         hists: Mutex::new(OPS.iter().map(|_| hist()).collect()),
         seconds: Mutex::new(Vec::new()),
         errors: Mutex::new(Default::default()),
+        first_refusal: Mutex::new(None),
         totals: Totals::default(),
         t0,
     });
@@ -453,7 +469,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
                 (Arc::clone(&sh), clients[plan.daemon].clone(), nss[plan.daemon].clone(), Arc::clone(plan));
             let (pf, bt) = (o.prefill_us_per_token, o.block_tokens);
             tasks.spawn(async move {
-                one_request(sh2, client, ns, plan, block_bytes as usize, pf, bt).await;
+                one_request(sh2, client, ns, plan, block_bytes as usize, pf, bt, due).await;
                 drop(permit);
             });
             while tasks.try_join_next().is_some() {}
@@ -547,6 +563,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         "late_ratio": if requests.is_empty() { 0.0 } else { late as f64 / requests.len() as f64 },
         "start_delay_us": {"p50": delay.value_at_quantile(0.5), "p99": delay.value_at_quantile(0.99), "max": delay.max()},
         "errors": errors,
+        "first_put_refusal": sh.first_refusal.lock().clone(),
         "ops": ops_json(&hists),
         "out": {"csv": csv, "plots": plots},
         "baseline": serde_json::Value::Null,
@@ -623,39 +640,65 @@ fn write_plots(out: &Path, hists: &[Histogram<u64>], seconds: &[Second]) -> anyh
             ],
         },
     )?);
-    // Throughput and P99 against offered load (one point per second).
-    let mut thr: Vec<(f64, f64)> = Vec::new();
-    let mut p99: Vec<(f64, f64)> = Vec::new();
-    for sec in seconds {
-        if sec.offered > 0 {
-            thr.push((sec.offered as f64, sec.finished as f64));
-            if let Some(hh) = &sec.request_us {
-                p99.push((sec.offered as f64, hh.value_at_quantile(0.99) as f64 / 1e3));
-            }
+    // Throughput and P99 against offered load: seconds grouped into bins of
+    // offered load (a staircase's stairs), completions averaged and the
+    // request histograms of a bin merged.
+    let max_offered = seconds.iter().map(|s| s.offered).max().unwrap_or(0);
+    let bin = (max_offered / 20).max(1);
+    type Bin = (u64, u64, Histogram<u64>, Histogram<u64>);
+    let mut bins: std::collections::BTreeMap<u64, Bin> = Default::default();
+    for sec in seconds.iter().filter(|s| s.offered > 0) {
+        let e = bins.entry((sec.offered + bin / 2) / bin).or_insert_with(|| (0, 0, hist(), hist()));
+        e.0 += 1;
+        e.1 += sec.finished;
+        if let Some(h) = &sec.request_us {
+            let _ = e.2.add(h);
+        }
+        if let Some(h) = &sec.e2e_us {
+            let _ = e.3.add(h);
         }
     }
-    thr.sort_by(|a, b| a.0.total_cmp(&b.0));
-    p99.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut thr = Vec::new();
+    let mut ideal_line = Vec::new();
+    let mut p99 = Vec::new();
+    let mut p99_e2e = Vec::new();
+    for (&b, (n, finished, h, e2e)) in &bins {
+        let x = (b * bin) as f64;
+        thr.push((x, *finished as f64 / *n as f64));
+        ideal_line.push((x, x));
+        if !h.is_empty() {
+            p99.push((x, h.value_at_quantile(0.99) as f64 / 1e3));
+        }
+        if !e2e.is_empty() {
+            p99_e2e.push((x, e2e.value_at_quantile(0.99) as f64 / 1e3));
+        }
+    }
     files.extend(plot::line_chart(
         &out.join("throughput"),
         &Chart {
-            title: "Completed requests against offered load (one point per second)",
+            title: "Completed requests against offered load",
             x_label: "offered load (requests/s)",
             y_label: "completed (requests/s)",
             x_scale: Scale::Linear,
             y_range: None,
-            series: &[Series { label: "completed".into(), points: thr }],
+            series: &[
+                Series { label: "completed (mean of the seconds at that load)".into(), points: thr },
+                Series { label: "offered (y = x)".into(), points: ideal_line },
+            ],
         },
     )?);
     files.extend(plot::line_chart(
         &out.join("p99_vs_load"),
         &Chart {
-            title: "Request P99 latency against offered load (one point per second)",
+            title: "Request P99 latency against offered load",
             x_label: "offered load (requests/s)",
             y_label: "request P99 (ms)",
             x_scale: Scale::Linear,
             y_range: None,
-            series: &[Series { label: "request P99".into(), points: p99 }],
+            series: &[
+                Series { label: "from arrival (queueing included)".into(), points: p99_e2e },
+                Series { label: "from start".into(), points: p99 },
+            ],
         },
     )?);
     Ok(files)
