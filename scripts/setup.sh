@@ -8,9 +8,10 @@ set -euo pipefail
 # (bindgen generates the UCX and rdma-core bindings at build time) and
 # rdma-core's headers (topology discovery); protoc (the etcd-client crate
 # compiles etcd's protos at build time) and etcd itself (the membership
-# tests start a real one on loopback); DejaVu Sans (the replay plots' PNG text).
+# tests start a real one on loopback); DejaVu Sans (the replay plots' PNG text)
+# and redis-server (the replay's baseline store).
 PACKAGES=(gcc libc6-dev pkg-config libucx-dev ucx-utils libclang-dev libibverbs-dev librdmacm-dev
-    protobuf-compiler etcd-server fonts-dejavu-core)
+    protobuf-compiler etcd-server fonts-dejavu-core redis-server)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

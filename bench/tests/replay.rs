@@ -112,3 +112,31 @@ fn malformed_and_truncated_traces_are_refused_with_the_line() {
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("no requests"));
     let _ = std::fs::remove_file(p);
 }
+
+#[test]
+fn a_redis_baseline_replays_the_same_trace_in_the_same_run() {
+    let trace = tmp("redis.jsonl");
+    load(5, &trace);
+    let out_dir = tmp("redis-out");
+    let out = bench()
+        .args(["replay", "--daemons", "1", "--pool-mib", "64", "--speed", "4", "--baseline", "redis", "--json"])
+        .arg("--out")
+        .arg(&out_dir)
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let s = summary(&out);
+    let b = &s["baseline"];
+    assert_eq!(s["wrong_bytes"], 0, "{s}");
+    assert_eq!(b["wrong_bytes"], 0, "{s}");
+    assert_eq!(b["errors"], serde_json::json!({}), "{s}");
+    // A remote store with ample memory finds what the ideal cache finds,
+    // less what concurrent requests had not put yet.
+    let (ideal, got) = (s["ideal_hit_ratio"].as_f64().unwrap(), b["hit_ratio"].as_f64().unwrap());
+    assert!(got <= ideal && got > ideal * 0.9, "redis hit ratio {got}, ideal {ideal}");
+    assert!(b["ops"]["pin_read"]["count"].as_u64().unwrap() == 200, "{s}");
+    let svg = std::fs::read_to_string(out_dir.join("latency_cdf.svg")).unwrap();
+    assert!(svg.contains("redis pin_read") && svg.contains("kvmesh pin_read"), "both on one chart");
+    let _ = std::fs::remove_dir_all(out_dir);
+    let _ = std::fs::remove_file(trace);
+}

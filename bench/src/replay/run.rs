@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
-use kvmesh_client::{Client, ErrorKind, Key, Namespace};
+use kvmesh_client::{Client, Key, Namespace};
 use parking_lot::Mutex;
 
 use super::model;
@@ -77,6 +77,31 @@ pub(crate) struct ReplayOpts {
     /// Print only the final JSON line on stdout.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Replay the same trace, same run, against a baseline store too.
+    #[arg(long, value_enum, default_value = "none")]
+    pub(crate) baseline: Baseline,
+}
+
+/// A store the same trace is replayed against, for comparison.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Baseline {
+    /// No baseline.
+    None,
+    /// `redis-server` on a loopback port, used as a remote block store
+    /// (pipelined EXISTS, MGET of the found prefix, pipelined SET),
+    /// `maxmemory` = the cluster's pool capacity, allkeys-lru.
+    Redis,
+}
+
+/// Where a replayed request goes.
+#[derive(Clone)]
+enum Backend {
+    Kvmesh(Client, Namespace),
+    Redis(redis::aio::MultiplexedConnection),
+}
+
+fn redis_kind(e: &redis::RedisError) -> String {
+    format!("{:?}", e.kind())
 }
 
 /// Operations with a latency histogram: the three calls, a request from
@@ -138,9 +163,9 @@ impl Shared {
         }
         f(&mut v[s]);
     }
-    fn error(&self, what: &str, kind: Option<ErrorKind>) {
+    fn error(&self, what: &str, kind: Option<String>) {
         let k = match kind {
-            Some(k) => format!("{what}:{k:?}"),
+            Some(k) => format!("{what}:{k}"),
             None => what.to_string(),
         };
         *self.errors.lock().entry(k).or_default() += 1;
@@ -220,8 +245,7 @@ struct Plan {
 #[allow(clippy::too_many_arguments)]
 async fn one_request(
     sh: Arc<Shared>,
-    client: Client,
-    ns: Namespace,
+    backend: Backend,
     plan: Arc<Plan>,
     block_bytes: usize,
     prefill_us_per_token: f64,
@@ -230,33 +254,78 @@ async fn one_request(
 ) {
     let t_req = Instant::now();
     let n = plan.keys.len();
+    let key_bytes: Vec<[u8; 16]> = plan.keys.iter().map(|k| k.0.to_be_bytes()).collect();
     let t = Instant::now();
-    let local = match client.lookup(&ns, &plan.keys).await {
-        Ok(l) => l.prefix_len as usize,
-        Err(e) => {
-            sh.error("lookup", Some(e.kind()));
-            0
+    let local = match &backend {
+        Backend::Kvmesh(client, ns) => match client.lookup(ns, &plan.keys).await {
+            Ok(l) => l.prefix_len as usize,
+            Err(e) => {
+                sh.error("lookup", Some(format!("{:?}", e.kind())));
+                0
+            }
+        },
+        Backend::Redis(conn) => {
+            let mut pipe = redis::pipe();
+            for k in &key_bytes {
+                pipe.cmd("EXISTS").arg(&k[..]);
+            }
+            match pipe.query_async::<Vec<bool>>(&mut conn.clone()).await {
+                Ok(v) => v.iter().take_while(|&&x| x).count(),
+                Err(e) => {
+                    sh.error("lookup", Some(redis_kind(&e)));
+                    0
+                }
+            }
         }
     };
     sh.hists.lock()[0].saturating_record(t.elapsed().as_micros() as u64);
     let t = Instant::now();
-    let opts = kvmesh_client::PinOptions { lease_ms: 0, stop_at_first_miss: true };
-    let pinned = match client.pin_with(&ns, &plan.keys, opts).await {
-        Ok(p) => p.into_iter().map_while(|b| b).collect::<Vec<_>>(),
-        Err(e) => {
-            sh.error("pin", Some(e.kind()));
-            Vec::new()
-        }
-    };
     let mut scratch = Vec::with_capacity(block_bytes);
     let mut wrong = 0;
-    for b in &pinned {
-        wrong += wrong_bytes(b.key(), b, &mut scratch);
-    }
+    // Held (kvmesh: pinned) while the prefill runs.
+    let mut pinned = Vec::new();
+    let hits = match &backend {
+        Backend::Kvmesh(client, ns) => {
+            let opts = kvmesh_client::PinOptions { lease_ms: 0, stop_at_first_miss: true };
+            pinned = match client.pin_with(ns, &plan.keys, opts).await {
+                Ok(p) => p.into_iter().map_while(|b| b).collect::<Vec<_>>(),
+                Err(e) => {
+                    sh.error("pin", Some(format!("{:?}", e.kind())));
+                    Vec::new()
+                }
+            };
+            for b in &pinned {
+                wrong += wrong_bytes(b.key(), b, &mut scratch);
+            }
+            pinned.len()
+        }
+        Backend::Redis(conn) => {
+            if local == 0 {
+                0
+            } else {
+                let keys: Vec<&[u8]> = key_bytes[..local].iter().map(|k| &k[..]).collect();
+                match redis::cmd("MGET").arg(&keys).query_async::<Vec<Option<Vec<u8>>>>(&mut conn.clone()).await {
+                    Ok(v) => {
+                        let got: Vec<Vec<u8>> = v.into_iter().map_while(|b| b).collect();
+                        for (b, k) in got.iter().zip(&plan.keys) {
+                            wrong += wrong_bytes(*k, b, &mut scratch);
+                        }
+                        got.len()
+                    }
+                    Err(e) => {
+                        sh.error("mget", Some(redis_kind(&e)));
+                        0
+                    }
+                }
+            }
+        }
+    };
     sh.hists.lock()[1].saturating_record(t.elapsed().as_micros() as u64);
-    let hits = pinned.len();
-    let local_hits = local.min(hits);
-    let remote_hits = hits - local_hits;
+    let (local_hits, remote_hits) = match backend {
+        Backend::Kvmesh(..) => (local.min(hits), hits - local.min(hits)),
+        // Every block of a remote store is a remote hit.
+        Backend::Redis(_) => (0, hits),
+    };
     if hits as u32 > plan.ideal {
         sh.totals.above_ideal.fetch_add(1, Ordering::Relaxed);
     }
@@ -280,23 +349,41 @@ async fn one_request(
                 v
             })
             .collect();
-        let items: Vec<(Key, &[u8])> = plan.keys[hits..].iter().copied().zip(data.iter().map(|d| &d[..])).collect();
-        match client.put(&ns, &items).await {
-            Ok(s) => {
-                written = s.stored as u64;
-                sh.totals.put_stored.fetch_add(s.stored as u64, Ordering::Relaxed);
-                sh.totals.put_existed.fetch_add((s.existed + s.in_progress) as u64, Ordering::Relaxed);
-                let failed = (s.lost + s.refused) as u64;
-                sh.totals.put_failed.fetch_add(failed, Ordering::Relaxed);
-                if s.lost > 0 {
-                    sh.error("put:lost", None);
-                }
-                if let Some(why) = s.first_refusal {
-                    sh.error("put:refused", None);
-                    sh.first_refusal.lock().get_or_insert(why);
+        match &backend {
+            Backend::Kvmesh(client, ns) => {
+                let items: Vec<(Key, &[u8])> =
+                    plan.keys[hits..].iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+                match client.put(ns, &items).await {
+                    Ok(s) => {
+                        written = s.stored as u64;
+                        sh.totals.put_stored.fetch_add(s.stored as u64, Ordering::Relaxed);
+                        sh.totals.put_existed.fetch_add((s.existed + s.in_progress) as u64, Ordering::Relaxed);
+                        let failed = (s.lost + s.refused) as u64;
+                        sh.totals.put_failed.fetch_add(failed, Ordering::Relaxed);
+                        if s.lost > 0 {
+                            sh.error("put:lost", None);
+                        }
+                        if let Some(why) = s.first_refusal {
+                            sh.error("put:refused", None);
+                            sh.first_refusal.lock().get_or_insert(why);
+                        }
+                    }
+                    Err(e) => sh.error("put", Some(format!("{:?}", e.kind()))),
                 }
             }
-            Err(e) => sh.error("put", Some(e.kind())),
+            Backend::Redis(conn) => {
+                let mut pipe = redis::pipe();
+                for (k, d) in key_bytes[hits..].iter().zip(&data) {
+                    pipe.cmd("SET").arg(&k[..]).arg(&d[..]).ignore();
+                }
+                match pipe.query_async::<()>(&mut conn.clone()).await {
+                    Ok(()) => {
+                        written = data.len() as u64;
+                        sh.totals.put_stored.fetch_add(written, Ordering::Relaxed);
+                    }
+                    Err(e) => sh.error("set", Some(redis_kind(&e))),
+                }
+            }
         }
         sh.hists.lock()[2].saturating_record(t.elapsed().as_micros() as u64);
     }
@@ -411,30 +498,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
     let ideal_hits: u64 = ideal.iter().map(|&h| h as u64).sum();
     let lru_hits: u64 = lru.iter().map(|&h| h as u64).sum();
 
-    let t0 = Instant::now() + Duration::from_millis(50);
-    let sh = Arc::new(Shared {
-        hists: Mutex::new(OPS.iter().map(|_| hist()).collect()),
-        seconds: Mutex::new(Vec::new()),
-        errors: Mutex::new(Default::default()),
-        first_refusal: Mutex::new(None),
-        totals: Totals::default(),
-        t0,
-    });
-    let mut delay = hist();
-    let mut late = 0u64;
     let span_ms = requests.last().map_or(0, |r| r.timestamp) as f64 / o.speed;
-    let tty = std::io::stderr().is_terminal() && !o.json;
-    let bar = if tty {
-        let b = indicatif::ProgressBar::new(requests.len() as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
-                .expect("valid template")
-                .progress_chars("=> "),
-        );
-        Some(b)
-    } else {
-        None
-    };
     eprintln!(
         "replay: {} requests, {} blocks of {} B, {} daemons, policy {:?}, speed {} ({:.1} s of arrivals)",
         requests.len(),
@@ -445,64 +509,30 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         o.speed,
         span_ms / 1e3
     );
-    rt.block_on(async {
-        let sem = Arc::new(tokio::sync::Semaphore::new(o.max_inflight));
-        let mut tasks = tokio::task::JoinSet::new();
-        let mut last_report = Instant::now();
-        for (i, (r, plan)) in requests.iter().zip(&plans).enumerate() {
-            let due = t0 + Duration::from_secs_f64(r.timestamp as f64 / o.speed / 1e3);
-            tokio::time::sleep_until(due.into()).await;
-            sh.second(due, |s| s.offered += 1);
-            let permit = Arc::clone(&sem).acquire_owned().await.expect("semaphore open");
-            let start = Instant::now();
-            let d = start.saturating_duration_since(due);
-            delay.saturating_record(d.as_micros() as u64);
-            let is_late = d > Duration::from_millis(o.late_ms);
-            if is_late {
-                late += 1;
-            }
-            sh.second(start, |s| {
-                s.started += 1;
-                s.late += is_late as u64;
-            });
-            let (sh2, client, ns, plan) =
-                (Arc::clone(&sh), clients[plan.daemon].clone(), nss[plan.daemon].clone(), Arc::clone(plan));
-            let (pf, bt) = (o.prefill_us_per_token, o.block_tokens);
-            tasks.spawn(async move {
-                one_request(sh2, client, ns, plan, block_bytes as usize, pf, bt, due).await;
-                drop(permit);
-            });
-            while tasks.try_join_next().is_some() {}
-            if let Some(b) = &bar {
-                b.set_position(i as u64 + 1);
-                b.set_message(format!("late {late}"));
-            } else if last_report.elapsed() >= Duration::from_secs(5) {
-                last_report = Instant::now();
-                eprintln!(
-                    "replay: {:>6.1} s  started {}  finished {}  late {late}",
-                    t0.elapsed().as_secs_f64(),
-                    i + 1,
-                    sh.totals.finished.load(Ordering::Relaxed)
-                );
-            }
-        }
-        while tasks.join_next().await.is_some() {}
-    });
-    if let Some(b) = bar {
-        b.finish();
-    }
-    let elapsed = t0.elapsed().as_secs_f64();
+    let backends: Vec<Backend> = clients.iter().zip(&nss).map(|(c, n)| Backend::Kvmesh(c.clone(), n.clone())).collect();
+    let run = drive(&rt, &requests, &plans, o, &backends, block_bytes, "kvmesh");
+    drop(backends);
     drop(clients);
-
-    let t = &sh.totals;
-    let local_hits = t.local_hits.load(Ordering::Relaxed);
-    let remote_hits = t.remote_hits.load(Ordering::Relaxed);
-    let hits = local_hits + remote_hits;
-    let ratio = |h: u64| if total_blocks == 0 { 0.0 } else { h as f64 / total_blocks as f64 };
-    let hists = sh.hists.lock().clone();
-    let seconds = sh.seconds.lock().clone();
-    let errors = sh.errors.lock().clone();
-
+    let refs = Refs { requests: requests.len(), blocks: total_blocks, ideal_hits, lru_hits, block_bytes };
+    let baseline = match o.baseline {
+        Baseline::None => None,
+        Baseline::Redis => {
+            let capacity = slots * (block_bytes + 128);
+            let redis = RedisServer::start(capacity)?;
+            let conn = rt.block_on(async {
+                let c = redis::Client::open(format!("redis://127.0.0.1:{}/", redis.port))?;
+                anyhow::Ok(c.get_multiplexed_async_connection().await?)
+            })?;
+            eprintln!("replay: the same trace against redis-server (maxmemory {capacity} B, allkeys-lru)");
+            let d = drive(&rt, &requests, &plans, o, &[Backend::Redis(conn)], block_bytes, "redis");
+            let j = result_json(&d, &refs);
+            print_result("redis", &d, &refs);
+            Some((d, j))
+        }
+    };
+    print_result("kvmesh", &run, &refs);
+    let hists = run.sh.hists.lock().clone();
+    let seconds = run.sh.seconds.lock().clone();
     // Outputs: CSV, plots, summary.
     let csv = o.out.join("timeseries.csv");
     {
@@ -535,8 +565,9 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         }
         w.flush()?;
     }
-    let plots = write_plots(&o.out, &hists, &seconds)?;
-    let summary = serde_json::json!({
+    let base_hists = baseline.as_ref().map(|(d, _)| d.sh.hists.lock().clone());
+    let plots = write_plots(&o.out, &hists, base_hists.as_deref(), &seconds)?;
+    let mut summary = serde_json::json!({
         "bench": "replay",
         "requests": requests.len(),
         "skipped_lines": skipped_lines,
@@ -545,38 +576,166 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         "speed": o.speed,
         "block_bytes": block_bytes,
         "blocks": total_blocks,
-        "elapsed_s": elapsed,
-        "hit_ratio": ratio(hits),
-        "ideal_hit_ratio": ratio(ideal_hits),
-        "lru_hit_ratio": ratio(lru_hits),
-        "hit_ratio_of_ideal": if ideal_hits == 0 { 0.0 } else { hits as f64 / ideal_hits as f64 },
+        "ideal_hit_ratio": refs.ratio(ideal_hits),
+        "lru_hit_ratio": refs.ratio(lru_hits),
+        "out": {"csv": csv, "plots": plots},
+        "baseline": baseline.map(|(_, j)| j),
+    });
+    if let (Some(m), serde_json::Value::Object(r)) = (summary.as_object_mut(), result_json(&run, &refs)) {
+        m.extend(r);
+    }
+    Ok(summary)
+}
+
+/// The trace-wide references a result is read against.
+struct Refs {
+    requests: usize,
+    blocks: u64,
+    ideal_hits: u64,
+    lru_hits: u64,
+    block_bytes: u64,
+}
+
+impl Refs {
+    fn ratio(&self, h: u64) -> f64 {
+        if self.blocks == 0 { 0.0 } else { h as f64 / self.blocks as f64 }
+    }
+}
+
+/// One open-loop pass of the trace against one kind of backend.
+struct Driven {
+    sh: Arc<Shared>,
+    delay: Histogram<u64>,
+    late: u64,
+    elapsed: f64,
+}
+
+/// Replays `requests` open-loop against `backends` (request i goes to
+/// `backends[plan.daemon % len]`).
+fn drive(
+    rt: &tokio::runtime::Runtime,
+    requests: &[Request],
+    plans: &[Arc<Plan>],
+    o: &ReplayOpts,
+    backends: &[Backend],
+    block_bytes: u64,
+    label: &str,
+) -> Driven {
+    let t0 = Instant::now() + Duration::from_millis(50);
+    let sh = Arc::new(Shared {
+        hists: Mutex::new(OPS.iter().map(|_| hist()).collect()),
+        seconds: Mutex::new(Vec::new()),
+        errors: Mutex::new(Default::default()),
+        first_refusal: Mutex::new(None),
+        totals: Totals::default(),
+        t0,
+    });
+    let mut delay = hist();
+    let mut late = 0u64;
+    let tty = std::io::stderr().is_terminal() && !o.json;
+    let bar = if tty {
+        let b = indicatif::ProgressBar::new(requests.len() as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template("{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}")
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    rt.block_on(async {
+        let sem = Arc::new(tokio::sync::Semaphore::new(o.max_inflight));
+        let mut tasks = tokio::task::JoinSet::new();
+        let mut last_report = Instant::now();
+        for (i, (r, plan)) in requests.iter().zip(plans).enumerate() {
+            let due = t0 + Duration::from_secs_f64(r.timestamp as f64 / o.speed / 1e3);
+            tokio::time::sleep_until(due.into()).await;
+            sh.second(due, |s| s.offered += 1);
+            let permit = Arc::clone(&sem).acquire_owned().await.expect("semaphore open");
+            let start = Instant::now();
+            let d = start.saturating_duration_since(due);
+            delay.saturating_record(d.as_micros() as u64);
+            let is_late = d > Duration::from_millis(o.late_ms);
+            if is_late {
+                late += 1;
+            }
+            sh.second(start, |s| {
+                s.started += 1;
+                s.late += is_late as u64;
+            });
+            let (sh2, backend, plan) =
+                (Arc::clone(&sh), backends[plan.daemon % backends.len()].clone(), Arc::clone(plan));
+            let (pf, bt) = (o.prefill_us_per_token, o.block_tokens);
+            tasks.spawn(async move {
+                one_request(sh2, backend, plan, block_bytes as usize, pf, bt, due).await;
+                drop(permit);
+            });
+            while tasks.try_join_next().is_some() {}
+            if let Some(b) = &bar {
+                b.set_position(i as u64 + 1);
+                b.set_message(format!("{label}: late {late}"));
+            } else if last_report.elapsed() >= Duration::from_secs(5) {
+                last_report = Instant::now();
+                eprintln!(
+                    "replay ({label}): {:>6.1} s  started {}  finished {}  late {late}",
+                    t0.elapsed().as_secs_f64(),
+                    i + 1,
+                    sh.totals.finished.load(Ordering::Relaxed)
+                );
+            }
+        }
+        while tasks.join_next().await.is_some() {}
+    });
+    if let Some(b) = bar {
+        b.finish();
+    }
+    Driven { sh, delay, late, elapsed: t0.elapsed().as_secs_f64() }
+}
+
+/// The result fields of one pass (for the summary and the baseline).
+fn result_json(d: &Driven, refs: &Refs) -> serde_json::Value {
+    let t = &d.sh.totals;
+    let local_hits = t.local_hits.load(Ordering::Relaxed);
+    let remote_hits = t.remote_hits.load(Ordering::Relaxed);
+    let hits = local_hits + remote_hits;
+    let ideal = refs.ideal_hits;
+    serde_json::json!({
+        "elapsed_s": d.elapsed,
+        "hit_ratio": refs.ratio(hits),
+        "hit_ratio_of_ideal": if ideal == 0 { 0.0 } else { hits as f64 / ideal as f64 },
         "local_hits": local_hits,
         "remote_hits": remote_hits,
         "missed_blocks": t.missed.load(Ordering::Relaxed),
         "above_ideal": t.above_ideal.load(Ordering::Relaxed),
         "wrong_bytes": t.wrong_bytes.load(Ordering::Relaxed),
-        "bytes_read": hits * block_bytes,
-        "bytes_written": t.put_stored.load(Ordering::Relaxed) * block_bytes,
+        "bytes_read": hits * refs.block_bytes,
+        "bytes_written": t.put_stored.load(Ordering::Relaxed) * refs.block_bytes,
         "put_existed": t.put_existed.load(Ordering::Relaxed),
         "put_failed": t.put_failed.load(Ordering::Relaxed),
-        "late": late,
-        "late_ratio": if requests.is_empty() { 0.0 } else { late as f64 / requests.len() as f64 },
-        "start_delay_us": {"p50": delay.value_at_quantile(0.5), "p99": delay.value_at_quantile(0.99), "max": delay.max()},
-        "errors": errors,
-        "first_put_refusal": sh.first_refusal.lock().clone(),
-        "ops": ops_json(&hists),
-        "out": {"csv": csv, "plots": plots},
-        "baseline": serde_json::Value::Null,
-    });
+        "first_put_refusal": d.sh.first_refusal.lock().clone(),
+        "late": d.late,
+        "late_ratio": if refs.requests == 0 { 0.0 } else { d.late as f64 / refs.requests as f64 },
+        "start_delay_us": {"p50": d.delay.value_at_quantile(0.5), "p99": d.delay.value_at_quantile(0.99), "max": d.delay.max()},
+        "errors": d.sh.errors.lock().clone(),
+        "ops": ops_json(&d.sh.hists.lock()),
+    })
+}
+
+fn print_result(label: &str, d: &Driven, refs: &Refs) {
+    let t = &d.sh.totals;
+    let (l, r) = (t.local_hits.load(Ordering::Relaxed), t.remote_hits.load(Ordering::Relaxed));
     eprintln!(
-        "replay: {} requests in {elapsed:.1} s, hit ratio {:.3} (ideal {:.3}, LRU {:.3}), local {local_hits} remote {remote_hits}, late {late}, wrong bytes {}",
-        requests.len(),
-        ratio(hits),
-        ratio(ideal_hits),
-        ratio(lru_hits),
+        "{label}: {} requests in {:.1} s, hit ratio {:.3} (ideal {:.3}, LRU {:.3}), local {l} remote {r}, late {}, wrong bytes {}",
+        refs.requests,
+        d.elapsed,
+        refs.ratio(l + r),
+        refs.ratio(refs.ideal_hits),
+        refs.ratio(refs.lru_hits),
+        d.late,
         t.wrong_bytes.load(Ordering::Relaxed)
     );
-    for (name, h) in OPS.iter().zip(&hists) {
+    for (name, h) in OPS.iter().zip(d.sh.hists.lock().iter()) {
         eprintln!(
             "  {name:>9}: p50 {} us  p90 {}  p99 {}  p99.9 {}  max {}  ({} samples)",
             h.value_at_quantile(0.5),
@@ -587,18 +746,64 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
             h.len()
         );
     }
-    Ok(summary)
 }
 
-fn write_plots(out: &Path, hists: &[Histogram<u64>], seconds: &[Second]) -> anyhow::Result<Vec<PathBuf>> {
+/// `redis-server` on a free loopback port, killed on drop.
+struct RedisServer {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl RedisServer {
+    fn start(maxmemory: u64) -> anyhow::Result<RedisServer> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--bind", "127.0.0.1", "--port", &port.to_string(), "--save", "", "--appendonly", "no"])
+            .args(["--maxmemory", &maxmemory.to_string(), "--maxmemory-policy", "allkeys-lru"])
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("start redis-server (Debian package redis-server; or --baseline none)")?;
+        let server = RedisServer { child, port };
+        let t0 = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if t0.elapsed() > Duration::from_secs(10) {
+                bail!("redis-server did not come up on port {port}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(server)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn write_plots(
+    out: &Path,
+    hists: &[Histogram<u64>],
+    baseline: Option<&[Histogram<u64>]>,
+    seconds: &[Second],
+) -> anyhow::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
-    // Latency CDFs.
-    let series: Vec<Series> = OPS
+    // Latency CDFs (the baseline's beside kvmesh's).
+    let mut series: Vec<Series> = OPS
         .iter()
         .zip(hists)
         .filter(|(_, h)| !h.is_empty())
         .map(|(name, h)| Series { label: format!("kvmesh {name}"), points: plot::cdf_from_histogram(h) })
         .collect();
+    if let Some(b) = baseline {
+        series.extend(
+            OPS.iter()
+                .zip(b)
+                .filter(|(name, h)| !h.is_empty() && **name != "e2e")
+                .map(|(name, h)| Series { label: format!("redis {name}"), points: plot::cdf_from_histogram(h) }),
+        );
+    }
     files.extend(plot::line_chart(
         &out.join("latency_cdf"),
         &Chart {
