@@ -790,19 +790,31 @@ fn write_plots(
 ) -> anyhow::Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     // Latency CDFs (the baseline's beside kvmesh's).
-    let mut series: Vec<Series> = OPS
+    let series: Vec<Series> = OPS
         .iter()
         .zip(hists)
         .filter(|(_, h)| !h.is_empty())
         .map(|(name, h)| Series { label: format!("kvmesh {name}"), points: plot::cdf_from_histogram(h) })
         .collect();
+    // With a baseline: one chart per operation, kvmesh against it.
     if let Some(b) = baseline {
-        series.extend(
-            OPS.iter()
-                .zip(b)
-                .filter(|(name, h)| !h.is_empty() && **name != "e2e")
-                .map(|(name, h)| Series { label: format!("redis {name}"), points: plot::cdf_from_histogram(h) }),
-        );
+        for ((name, k), r) in OPS.iter().zip(hists).zip(b) {
+            let title = format!("Latency CDF of {name}: kvmesh and Redis, same trace");
+            files.extend(plot::line_chart(
+                &out.join(format!("cdf_{name}")),
+                &Chart {
+                    title: &title,
+                    x_label: "latency (µs, log scale)",
+                    y_label: "requests at or below (%)",
+                    x_scale: Scale::Log,
+                    y_range: Some((0.0, 100.0)),
+                    series: &[
+                        Series { label: format!("kvmesh {name}"), points: plot::cdf_from_histogram(k) },
+                        Series { label: format!("redis {name}"), points: plot::cdf_from_histogram(r) },
+                    ],
+                },
+            )?);
+        }
     }
     files.extend(plot::line_chart(
         &out.join("latency_cdf"),
