@@ -9,9 +9,10 @@ set -euo pipefail
 # rdma-core's headers (topology discovery); protoc (the etcd-client crate
 # compiles etcd's protos at build time) and etcd itself (the membership
 # tests start a real one on loopback); DejaVu Sans (the replay plots' PNG text)
-# and redis-server (the replay's baseline store).
+# and redis-server (the replay's baseline store); prometheus for promtool (the
+# metrics and alert-rule checks).
 PACKAGES=(gcc libc6-dev pkg-config libucx-dev ucx-utils libclang-dev libibverbs-dev librdmacm-dev
-    protobuf-compiler etcd-server fonts-dejavu-core redis-server)
+    protobuf-compiler etcd-server fonts-dejavu-core redis-server prometheus)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -413,7 +413,7 @@ pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(Dae
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("kvmeshd.sock");
     let cfg = format!(
-        "[server]\nsocket = {:?}\n[limits]\nbatch_keys_max = 4096\n[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n{pools}",
+        "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n[limits]\nbatch_keys_max = 4096\n[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n{pools}",
         socket.display().to_string()
     );
     let cfg_path = dir.join("kvmeshd.toml");

@@ -40,6 +40,35 @@ pub struct Config {
     /// Who is in the cluster: the static list with a coordinator, or etcd.
     #[serde(default)]
     pub membership: MembershipConfig,
+    /// The Prometheus endpoint.
+    #[serde(default)]
+    pub metrics: MetricsConfig,
+}
+
+/// `[metrics]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// `host:port` serving `GET /metrics` (Prometheus); `""` turns it off.
+    pub listen: String,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig { listen: "127.0.0.1:9433".into() }
+    }
+}
+
+impl MetricsConfig {
+    /// The address to serve on, or None when off.
+    pub fn addr(&self) -> Result<Option<std::net::SocketAddr>, String> {
+        if self.listen.is_empty() {
+            return Ok(None);
+        }
+        self.listen.parse().map(Some).map_err(|e| {
+            format!("metrics.listen: {:?} is not an address:port ({e}); \"\" turns the endpoint off", self.listen)
+        })
+    }
 }
 
 /// `[membership]`: where views and membership leases come from.
@@ -363,6 +392,7 @@ impl Config {
     }
 
     fn validate(&self) -> Result<(), String> {
+        self.metrics.addr()?;
         if self.pools.is_empty() {
             return Err("pools: at least one [[pools]] entry is required".into());
         }

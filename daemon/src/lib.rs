@@ -13,6 +13,7 @@ pub mod config;
 pub mod dataplane;
 pub mod error;
 pub mod etcd;
+pub mod metrics;
 pub mod peers;
 pub mod server;
 pub mod service;

@@ -277,6 +277,18 @@ pub async fn run(
         None => (default_socket_path(), true),
     };
     let (listener, claim) = bind_socket(&path, default_location)?;
+    // The metrics port, bound before anything starts: a port in use is a
+    // start-up error that names the field.
+    let metrics_listener = match cfg.metrics.addr().map_err(anyhow::Error::msg)? {
+        Some(addr) => {
+            let l = std::net::TcpListener::bind(addr)
+                .map_err(|e| anyhow::anyhow!("metrics.listen {addr}: cannot listen: {e}"))?;
+            l.set_nonblocking(true)?;
+            tracing::info!("metrics at http://{}/metrics", l.local_addr()?);
+            Some(tokio::net::TcpListener::from_std(l)?)
+        }
+        None => None,
+    };
     let reaper_every = Duration::from_millis(cfg.limits.reaper_interval_ms);
     let peer_cfg = cfg.peer.clone();
     let peer_entries = cfg.peers.clone();
@@ -463,21 +475,29 @@ pub async fn run(
             }
         });
     }
-    let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(EngineService::new(
-        Arc::clone(&store),
-        peers.clone(),
-        cluster.clone(),
-    ))
-    .max_decoding_message_size(16 << 20)
-    .max_encoding_message_size(16 << 20);
+    let engine = EngineService::new(Arc::clone(&store), peers.clone(), cluster.clone());
+    let metrics = Arc::new(crate::metrics::Metrics::default());
+    if let Some(l) = metrics_listener {
+        let engine = engine.clone();
+        let snapshot = move || {
+            let e = engine.clone();
+            async move { e.snapshot().await }
+        };
+        tokio::spawn(crate::metrics::serve(l, Arc::clone(&metrics), snapshot, stop_rx.clone()));
+    }
+    let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(engine)
+        .max_decoding_message_size(16 << 20)
+        .max_encoding_message_size(16 << 20);
     let mut stop_grpc = stop_rx.clone();
     let incoming = tokio_stream::wrappers::ReceiverStream::new(rx);
-    let grpc = tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
-        incoming,
-        async move {
-            let _ = stop_grpc.changed().await;
-        },
-    ));
+    let grpc = tokio::spawn(
+        tonic::transport::Server::builder()
+            .layer(crate::metrics::TimedLayer(Arc::clone(&metrics)))
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, async move {
+                let _ = stop_grpc.changed().await;
+            }),
+    );
 
     sd_notify("READY=1");
     let signals = async move {

@@ -385,6 +385,13 @@ impl pb::engine_server::Engine for EngineService {
 
     async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let _ = session_of(&req)?;
+        Ok(Response::new(self.snapshot().await))
+    }
+}
+
+impl EngineService {
+    /// The daemon's statistics (the `Stats` call, `/metrics`).
+    pub async fn snapshot(&self) -> pb::StatsResponse {
         let s = self.store.lock().stats();
         let c = s.counters;
         let peers_connected = match &self.peers {
@@ -400,7 +407,7 @@ impl pb::engine_server::Engine for EngineService {
             }
             None => (0, 0, 0),
         };
-        Ok(Response::new(pb::StatsResponse {
+        pb::StatsResponse {
             pools: s
                 .pools
                 .into_iter()
@@ -443,6 +450,6 @@ impl pb::engine_server::Engine for EngineService {
             peers_connected,
             remote_misses,
             coherence,
-        }))
+        }
     }
 }

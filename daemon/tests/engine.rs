@@ -408,7 +408,11 @@ fn socket_of_live_daemon_is_not_stolen_and_stale_socket_is_reclaimed() {
     let cfg2 = dir.0.join("c.toml");
     std::fs::write(
         &cfg2,
-        format!("[server]\nsocket = {:?}\n{}", sock.display().to_string(), pool("p", "4MiB", "4KiB")),
+        format!(
+            "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n{}",
+            sock.display().to_string(),
+            pool("p", "4MiB", "4KiB")
+        ),
     )
     .unwrap();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))

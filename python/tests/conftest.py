@@ -35,7 +35,7 @@ class Daemon:
         cfg = os.path.join(self.dir, "kvmeshd.toml")
         with open(cfg, "w") as f:
             f.write(
-                f'[server]\nsocket = "{self.socket}"\n'
+                f'[server]\nsocket = "{self.socket}"\n[metrics]\nlisten = ""\n'
                 f'[[pools]]\nname = "host0"\nbytes = "{pool_bytes}"\nslot_payload_bytes = "{slot}"\nmlock = false\n'
                 f"{extra}"
             )

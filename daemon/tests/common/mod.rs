@@ -42,7 +42,9 @@ impl Daemon {
     pub fn start_with(tag: &str, extra: &str, env: &[(&str, &str)]) -> Daemon {
         let dir = TempDir::new(tag);
         let socket = dir.0.join("kvmeshd.sock");
-        let cfg = format!("[server]\nsocket = {:?}\n{extra}", socket.display().to_string());
+        // No metrics endpoint unless the test asks (tests run many daemons).
+        let metrics = if extra.contains("[metrics]") { "" } else { "[metrics]\nlisten = \"\"\n" };
+        let cfg = format!("[server]\nsocket = {:?}\n{metrics}{extra}", socket.display().to_string());
         let cfg_path = dir.0.join("kvmeshd.toml");
         std::fs::write(&cfg_path, cfg).unwrap();
         let child = spawn(&dir, env, false);

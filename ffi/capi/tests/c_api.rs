@@ -21,7 +21,7 @@ impl Daemon {
         std::fs::create_dir_all(&dir).unwrap();
         let socket = dir.join("kvmeshd.sock");
         let text = format!(
-            "[server]\nsocket = {:?}\n[[pools]]\nname = \"host0\"\nbytes = \"32MiB\"\nslot_payload_bytes = \"64KiB\"\nmlock = false\n",
+            "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n[[pools]]\nname = \"host0\"\nbytes = \"32MiB\"\nslot_payload_bytes = \"64KiB\"\nmlock = false\n",
             socket.display().to_string()
         );
         let cfg = kvmeshd::Config::parse(&text, "capi-test.toml").expect("test config");

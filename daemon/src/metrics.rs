@@ -1,0 +1,327 @@
+//! The Prometheus endpoint: `GET /metrics` on `[metrics] listen`, in the
+//! OpenMetrics text format (which Prometheus scrapes natively).
+//!
+//! Two sources: the daemon's statistics (the same snapshot as the engine
+//! `Stats` call and `kvmesh stats --json`), turned into counters and gauges
+//! at every scrape, and histograms kept here (engine call latency per
+//! method). Names follow Prometheus conventions: prefix `kvmesh_`, counters
+//! end in `_total`, units in the name (`_seconds`, `_bytes`).
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http_body_util::Full;
+use hyper::body::Bytes;
+use kvmesh_proto::engine::v1 as pb;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+/// Labels of an engine call.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CallLabels {
+    method: &'static str,
+    result: &'static str,
+}
+
+fn call_histogram() -> Histogram {
+    // 10 µs .. ~42 s.
+    Histogram::new(exponential_buckets(0.00001, 2.0, 22))
+}
+
+/// Histograms the daemon records as it works.
+#[derive(Debug)]
+pub struct Metrics {
+    engine_calls: Family<CallLabels, Histogram, fn() -> Histogram>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics { engine_calls: Family::new_with_constructor(call_histogram) }
+    }
+}
+
+impl Metrics {
+    /// Records one engine call.
+    pub fn observe_call(&self, method: &'static str, ok: bool, started: Instant) {
+        let labels = CallLabels { method, result: if ok { "ok" } else { "error" } };
+        self.engine_calls.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+    }
+}
+
+/// The statistics snapshot of one scrape.
+#[derive(Debug)]
+struct Snapshot(pb::StatsResponse);
+
+fn counter(enc: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> Result<(), std::fmt::Error> {
+    let c = ConstCounter::new(v);
+    c.encode(enc.encode_descriptor(name, help, None, c.metric_type())?)
+}
+
+fn gauge<N: prometheus_client::encoding::EncodeGaugeValue + Clone + std::fmt::Debug + Send + Sync + 'static>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    v: N,
+) -> Result<(), std::fmt::Error> {
+    let g = ConstGauge::new(v);
+    g.encode(enc.encode_descriptor(name, help, None, g.metric_type())?)
+}
+
+impl prometheus_client::collector::Collector for Snapshot {
+    fn encode(&self, mut enc: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let s = &self.0;
+        let e = &mut enc;
+        gauge(e, "uptime_seconds", "Seconds since the daemon started.", s.uptime_ms as f64 / 1e3)?;
+        gauge(e, "namespaces", "Registered namespaces.", s.namespaces)?;
+        gauge(e, "sessions", "Engine connections.", s.sessions)?;
+        gauge(e, "pins_outstanding", "Pins held by engines.", s.pins_outstanding)?;
+        gauge(e, "allocations_outstanding", "Uncommitted allocations.", s.allocations_outstanding)?;
+        gauge(e, "peers_connected", "Peer daemons connected.", s.peers_connected)?;
+        for (name, help, v) in [
+            ("lookups", "Keys looked up.", s.lookups),
+            ("hits", "Keys found (lookups and pins).", s.hits),
+            ("misses", "Keys not found.", s.misses),
+            ("pins", "Blocks pinned.", s.pins),
+            ("commits", "Blocks committed.", s.commits),
+            ("aborts", "Allocations aborted (explicitly, by lease or by disconnect).", s.aborts),
+            ("evictions", "Blocks evicted.", s.evictions),
+            ("removes", "Blocks removed or invalidated.", s.removes),
+            ("lease_expirations", "Pins or allocations reclaimed at their lease end.", s.lease_expirations),
+            ("session_releases", "Pins and allocations released by closed connections.", s.session_releases),
+            ("resource_exhausted", "Requests refused for lack of slots or a limit.", s.resource_exhausted),
+            ("remote_fetched", "Blocks fetched from peers and validated.", s.remote_fetched),
+            ("remote_misses", "Remote fetches that found nothing.", s.remote_misses),
+            ("remote_validation_failures", "Remote copies that failed validation.", s.remote_validation_failures),
+            ("transfer_failures", "Data-plane transfers that failed.", s.transfer_failures),
+            ("transfer_timeouts", "Data-plane transfers that timed out.", s.transfer_timeouts),
+            ("slots_quarantined", "Slots quarantined after a failed transfer.", s.slots_quarantined),
+            ("grants_given", "Read grants given to peers.", s.grants_given),
+        ] {
+            counter(e, name, help, v)?;
+        }
+        // Per pool.
+        for (name, help, get) in [
+            ("pool_bytes", "Bytes of the pool.", (|p: &pb::PoolStats| p.bytes) as fn(&pb::PoolStats) -> u64),
+            ("pool_slot_payload_bytes", "Payload bytes of a slot.", |p| p.slot_payload_bytes),
+            ("pool_slots", "Slots of the pool.", |p| p.slots as u64),
+            ("pool_free_slots", "Free slots.", |p| p.free as u64),
+            ("pool_valid_slots", "Slots holding a valid block.", |p| p.valid as u64),
+            ("pool_pending_slots", "Slots being written.", |p| p.pending as u64),
+            ("pool_pinned_slots", "Slots pinned by engines or peers.", |p| p.pinned as u64),
+            ("pool_zombie_slots", "Removed slots still pinned.", |p| p.zombie as u64),
+        ] {
+            let g = ConstGauge::new(0u64);
+            let mut me = e.encode_descriptor(name, help, None, g.metric_type())?;
+            for p in &s.pools {
+                let labels = [("pool", p.name.as_str()), ("device", p.device.as_str())];
+                ConstGauge::new(get(p)).encode(me.encode_family(&labels)?)?;
+            }
+        }
+        if let Some(c) = &s.coherence {
+            gauge(e, "coherence_serving", "1 when the daemon serves (member of the current view).", c.serving as u64)?;
+            gauge(e, "coherence_epoch", "Membership epoch.", c.epoch)?;
+            gauge(e, "coherence_members", "Members of the current view.", c.members)?;
+            gauge(e, "coherence_ops_in_flight", "Puts, gets and invalidations in flight.", c.ops_in_flight)?;
+            gauge(e, "coherence_grants_outstanding", "Read grants not yet returned.", c.grants_outstanding)?;
+            gauge(e, "coherence_copies", "Copies this daemon holds.", c.copies)?;
+            gauge(e, "coherence_directory_entries", "Directory entries this daemon homes.", c.directory_entries)?;
+            gauge(
+                e,
+                "coherence_directory_ready",
+                "1 when the directory is rebuilt after a view change.",
+                c.directory_ready as u64,
+            )?;
+            gauge(e, "etcd_connected", "1 when connected to etcd (etcd membership).", c.etcd_connected as u64)?;
+            for (name, help, v) in [
+                ("coherence_batches_sent", "Protocol batches sent to peers.", c.batches_sent),
+                ("coherence_messages_sent", "Protocol messages sent to peers.", c.msgs_sent),
+                ("coherence_batches_received", "Protocol batches received.", c.batches_received),
+                ("coherence_invalidates_sent", "Invalidations sent.", c.invalidates_sent),
+                ("coherence_acks_sent", "Acknowledgements sent.", c.acks_sent),
+                ("coherence_stale_epoch_drops", "Messages of an old epoch dropped.", c.stale_epoch_drops),
+                ("coherence_validation_failures", "Copies that failed validation.", c.validation_failures),
+                ("coherence_late_transfers", "Transfers that finished after their deadline.", c.late_transfers),
+                ("coherence_changes_completed", "Overwrites and invalidations completed.", c.changes_completed),
+                ("coherence_peer_queue_drops", "Messages dropped on full peer queues.", c.peer_queue_drops),
+                ("coherence_decode_errors", "Peer messages that failed to decode.", c.decode_errors),
+                ("etcd_errors", "etcd calls that failed.", c.etcd_errors),
+            ] {
+                counter(e, name, help, v)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Renders one scrape.
+pub fn render(stats: pb::StatsResponse, metrics: &Metrics) -> String {
+    let mut reg = Registry::with_prefix("kvmesh");
+    reg.register("engine_call_seconds", "Engine gRPC call latency by method and result.", metrics.engine_calls.clone());
+    reg.register_collector(Box::new(Snapshot(stats)));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &reg).expect("writing to a String cannot fail");
+    out
+}
+
+/// The Prometheus text format (0.0.4) of an OpenMetrics text: a counter
+/// family `x` is named `x_total` there (its samples already are), and
+/// there are no `# EOF` or `# UNIT` lines. Served to clients that do not
+/// ask for OpenMetrics (curl, promtool); Prometheus asks for OpenMetrics.
+pub fn to_prometheus_text(om: &str) -> String {
+    let counters: std::collections::HashSet<&str> =
+        om.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.strip_suffix(" counter")).collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters.contains(name).then(|| format!("{p}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(&l),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// Serves `/metrics` on `listener` until `stop` changes. `snapshot` builds
+/// the statistics of one scrape.
+pub async fn serve<F, Fut>(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    snapshot: F,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) where
+    F: Fn() -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = pb::StatsResponse> + Send,
+{
+    loop {
+        let (stream, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    tracing::warn!("metrics endpoint: accept failed: {e}");
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            _ = stop.changed() => return,
+        };
+        let (metrics, snapshot) = (Arc::clone(&metrics), snapshot.clone());
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let (metrics, snapshot) = (Arc::clone(&metrics), snapshot.clone());
+                async move {
+                    let resp = match (req.method(), req.uri().path()) {
+                        (&hyper::Method::GET, "/metrics") => {
+                            let om = render(snapshot().await, &metrics);
+                            let wants_om = req
+                                .headers()
+                                .get(hyper::header::ACCEPT)
+                                .and_then(|v| v.to_str().ok())
+                                .is_some_and(|v| v.contains("application/openmetrics-text"));
+                            let (body, ctype) = if wants_om {
+                                (om, "application/openmetrics-text; version=1.0.0; charset=utf-8")
+                            } else {
+                                (to_prometheus_text(&om), "text/plain; version=0.0.4; charset=utf-8")
+                            };
+                            hyper::Response::builder()
+                                .header(hyper::header::CONTENT_TYPE, ctype)
+                                .body(Full::new(Bytes::from(body)))
+                        }
+                        (&hyper::Method::GET, "/") => hyper::Response::builder()
+                            .header(hyper::header::CONTENT_TYPE, "text/plain; charset=utf-8")
+                            .body(Full::new(Bytes::from_static(b"kvmeshd: metrics at /metrics\n"))),
+                        _ => hyper::Response::builder()
+                            .status(hyper::StatusCode::NOT_FOUND)
+                            .body(Full::new(Bytes::from_static(b"not found: try /metrics\n"))),
+                    };
+                    Ok::<_, Infallible>(resp.expect("valid response"))
+                }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await {
+                tracing::debug!("metrics connection: {e}");
+            }
+        });
+    }
+}
+
+/// The engine method of a gRPC path, as a static label.
+fn method_label(path: &str) -> &'static str {
+    match path.rsplit('/').next().unwrap_or("") {
+        "Hello" => "hello",
+        "RegisterNamespace" => "register_namespace",
+        "GetNamespace" => "get_namespace",
+        "Lookup" => "lookup",
+        "Pin" => "pin",
+        "Unpin" => "unpin",
+        "Allocate" => "allocate",
+        "Commit" => "commit",
+        "Abort" => "abort",
+        "Remove" => "remove",
+        "Invalidate" => "invalidate",
+        "Stats" => "stats",
+        _ => "other",
+    }
+}
+
+/// A tower layer timing every engine call (method from the path, result
+/// from the `grpc-status` of the response headers: tonic puts a failure's
+/// status there, a success's in the trailers).
+#[derive(Clone)]
+pub struct TimedLayer(pub Arc<Metrics>);
+
+impl<S> tower::Layer<S> for TimedLayer {
+    type Service = Timed<S>;
+    fn layer(&self, inner: S) -> Timed<S> {
+        Timed { inner, metrics: Arc::clone(&self.0) }
+    }
+}
+
+/// See [`TimedLayer`].
+#[derive(Clone)]
+pub struct Timed<S> {
+    inner: S,
+    metrics: Arc<Metrics>,
+}
+
+impl<S, B, RB> tonic::codegen::Service<tonic::codegen::http::Request<B>> for Timed<S>
+where
+    S: tonic::codegen::Service<tonic::codegen::http::Request<B>, Response = tonic::codegen::http::Response<RB>>,
+    S::Future: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: tonic::codegen::http::Request<B>) -> Self::Future {
+        let method = method_label(req.uri().path());
+        let started = Instant::now();
+        let fut = self.inner.call(req);
+        let metrics = Arc::clone(&self.metrics);
+        Box::pin(async move {
+            let r = fut.await;
+            let ok = match &r {
+                Ok(resp) => resp.headers().get("grpc-status").is_none_or(|v| v.as_bytes() == b"0"),
+                Err(_) => false,
+            };
+            metrics.observe_call(method, ok, started);
+            r
+        })
+    }
+}

@@ -1,0 +1,138 @@
+//! The Prometheus endpoint of a real daemon, scraped over HTTP while it
+//! works; the text passes `promtool check metrics` where promtool exists.
+
+mod common;
+
+use std::io::{Read, Write};
+
+use common::{Daemon, free_port, pool};
+use kvmesh_client::Key;
+
+fn get(port: u16, path: &str, accept: &str) -> (u16, String, String) {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect to the metrics port");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: {accept}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).unwrap();
+    let (head, body) = resp.split_once("\r\n\r\n").expect("an HTTP response");
+    let status = head.split_whitespace().nth(1).unwrap().parse().unwrap();
+    (status, head.to_string(), body.to_string())
+}
+
+/// The value of the first sample line starting with `prefix`.
+fn sample(text: &str, prefix: &str) -> f64 {
+    let line = text.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no {prefix} in:\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_are_served_while_the_daemon_works_and_pass_promtool() {
+    let port = free_port();
+    let d =
+        Daemon::start("metrics", &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n{}", pool("p", "16MiB", "64KiB")));
+    let c = d.client().await;
+    let ns = c.register_namespace("metrics-test", 4096, "x").await.unwrap();
+    let keys: Vec<Key> = (1..=10u128).map(Key).collect();
+    let blocks: Vec<Vec<u8>> = keys.iter().map(|k| vec![k.0 as u8; 4096]).collect();
+    let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(blocks.iter().map(|b| &b[..])).collect();
+    assert_eq!(c.put(&ns, &items).await.unwrap().stored, 10);
+    let pinned = c.pin(&ns, &keys[..4]).await.unwrap();
+    assert!(c.namespace("no-such-namespace").await.is_err());
+
+    // What Prometheus asks for: OpenMetrics.
+    let om_accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5";
+    let (status, head, om) = tokio::task::spawn_blocking(move || get(port, "/metrics", om_accept)).await.unwrap();
+    assert_eq!(status, 200, "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-type: application/openmetrics-text"), "{head}");
+    assert!(om.trim_end().ends_with("# EOF"), "{om}");
+    assert!(om.contains("# TYPE kvmesh_commits counter"), "{om}");
+    // What curl and promtool get: the Prometheus text format.
+    let (status, head, text) = tokio::task::spawn_blocking(move || get(port, "/metrics", "*/*")).await.unwrap();
+    assert_eq!(status, 200, "{head}");
+    assert!(head.to_ascii_lowercase().contains("content-type: text/plain; version=0.0.4"), "{head}");
+    assert!(text.contains("# TYPE kvmesh_commits_total counter") && !text.contains("# EOF"), "{text}");
+    assert_eq!(sample(&text, "kvmesh_commits_total"), 10.0);
+    assert_eq!(sample(&text, "kvmesh_pins_outstanding"), 4.0);
+    assert_eq!(sample(&text, "kvmesh_pool_pinned_slots{pool=\"p\""), 4.0);
+    assert!(sample(&text, "kvmesh_pool_slots{pool=\"p\"") > 200.0);
+    assert!(text.contains("# TYPE kvmesh_engine_call_seconds histogram"), "{text}");
+    assert!(sample(&text, "kvmesh_engine_call_seconds_count{method=\"pin\",result=\"ok\"}") >= 1.0);
+    assert!(sample(&text, "kvmesh_engine_call_seconds_count{method=\"get_namespace\",result=\"error\"}") >= 1.0);
+    drop(pinned);
+
+    let (status, _, _) = tokio::task::spawn_blocking(move || get(port, "/nope", "*/*")).await.unwrap();
+    assert_eq!(status, 404);
+
+    match std::process::Command::new("promtool")
+        .arg("check")
+        .arg("metrics")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Ok(mut p) => {
+            p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            let out = p.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "promtool check metrics: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Err(e) => eprintln!("SKIPPED promtool check: promtool not found ({e}); install the Debian package prometheus"),
+    }
+}
+
+#[test]
+fn a_metrics_port_in_use_is_a_startup_error_naming_the_field() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = busy.local_addr().unwrap().port();
+    let dir = common::TempDir::new("metrics-busy");
+    let cfg = dir.0.join("kvmeshd.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[server]\nsocket = {:?}\n[metrics]\nlisten = \"127.0.0.1:{port}\"\n{}",
+            dir.0.join("s.sock").display().to_string(),
+            pool("p", "4MiB", "4KiB")
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd")).arg("--config").arg(&cfg).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("metrics.listen") && err.contains(&port.to_string()), "{err}");
+    std::fs::write(&cfg, "[metrics]\nlisten = \"not-an-address\"\n".to_string() + &pool("p", "4MiB", "4KiB")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+        .arg("--config")
+        .arg(&cfg)
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("metrics.listen"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn alert_rules_pass_promtool_and_their_unit_tests() {
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    for args in [["check", "rules", "alerts.yml"], ["test", "rules", "alerts.test.yml"]] {
+        match std::process::Command::new("promtool").args(args).current_dir(&deploy).output() {
+            Ok(out) => assert!(
+                out.status.success(),
+                "promtool {args:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+            Err(e) => {
+                eprintln!("SKIPPED promtool {args:?}: promtool not found ({e}); install the Debian package prometheus");
+                return;
+            }
+        }
+    }
+}
