@@ -136,3 +136,46 @@ fn alert_rules_pass_promtool_and_their_unit_tests() {
         }
     }
 }
+
+/// Every `kvmesh_*` metric the dashboard and the alert rules use is one the
+/// daemon serves (a renamed metric breaks this test, not a dashboard).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_and_alerts_use_only_served_metrics() {
+    let port = free_port();
+    let d = Daemon::start(
+        "metrics-names",
+        &format!(
+            "[metrics]\nlisten = \"127.0.0.1:{port}\"\n[node]\nid = 1\n[peer]\nlisten = \"127.0.0.1:{}\"\n{}",
+            free_port(),
+            pool("p", "4MiB", "4KiB")
+        ),
+    );
+    let c = d.client().await;
+    let ns = c.register_namespace("names", 4096, "x").await.unwrap();
+    c.lookup(&ns, &[Key(1)]).await.unwrap();
+    let (_, _, text) = tokio::task::spawn_blocking(move || get(port, "/metrics", "*/*")).await.unwrap();
+    let served: std::collections::HashSet<String> = text
+        .lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .map(|l| l.split(['{', ' ']).next().unwrap().to_string())
+        .collect();
+    let deploy = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy");
+    let used = std::fs::read_to_string(deploy.join("grafana-dashboard.json")).unwrap()
+        + &std::fs::read_to_string(deploy.join("alerts.yml")).unwrap();
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(deploy.join("grafana-dashboard.json")).unwrap()).unwrap();
+    assert!(dashboard["panels"].as_array().unwrap().len() >= 8);
+    let mut names: Vec<&str> = Vec::new();
+    let mut rest = used.as_str();
+    while let Some(i) = rest.find("kvmesh_") {
+        let tail = &rest[i..];
+        let end = tail.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(tail.len());
+        names.push(&tail[..end]);
+        rest = &tail[end..];
+    }
+    assert!(names.len() > 10, "{names:?}");
+    for n in names {
+        assert!(served.contains(n), "{n} is used by deploy/ but not served:\n{text}");
+    }
+    drop(d);
+}
