@@ -1286,6 +1286,12 @@ impl Cluster {
         res
     }
 
+    /// Whether the coherence state can be locked within `wait` (the
+    /// watchdog's probe: a deadlocked or wedged driver cannot).
+    pub fn responsive(&self, wait: Duration) -> bool {
+        self.inner.try_lock_for(wait).is_some()
+    }
+
     /// What `kvmesh stats` shows about coherence.
     pub fn stats(&self) -> kvmesh_proto::engine::v1::CoherenceStats {
         let etcd = self.etcd_status.as_ref();

@@ -241,6 +241,74 @@ async fn classify(
     let _ = to_grpc.send(Ok(TrackedStream { inner: stream, guard })).await;
 }
 
+/// The watchdog ping period asked by systemd (`WATCHDOG_USEC`, for this
+/// process per `WATCHDOG_PID`): half the timeout.
+fn watchdog_interval() -> Option<Duration> {
+    let usec: u64 = std::env::var("WATCHDOG_USEC").ok()?.parse().ok()?;
+    if let Ok(pid) = std::env::var("WATCHDOG_PID")
+        && pid.parse::<u32>().ok() != Some(std::process::id())
+    {
+        return None;
+    }
+    (usec > 0).then(|| Duration::from_micros(usec / 2))
+}
+
+/// Pings systemd's watchdog only while the daemon works: the runtime runs
+/// a fresh task, and the store and the coherence state (each behind a lock
+/// that every engine call or protocol event takes) can be locked, all
+/// within half a period. A wedged runtime, a deadlock or a driver stuck
+/// holding its state stops the pings, and systemd restarts the daemon. Runs
+/// on a thread of its own, so it can still judge (and log) when the runtime
+/// cannot run anything.
+fn watchdog(
+    every: Duration,
+    rt: tokio::runtime::Handle,
+    store: Arc<Mutex<Store>>,
+    cluster: Option<Arc<crate::cluster::Cluster>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+) {
+    let budget = every / 2;
+    let mut silent = false;
+    while !stop.load(Ordering::Relaxed) {
+        std::thread::sleep(every);
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            let _ = tx.send(());
+        });
+        let runtime_ok = rx.recv_timeout(budget).is_ok();
+        let locks_ok = store.try_lock_for(budget).is_some() && cluster.as_ref().is_none_or(|c| c.responsive(budget));
+        if runtime_ok && locks_ok {
+            sd_notify("WATCHDOG=1");
+            if silent {
+                tracing::warn!("watchdog: the daemon is responsive again; pinging");
+                silent = false;
+            }
+        } else if !silent {
+            tracing::error!(
+                "watchdog: not pinging systemd (runtime runs tasks: {runtime_ok}, store and coherence state lockable: {locks_ok})"
+            );
+            silent = true;
+        }
+    }
+}
+
+/// Test-only (`KVMESH_TEST_HOOK=wedge-store-after-ms:N`): after N ms, take
+/// the store lock and never release it, as a deadlock would.
+fn wedge_hook(store: &Arc<Mutex<Store>>) {
+    let Ok(hook) = std::env::var("KVMESH_TEST_HOOK") else { return };
+    let Some(ms) = hook.strip_prefix("wedge-store-after-ms:").and_then(|v| v.parse::<u64>().ok()) else { return };
+    tracing::warn!("TEST HOOK ACTIVE: the store lock will be held forever after {ms} ms");
+    let store = Arc::clone(store);
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(ms));
+        std::mem::forget(store.lock());
+        tracing::warn!("TEST HOOK: store wedged");
+    });
+}
+
 /// Tells systemd (when started with `Type=notify`) that the daemon is ready.
 fn sd_notify(state: &str) {
     let Some(path) = std::env::var_os("NOTIFY_SOCKET") else {
@@ -500,6 +568,16 @@ pub async fn run(
     );
 
     sd_notify("READY=1");
+    let watchdog_stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Some(every) = watchdog_interval() {
+        tracing::info!("systemd watchdog: a liveness-checked ping every {every:?}");
+        let (rt, store, cluster, stop) =
+            (tokio::runtime::Handle::current(), Arc::clone(&store), cluster.clone(), Arc::clone(&watchdog_stop));
+        std::thread::Builder::new()
+            .name("kvmesh-watchdog".into())
+            .spawn(move || watchdog(every, rt, store, cluster, stop))?;
+    }
+    wedge_hook(&store);
     let signals = async move {
         if !handle_signals {
             return std::future::pending::<&'static str>().await;
@@ -516,6 +594,7 @@ pub async fn run(
         _ = shutdown => tracing::info!("shutdown requested"),
     }
     sd_notify("STOPPING=1");
+    watchdog_stop.store(true, Ordering::Relaxed);
     let _ = stop_tx.send(true);
     let _ = accept.await;
     let _ = reaper.await;

@@ -44,7 +44,7 @@ impl Daemon {
         let socket = dir.0.join("kvmeshd.sock");
         // No metrics endpoint unless the test asks (tests run many daemons).
         let metrics = if extra.contains("[metrics]") { "" } else { "[metrics]\nlisten = \"\"\n" };
-        let cfg = format!("[server]\nsocket = {:?}\n{metrics}{extra}", socket.display().to_string());
+        let cfg = format!("[server]\nsocket = {:?}\n{extra}\n{metrics}", socket.display().to_string());
         let cfg_path = dir.0.join("kvmeshd.toml");
         std::fs::write(&cfg_path, cfg).unwrap();
         let child = spawn(&dir, env, false);
