@@ -42,6 +42,15 @@ if ! command -v cargo >/dev/null 2>&1; then
     curl --proto '=https' --tlsv1.2 -sSf https://sh.rustup.rs | sh -s -- -y --profile minimal --component clippy,rustfmt
     export PATH="$HOME/.cargo/bin:$PATH"
 fi
+# The format check and the lints need rustfmt and clippy: add them where
+# cargo came without (rustup toolchains only; a distribution cargo cannot).
+for comp in rustfmt clippy; do
+    probe=$([[ $comp == rustfmt ]] && echo "cargo fmt --version" || echo "cargo clippy --version")
+    if ! $probe >/dev/null 2>&1 && command -v rustup >/dev/null 2>&1; then
+        echo "setup: installing the $comp component with rustup" >&2
+        rustup component add "$comp" >&2 || true
+    fi
+done
 ver=$(rustc --version | awk '{print $2}')
 if [[ "$(printf '%s\n1.89.0\n' "$ver" | sort -V | head -1)" != "1.89.0" ]]; then
     echo "setup: rustc $ver is too old; kvmesh needs 1.89 or newer (rustup update stable)" >&2

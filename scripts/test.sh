@@ -7,11 +7,19 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 
+# A check that cannot run is a failure in CI (CI=true), a warning elsewhere.
+skipped() {
+    echo "$1" >&2
+    if [[ "${CI:-}" == "true" ]]; then
+        echo "CI=true: a skipped check is a failure" >&2
+        exit 1
+    fi
+}
 echo "== format" >&2
 if cargo fmt --version >/dev/null 2>&1; then
     cargo fmt --all -- --check
 else
-    echo "rustfmt not installed; skipping the format check" >&2
+    skipped "rustfmt not installed; skipping the format check"
 fi
 echo "== unsafe policy" >&2
 scripts/check-unsafe.sh
@@ -19,7 +27,7 @@ echo "== clippy" >&2
 if cargo clippy --version >/dev/null 2>&1; then
     cargo clippy --workspace --all-targets --locked -- -D warnings
 else
-    echo "clippy not installed; skipping lints" >&2
+    skipped "clippy not installed; skipping lints"
 fi
 echo "== tests" >&2
 cargo test --workspace --locked
