@@ -905,6 +905,18 @@ impl Client {
         Ok(self.rpc().remove(r).await?.into_inner().removed)
     }
 
+    /// Every registered namespace with the blocks this daemon holds of it.
+    pub async fn list_namespaces(&self) -> Result<Vec<(Namespace, u64)>> {
+        let r = self.rpc().list_namespaces(pb::ListNamespacesRequest {}).await?.into_inner();
+        r.namespaces
+            .into_iter()
+            .map(|s| {
+                let info = s.info.ok_or_else(|| ClientError::Protocol("namespace summary without info".into()))?;
+                Ok((info.into(), s.blocks))
+            })
+            .collect()
+    }
+
     /// Daemon statistics.
     pub async fn stats(&self) -> Result<Stats> {
         Ok(self.rpc().stats(pb::StatsRequest {}).await?.into_inner())

@@ -272,6 +272,7 @@ fn method_label(path: &str) -> &'static str {
         "Remove" => "remove",
         "Invalidate" => "invalidate",
         "Stats" => "stats",
+        "ListNamespaces" => "list_namespaces",
         _ => "other",
     }
 }

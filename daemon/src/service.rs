@@ -383,6 +383,30 @@ impl pb::engine_server::Engine for EngineService {
         Ok(Response::new(pb::InvalidateResponse { invalidated, failed, first_error }))
     }
 
+    async fn list_namespaces(
+        &self,
+        req: Request<pb::ListNamespacesRequest>,
+    ) -> Result<Response<pb::ListNamespacesResponse>, Status> {
+        let _ = session_of(&req)?;
+        let list = self.store.lock().namespace_summaries();
+        Ok(Response::new(pb::ListNamespacesResponse {
+            namespaces: list
+                .into_iter()
+                .map(|(n, blocks)| pb::NamespaceSummary {
+                    info: Some(pb::NamespaceInfo {
+                        id: n.id,
+                        name: n.name,
+                        block_bytes: n.block_bytes,
+                        layout: n.layout,
+                        pool: n.pool,
+                        fingerprint: n.fingerprint,
+                    }),
+                    blocks,
+                })
+                .collect(),
+        }))
+    }
+
     async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let _ = session_of(&req)?;
         Ok(Response::new(self.snapshot().await))

@@ -378,6 +378,19 @@ pub fn unix_ms(deadline: Instant, now: Instant) -> u64 {
 }
 
 impl Store {
+    /// Every namespace with the number of blocks indexed for it (a walk of
+    /// the index: for admin tools, not the hot path).
+    pub fn namespace_summaries(&self) -> Vec<(Namespace, u64)> {
+        let mut counts = vec![0u64; self.namespaces.len()];
+        for k in self.index.keys() {
+            let ns = k.ns;
+            if let Some(c) = counts.get_mut(ns as usize) {
+                *c += 1;
+            }
+        }
+        self.namespaces.iter().cloned().zip(counts).collect()
+    }
+
     /// Creates the pools of `cfg` (allocating and prefaulting their memory).
     pub fn new(cfg: Config) -> Result<Store, Error> {
         Store::with_mappings(cfg, Vec::new())

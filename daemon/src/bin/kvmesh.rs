@@ -30,6 +30,32 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Pools: slots by state and occupancy.
+    Pools {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Registered namespaces with the blocks this daemon holds of each.
+    Namespaces {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// A live view, refreshed every interval: operations per second, hit
+    /// ratio, bytes moved, pool occupancy (Ctrl-C stops it). Latency
+    /// percentiles are on the metrics endpoint (`/metrics`).
+    Top {
+        /// Seconds between refreshes.
+        #[arg(long, default_value_t = 1.0)]
+        interval_s: f64,
+        /// Stop after this many refreshes (0: until interrupted).
+        #[arg(long, default_value_t = 0)]
+        count: u32,
+        /// One JSON object per refresh instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Store one block from a file (exactly one block long).
     Put {
         /// Write a new version even if the key is cached (mutable keys).
@@ -97,6 +123,89 @@ async fn run(args: Args) -> Result<(), Failure> {
                 println!("{}", kvmesh_client::stats_json(&s));
             } else {
                 print_stats(&s);
+            }
+        }
+        Cmd::Pools { json } => {
+            let client = connect(args.socket).await?;
+            let s = client.stats().await?;
+            if json {
+                let v: Vec<serde_json::Value> = s
+                    .pools
+                    .iter()
+                    .map(|p| {
+                        serde_json::json!({"name": p.name, "device": p.device, "bytes": p.bytes,
+                            "slot_payload_bytes": p.slot_payload_bytes, "slots": p.slots, "free": p.free,
+                            "valid": p.valid, "pending": p.pending, "pinned": p.pinned, "zombie": p.zombie,
+                            "mlocked": p.mlocked})
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else {
+                println!(
+                    "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6}",
+                    "POOL", "DEVICE", "BYTES", "SLOT", "SLOTS", "FREE", "VALID", "PENDING", "PINNED", "ZOMBIE", "USED"
+                );
+                for p in &s.pools {
+                    let used = if p.slots == 0 { 0.0 } else { 100.0 * (p.slots - p.free) as f64 / p.slots as f64 };
+                    println!(
+                        "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.1}%",
+                        p.name,
+                        p.device,
+                        p.bytes,
+                        p.slot_payload_bytes,
+                        p.slots,
+                        p.free,
+                        p.valid,
+                        p.pending,
+                        p.pinned,
+                        p.zombie,
+                        used
+                    );
+                }
+            }
+        }
+        Cmd::Namespaces { json } => {
+            let client = connect(args.socket).await?;
+            let list = client.list_namespaces().await?;
+            if json {
+                let v: Vec<serde_json::Value> = list
+                    .iter()
+                    .map(|(n, blocks)| {
+                        serde_json::json!({"id": n.id, "name": n.name, "block_bytes": n.block_bytes,
+                            "layout": n.layout, "pool": n.pool, "fingerprint": format!("{:016x}", n.fingerprint),
+                            "blocks": blocks})
+                    })
+                    .collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else {
+                println!("{:>4} {:<32} {:>10} {:>10} {:>5}  LAYOUT", "ID", "NAME", "BLOCK", "BLOCKS", "POOL");
+                for (n, blocks) in &list {
+                    println!(
+                        "{:>4} {:<32} {:>10} {:>10} {:>5}  {}",
+                        n.id, n.name, n.block_bytes, blocks, n.pool, n.layout
+                    );
+                }
+            }
+        }
+        Cmd::Top { interval_s, count, json } => {
+            if !(interval_s > 0.0 && interval_s.is_finite()) {
+                return Err(Failure::Error(format!("--interval-s must be a positive number, got {interval_s}")));
+            }
+            let client = connect(args.socket).await?;
+            let mut prev = client.stats().await?;
+            let mut t_prev = std::time::Instant::now();
+            let mut n = 0u32;
+            loop {
+                tokio::time::sleep(std::time::Duration::from_secs_f64(interval_s)).await;
+                let s = client.stats().await?;
+                let dt = t_prev.elapsed().as_secs_f64();
+                t_prev = std::time::Instant::now();
+                print_top(&prev, &s, dt, json, n == 0);
+                prev = s;
+                n += 1;
+                if count > 0 && n >= count {
+                    break;
+                }
             }
         }
         Cmd::Put { overwrite, namespace, block_size, key, file } => {
@@ -181,6 +290,46 @@ async fn run(args: Args) -> Result<(), Failure> {
         }
     }
     Ok(())
+}
+
+/// One refresh of `kvmesh top`: rates from two snapshots `dt` seconds apart.
+fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: bool, header: bool) {
+    let rate = |x: u64, y: u64| y.saturating_sub(x) as f64 / dt;
+    let (hits, misses) = (b.hits.saturating_sub(a.hits), b.misses.saturating_sub(a.misses));
+    let hit_ratio = if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 };
+    let (slots, free, pinned): (u64, u64, u64) =
+        b.pools.iter().fold((0, 0, 0), |(s, f, p), x| (s + x.slots as u64, f + x.free as u64, p + x.pinned as u64));
+    let used = if slots == 0 { 0.0 } else { 100.0 * (slots - free) as f64 / slots as f64 };
+    let v = serde_json::json!({
+        "lookups_per_s": rate(a.lookups, b.lookups), "pins_per_s": rate(a.pins, b.pins),
+        "commits_per_s": rate(a.commits, b.commits), "evictions_per_s": rate(a.evictions, b.evictions),
+        "remote_fetched_per_s": rate(a.remote_fetched, b.remote_fetched), "hit_ratio": hit_ratio,
+        "pins_outstanding": b.pins_outstanding, "sessions": b.sessions, "pool_used_pct": used,
+        "pinned_slots": pinned, "resource_exhausted_per_s": rate(a.resource_exhausted, b.resource_exhausted),
+    });
+    if json {
+        println!("{v}");
+        return;
+    }
+    if header {
+        println!(
+            "{:>9} {:>9} {:>9} {:>6} {:>9} {:>9} {:>7} {:>8} {:>7} {:>8}",
+            "LOOKUP/s", "PIN/s", "COMMIT/s", "HIT%", "EVICT/s", "REMOTE/s", "PINNED", "SESSIONS", "USED%", "REFUSED/s"
+        );
+    }
+    println!(
+        "{:>9.0} {:>9.0} {:>9.0} {:>5.1}% {:>9.0} {:>9.0} {:>7} {:>8} {:>6.1}% {:>8.0}",
+        rate(a.lookups, b.lookups),
+        rate(a.pins, b.pins),
+        rate(a.commits, b.commits),
+        100.0 * hit_ratio,
+        rate(a.evictions, b.evictions),
+        rate(a.remote_fetched, b.remote_fetched),
+        b.pins_outstanding,
+        b.sessions,
+        used,
+        rate(a.resource_exhausted, b.resource_exhausted)
+    );
 }
 
 fn print_stats(s: &kvmesh_client::Stats) {
