@@ -43,6 +43,68 @@ pub struct Config {
     /// The Prometheus endpoint.
     #[serde(default)]
     pub metrics: MetricsConfig,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// `[log]`
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// A `RUST_LOG`-style filter (`info`, `kvmeshd::cluster=debug,info`);
+    /// the `KVMESH_LOG` environment variable overrides it. Reloadable.
+    pub filter: String,
+    /// `text` or `json` (one JSON object per line).
+    pub format: String,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { filter: "info".into(), format: "text".into() }
+    }
+}
+
+impl Config {
+    /// What changed from `self` to `new` that a reload (SIGHUP) cannot
+    /// apply: the names of the sections or fields, empty when all changes
+    /// are reloadable (`log.filter`, `limits.*` but `reaper_interval_ms`,
+    /// `eviction.*`).
+    pub fn unreloadable_changes(&self, new: &Config) -> Vec<&'static str> {
+        let mut out = Vec::new();
+        let differ = |a: &dyn std::fmt::Debug, b: &dyn std::fmt::Debug| format!("{a:?}") != format!("{b:?}");
+        if differ(&self.server, &new.server) {
+            out.push("server");
+        }
+        if differ(&self.pools, &new.pools) {
+            out.push("pools");
+        }
+        if differ(&self.node, &new.node) {
+            out.push("node");
+        }
+        if differ(&self.peer, &new.peer) {
+            out.push("peer");
+        }
+        if differ(&self.peers, &new.peers) {
+            out.push("peers");
+        }
+        if differ(&self.coherence, &new.coherence) {
+            out.push("coherence");
+        }
+        if differ(&self.membership, &new.membership) {
+            out.push("membership");
+        }
+        if differ(&self.metrics, &new.metrics) {
+            out.push("metrics");
+        }
+        if self.log.format != new.log.format {
+            out.push("log.format");
+        }
+        if self.limits.reaper_interval_ms != new.limits.reaper_interval_ms {
+            out.push("limits.reaper_interval_ms");
+        }
+        out
+    }
 }
 
 /// `[metrics]`
@@ -393,6 +455,12 @@ impl Config {
 
     fn validate(&self) -> Result<(), String> {
         self.metrics.addr()?;
+        if self.log.format != "text" && self.log.format != "json" {
+            return Err(format!("log.format: {:?} is neither \"text\" nor \"json\"", self.log.format));
+        }
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.filter) {
+            return Err(format!("log.filter: {:?} is not a log filter ({e})", self.log.filter));
+        }
         if self.pools.is_empty() {
             return Err("pools: at least one [[pools]] entry is required".into());
         }

@@ -41,14 +41,6 @@ fn main() -> std::process::ExitCode {
         }
         return std::process::ExitCode::SUCCESS;
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
     let cfg = match &args.config {
         Some(path) => std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read config {}: {e}", path.display()))
@@ -69,6 +61,25 @@ fn main() -> std::process::ExitCode {
         println!("configuration ok");
         return std::process::ExitCode::SUCCESS;
     }
+    // Logs: KVMESH_LOG overrides [log] filter; the filter is reloadable.
+    use tracing_subscriber::prelude::*;
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.filter));
+    let (filter, filter_handle) = tracing_subscriber::reload::Layer::new(filter);
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let registry = tracing_subscriber::registry().with(filter);
+    if cfg.log.format == "json" {
+        registry.with(fmt.json().with_ansi(false)).init();
+    } else {
+        registry.with(fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))).init();
+    }
+    let reload = args.config.clone().map(|path| kvmeshd::server::Reload {
+        path,
+        set_log_filter: Box::new(move |f: &str| {
+            let new = tracing_subscriber::EnvFilter::try_new(f).map_err(|e| e.to_string())?;
+            filter_handle.reload(new).map_err(|e| e.to_string())
+        }),
+    });
     let workers = match cfg.server.worker_threads {
         0 => std::thread::available_parallelism().map_or(2, |n| n.get()).min(4),
         n => n as usize,
@@ -85,7 +96,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match rt.block_on(kvmeshd::server::run(cfg, std::future::pending(), true)) {
+    match rt.block_on(kvmeshd::server::run_with(cfg, std::future::pending(), true, reload)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("kvmeshd: {e:#}");

@@ -340,6 +340,66 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
     handle_signals: bool,
 ) -> anyhow::Result<()> {
+    run_with(cfg, shutdown, handle_signals, None).await
+}
+
+/// How `SIGHUP` reloads the configuration: the file to read again and the
+/// hook that swaps the log filter.
+pub struct Reload {
+    /// The configuration file.
+    pub path: PathBuf,
+    /// Installs a new log filter (`log.filter`).
+    pub set_log_filter: Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>,
+}
+
+/// Re-reads the configuration (SIGHUP): applies `log.filter`, `limits.*`
+/// and `eviction.*`; refuses the whole reload, naming the fields, when
+/// anything else changed.
+fn reload_config(r: &Reload, live: &mut Config, store: &Arc<Mutex<Store>>) {
+    let text = match std::fs::read_to_string(&r.path) {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::error!("config reload: cannot read {}: {e}; nothing changed", r.path.display());
+            return;
+        }
+    };
+    let mut new = match Config::parse(&text, &r.path.display().to_string()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::error!("config reload: {e}; nothing changed");
+            return;
+        }
+    };
+    // The socket may come from the command line.
+    new.server.socket = live.server.socket.clone();
+    let refused = live.unreloadable_changes(&new);
+    if !refused.is_empty() {
+        tracing::error!(
+            "config reload refused: {} changed and can only change with a restart; nothing changed",
+            refused.join(", ")
+        );
+        return;
+    }
+    if std::env::var_os("KVMESH_LOG").is_none()
+        && new.log.filter != live.log.filter
+        && let Err(e) = (r.set_log_filter)(&new.log.filter)
+    {
+        tracing::error!("config reload: log.filter: {e}; nothing changed");
+        return;
+    }
+    store.lock().reload_limits(new.limits.clone(), new.eviction.clone());
+    tracing::info!("config reloaded from {} (log.filter, limits, eviction)", r.path.display());
+    *live = new;
+}
+
+/// [`run`] with a configuration reload on `SIGHUP` (when `handle_signals`).
+pub async fn run_with(
+    cfg: Config,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    handle_signals: bool,
+    reload: Option<Reload>,
+) -> anyhow::Result<()> {
+    let mut live_cfg = cfg.clone();
     let (path, default_location) = match &cfg.server.socket {
         Some(p) => (p.clone(), false),
         None => (default_socket_path(), true),
@@ -578,15 +638,23 @@ pub async fn run(
             .spawn(move || watchdog(every, rt, store, cluster, stop))?;
     }
     wedge_hook(&store);
+    let hup_store = Arc::clone(&store);
     let signals = async move {
         if !handle_signals {
             return std::future::pending::<&'static str>().await;
         }
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("install SIGTERM handler");
-        tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = tokio::signal::ctrl_c() => "SIGINT",
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
+        let mut hup = signal(SignalKind::hangup()).expect("install SIGHUP handler");
+        loop {
+            tokio::select! {
+                _ = term.recv() => return "SIGTERM",
+                _ = tokio::signal::ctrl_c() => return "SIGINT",
+                _ = hup.recv() => match &reload {
+                    Some(r) => reload_config(r, &mut live_cfg, &hup_store),
+                    None => tracing::warn!("SIGHUP: no configuration file to reload (started on the embedded default)"),
+                },
+            }
         }
     };
     tokio::select! {

@@ -378,6 +378,12 @@ pub fn unix_ms(deadline: Instant, now: Instant) -> u64 {
 }
 
 impl Store {
+    /// Applies reloaded limits and eviction watermarks (`SIGHUP`).
+    pub fn reload_limits(&mut self, limits: crate::config::LimitsConfig, eviction: crate::config::EvictionConfig) {
+        self.cfg.limits = limits;
+        self.cfg.eviction = eviction;
+    }
+
     /// Every namespace with the number of blocks indexed for it (a walk of
     /// the index: for admin tools, not the hot path).
     pub fn namespace_summaries(&self) -> Vec<(Namespace, u64)> {
