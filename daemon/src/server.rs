@@ -343,13 +343,16 @@ pub async fn run(
     run_with(cfg, shutdown, handle_signals, None).await
 }
 
+/// Installs a new log filter; fails with a message.
+pub type SetLogFilter = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
+
 /// How `SIGHUP` reloads the configuration: the file to read again and the
 /// hook that swaps the log filter.
 pub struct Reload {
     /// The configuration file.
     pub path: PathBuf,
     /// Installs a new log filter (`log.filter`).
-    pub set_log_filter: Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>,
+    pub set_log_filter: SetLogFilter,
 }
 
 /// Re-reads the configuration (SIGHUP): applies `log.filter`, `limits.*`
