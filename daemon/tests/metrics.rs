@@ -179,3 +179,25 @@ async fn the_dashboard_and_alerts_use_only_served_metrics() {
     }
     drop(d);
 }
+
+/// The shipped unit passes `systemd-analyze verify` (with ExecStart pointed
+/// at the binary just built).
+#[test]
+fn the_systemd_unit_verifies() {
+    let unit =
+        std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kvmeshd.service"))
+            .unwrap();
+    assert!(unit.contains("Type=notify") && unit.contains("WatchdogSec=") && unit.contains("ExecReload="));
+    let dir = common::TempDir::new("unit");
+    let path = dir.0.join("kvmeshd.service");
+    std::fs::write(&path, unit.replace("/usr/local/bin/kvmeshd", env!("CARGO_BIN_EXE_kvmeshd"))).unwrap();
+    match std::process::Command::new("systemd-analyze").arg("verify").arg(&path).output() {
+        Ok(out) => assert!(
+            out.status.success() && out.stderr.is_empty(),
+            "systemd-analyze verify: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+        Err(e) => eprintln!("SKIPPED systemd-analyze verify: not found ({e}); install the Debian package systemd"),
+    }
+}
