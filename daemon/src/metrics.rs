@@ -137,6 +137,26 @@ impl prometheus_client::collector::Collector for Snapshot {
                 c.directory_ready as u64,
             )?;
             gauge(e, "etcd_connected", "1 when connected to etcd (etcd membership).", c.etcd_connected as u64)?;
+            let us = |v: u64| v as f64 / 1e6;
+            gauge(
+                e,
+                "coherence_inval_to_ack_p50_seconds",
+                "Invalidation sent to its ack, P50 (upper bucket bound).",
+                us(c.inval_to_ack_p50_us),
+            )?;
+            gauge(
+                e,
+                "coherence_inval_to_ack_p99_seconds",
+                "Invalidation sent to its ack, P99 (upper bucket bound).",
+                us(c.inval_to_ack_p99_us),
+            )?;
+            gauge(
+                e,
+                "coherence_inval_to_ack_max_seconds",
+                "Invalidation sent to its ack, max.",
+                us(c.inval_to_ack_max_us),
+            )?;
+            counter(e, "coherence_inval_to_ack", "Invalidation acks timed.", c.inval_to_ack_count)?;
             for (name, help, v) in [
                 ("coherence_batches_sent", "Protocol batches sent to peers.", c.batches_sent),
                 ("coherence_messages_sent", "Protocol messages sent to peers.", c.msgs_sent),

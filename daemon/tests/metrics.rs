@@ -174,6 +174,24 @@ async fn the_dashboard_and_alerts_use_only_served_metrics() {
         rest = &tail[end..];
     }
     assert!(names.len() > 10, "{names:?}");
+    assert!(served.contains("kvmesh_coherence_inval_to_ack_p99_seconds"), "{text}");
+    // The clustered daemon's text passes promtool too.
+    if let Ok(mut p) = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+        let out = p.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
     for n in names {
         assert!(served.contains(n), "{n} is used by deploy/ but not served:\n{text}");
     }
