@@ -37,15 +37,22 @@ fn call_histogram() -> Histogram {
 #[derive(Debug)]
 pub struct Metrics {
     engine_calls: Family<CallLabels, Histogram, fn() -> Histogram>,
+    lease_left: Option<Histogram>,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics { engine_calls: Family::new_with_constructor(call_histogram) }
+        Metrics { engine_calls: Family::new_with_constructor(call_histogram), lease_left: None }
     }
 }
 
 impl Metrics {
+    /// Also renders the store's lease-left-at-unpin histogram.
+    pub fn with_lease_left(mut self, h: Histogram) -> Metrics {
+        self.lease_left = Some(h);
+        self
+    }
+
     /// Records one engine call.
     pub fn observe_call(&self, method: &'static str, ok: bool, started: Instant) {
         let labels = CallLabels { method, result: if ok { "ok" } else { "error" } };
@@ -182,6 +189,9 @@ impl prometheus_client::collector::Collector for Snapshot {
 pub fn render(stats: pb::StatsResponse, metrics: &Metrics) -> String {
     let mut reg = Registry::with_prefix("kvmesh");
     reg.register("engine_call_seconds", "Engine gRPC call latency by method and result.", metrics.engine_calls.clone());
+    if let Some(h) = &metrics.lease_left {
+        reg.register("lease_remaining_at_unpin_seconds", "Lease left when an engine released a pin.", h.clone());
+    }
     reg.register_collector(Box::new(Snapshot(stats)));
     let mut out = String::new();
     prometheus_client::encoding::text::encode(&mut out, &reg).expect("writing to a String cannot fail");

@@ -607,7 +607,8 @@ pub async fn run_with(
         });
     }
     let engine = EngineService::new(Arc::clone(&store), peers.clone(), cluster.clone());
-    let metrics = Arc::new(crate::metrics::Metrics::default());
+    let lease_left = store.lock().lease_left_at_unpin();
+    let metrics = Arc::new(crate::metrics::Metrics::default().with_lease_left(lease_left));
     if let Some(l) = metrics_listener {
         let engine = engine.clone();
         let snapshot = move || {

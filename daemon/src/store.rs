@@ -347,6 +347,9 @@ pub struct Store {
     /// Clustered: indexed blocks evicted since the last `take_evicted`
     /// (namespace fingerprint, key), for the coherence core.
     evicted: Vec<(u64, Key)>,
+    /// Lease left when a pin is released (`/metrics`): how close engines
+    /// cut their leases.
+    lease_left_at_unpin: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// Key of the index: namespace and block key, packed to 20 bytes (28 per
@@ -378,6 +381,11 @@ pub fn unix_ms(deadline: Instant, now: Instant) -> u64 {
 }
 
 impl Store {
+    /// The histogram of lease left at unpin (shared: `/metrics` renders it).
+    pub fn lease_left_at_unpin(&self) -> prometheus_client::metrics::histogram::Histogram {
+        self.lease_left_at_unpin.clone()
+    }
+
     /// Applies reloaded limits and eviction watermarks (`SIGHUP`).
     pub fn reload_limits(&mut self, limits: crate::config::LimitsConfig, eviction: crate::config::EvictionConfig) {
         self.cfg.limits = limits;
@@ -478,6 +486,9 @@ impl Store {
             ns_by_name: HashMap::default(),
             ns_by_fingerprint: HashMap::default(),
             index: HashMap::with_capacity_and_hasher(slots_total, Default::default()),
+            lease_left_at_unpin: prometheus_client::metrics::histogram::Histogram::new(
+                prometheus_client::metrics::histogram::exponential_buckets(0.01, 2.0, 17),
+            ),
             sessions: HashMap::default(),
             leases: HashMap::default(),
             deadlines: BTreeSet::new(),
@@ -960,6 +971,7 @@ impl Store {
     pub fn unpin(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<(u32, u32), Error> {
         self.check_batch(refs.len())?;
         let (mut released, mut unknown) = (0, 0);
+        let now = Instant::now();
         for r in refs {
             let Some(sess) = self.sessions.get_mut(&session) else {
                 unknown += 1;
@@ -970,6 +982,9 @@ impl Store {
                 continue;
             };
             *count -= 1;
+            if let Some(l) = self.leases.get(lease) {
+                self.lease_left_at_unpin.observe(l.deadline.saturating_duration_since(now).as_secs_f64());
+            }
             if *count == 0 {
                 let lease = *lease;
                 sess.pins.remove(r);
