@@ -917,6 +917,12 @@ impl Client {
             .collect()
     }
 
+    /// Up to `limit` keys of `ns` cached on this daemon and their total.
+    pub async fn list_keys(&self, ns: &Namespace, limit: u32) -> Result<(Vec<Key>, u64)> {
+        let r = self.rpc().list_keys(pb::ListKeysRequest { namespace_id: ns.id, limit }).await?.into_inner();
+        Ok((r.keys.iter().map(|k| Key::from_parts(k.hi, k.lo)).collect(), r.total))
+    }
+
     /// Daemon statistics.
     pub async fn stats(&self) -> Result<Stats> {
         Ok(self.rpc().stats(pb::StatsRequest {}).await?.into_inner())

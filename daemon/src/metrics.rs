@@ -303,6 +303,7 @@ fn method_label(path: &str) -> &'static str {
         "Invalidate" => "invalidate",
         "Stats" => "stats",
         "ListNamespaces" => "list_namespaces",
+        "ListKeys" => "list_keys",
         _ => "other",
     }
 }

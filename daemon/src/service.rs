@@ -407,6 +407,16 @@ impl pb::engine_server::Engine for EngineService {
         }))
     }
 
+    async fn list_keys(&self, req: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
+        let _ = session_of(&req)?;
+        let r = req.into_inner();
+        let (keys, total) = self.store.lock().list_keys(r.namespace_id, r.limit as usize)?;
+        Ok(Response::new(pb::ListKeysResponse {
+            keys: keys.into_iter().map(|k| pb::Key { hi: k.hi(), lo: k.lo() }).collect(),
+            total,
+        }))
+    }
+
     async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
         let _ = session_of(&req)?;
         Ok(Response::new(self.snapshot().await))

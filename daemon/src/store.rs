@@ -392,6 +392,25 @@ impl Store {
         self.cfg.eviction = eviction;
     }
 
+    /// Up to `limit` keys of namespace `ns` cached here, and how many there
+    /// are in all (a walk of the index: for admin tools).
+    pub fn list_keys(&self, ns: u32, limit: usize) -> Result<(Vec<Key>, u64), Error> {
+        self.namespace(ns)?;
+        let limit = limit.min(self.cfg.limits.batch_keys_max as usize);
+        let mut out = Vec::new();
+        let mut total = 0u64;
+        for k in self.index.keys() {
+            let (kns, key) = (k.ns, k.key);
+            if kns == ns {
+                total += 1;
+                if out.len() < limit {
+                    out.push(Key(key));
+                }
+            }
+        }
+        Ok((out, total))
+    }
+
     /// Every namespace with the number of blocks indexed for it (a walk of
     /// the index: for admin tools, not the hot path).
     pub fn namespace_summaries(&self) -> Vec<(Namespace, u64)> {

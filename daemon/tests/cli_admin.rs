@@ -38,6 +38,25 @@ async fn pools_namespaces_and_top_describe_a_working_daemon() {
     let (_, out, _) = run_cli(&d.socket, &["namespaces"]);
     assert!(out.contains("alpha") && out.contains("beta"), "{out}");
 
+    // keys
+    let (code, out, err) = run_cli(&d.socket, &["keys", "--namespace", "alpha", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let k: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(k["total"], 5);
+    let mut listed: Vec<String> =
+        k["keys"].as_array().unwrap().iter().map(|x| x.as_str().unwrap().to_string()).collect();
+    listed.sort();
+    let mut want: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+    want.sort();
+    assert_eq!(listed, want);
+    let (code, out, err) = run_cli(&d.socket, &["keys", "--namespace", "alpha", "--limit", "2"]);
+    assert_eq!(code, 0);
+    assert_eq!(out.lines().count(), 2, "{out}");
+    assert!(err.contains("2 of 5 keys"), "{err}");
+    let (code, _, err) = run_cli(&d.socket, &["keys", "--namespace", "nope"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("nope"), "{err}");
+
     // top: two refreshes while lookups run.
     let c2 = c.clone();
     let a2 = a.clone();

@@ -42,6 +42,18 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Keys of a namespace cached on this daemon.
+    Keys {
+        /// Namespace.
+        #[arg(long)]
+        namespace: String,
+        /// At most this many keys.
+        #[arg(long, default_value_t = 100)]
+        limit: u32,
+        /// Print JSON instead of one key per line.
+        #[arg(long)]
+        json: bool,
+    },
     /// A live view, refreshed every interval: operations per second, hit
     /// ratio, bytes moved, pool occupancy (Ctrl-C stops it). Latency
     /// percentiles are on the metrics endpoint (`/metrics`).
@@ -184,6 +196,22 @@ async fn run(args: Args) -> Result<(), Failure> {
                         "{:>4} {:<32} {:>10} {:>10} {:>5}  {}",
                         n.id, n.name, n.block_bytes, blocks, n.pool, n.layout
                     );
+                }
+            }
+        }
+        Cmd::Keys { namespace, limit, json } => {
+            let client = connect(args.socket).await?;
+            let ns = client.namespace(&namespace).await?;
+            let (keys, total) = client.list_keys(&ns, limit).await?;
+            if json {
+                let ks: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+                println!("{}", serde_json::json!({"namespace": namespace, "total": total, "keys": ks}));
+            } else {
+                for k in &keys {
+                    println!("{k}");
+                }
+                if (keys.len() as u64) < total {
+                    eprintln!("({} of {total} keys; --limit raises it)", keys.len());
                 }
             }
         }
