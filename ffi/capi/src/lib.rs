@@ -231,9 +231,8 @@ fn lock<'a, T>(m: &'a Mutex<T>, what: &str) -> Result<std::sync::MutexGuard<'a, 
 
 /// Borrows a handle or fails on NULL.
 fn handle<'a, T>(p: *const T, what: &str) -> Result<&'a T, Fail> {
-    // SAFETY: the caller passes NULL or a pointer this library returned and
-    // has not released (the documented contract of every handle argument);
-    // handles are only read through shared references.
+    // Handles are only read through shared references here.
+    // SAFETY: `p` is NULL or a live handle of this library (the contract).
     unsafe { p.as_ref() }.ok_or_else(|| Fail::invalid(format!("{what} is NULL")))
 }
 

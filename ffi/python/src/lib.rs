@@ -282,11 +282,10 @@ impl PyClient {
             let dst: &mut [u8] = if len == 0 {
                 &mut []
             } else {
-                // SAFETY: `addr`/`len` are those of a live ctypes array made
-                // by `from_buffer` over a writable, C-contiguous buffer; the
-                // caller (kvmesh.Client.get_into) keeps the array, hence the
-                // buffer export, alive until this call returns, and no other
-                // reference into it is used meanwhile.
+                // `addr`/`len` come from `ctypes.Array.from_buffer` over a
+                // writable, C-contiguous buffer; kvmesh.Client.get_into keeps
+                // the array (the buffer export) alive until this returns.
+                // SAFETY: a live, writable, unaliased buffer of `len` bytes.
                 unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
             };
             c.call(c.inner().get_into(&ns, &keys, dst))
@@ -325,10 +324,9 @@ impl PyClient {
                     let s: &[u8] = if len == 0 {
                         &[]
                     } else {
-                        // SAFETY: each (addr, len) is a `bytes` object's
-                        // immutable contents or a live ctypes array over a
-                        // caller buffer (see `_get_into`); `blocks` keeps
-                        // every object alive until this call returns.
+                        // Each (addr, len) is a `bytes` object's contents or a
+                        // ctypes array over a caller buffer (see `_get_into`).
+                        // SAFETY: `blocks` keeps every object alive meanwhile.
                         unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
                     };
                     (k, s)
