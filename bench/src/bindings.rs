@@ -44,19 +44,6 @@ fn keys() -> Vec<Key> {
     Key::prefix_keys(&tokens, 16)
 }
 
-fn content(block: usize, len: usize) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ block as u64;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        out.extend_from_slice(&x.to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
 /// The Rust side, in its own process like the C and Python sides (the
 /// hidden `bindings-rust-side` subcommand): prints one JSON line.
 pub(crate) fn rust_side(socket: &Path, name: &str, iters: usize) -> anyhow::Result<()> {
@@ -195,7 +182,14 @@ pub(crate) fn run(
         let name = format!("bindings-{kib}k");
         rt.block_on(async {
             let ns = client.register_namespace(&name, bs as u64, "bench").await?;
-            let data: Vec<Vec<u8>> = (0..BLOCKS).map(|i| content(i, bs)).collect();
+            let data: Vec<Vec<u8>> = keys()
+                .into_iter()
+                .map(|k| {
+                    let mut v = vec![0u8; bs];
+                    crate::fill_block(k, &mut v);
+                    v
+                })
+                .collect();
             let blocks: Vec<(Key, &[u8])> = keys().into_iter().zip(data.iter().map(|d| &d[..])).collect();
             let s = client.put(&ns, &blocks).await?;
             if s.stored as usize != BLOCKS {

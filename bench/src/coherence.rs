@@ -15,19 +15,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 use kvmesh_client::{Client, Key, Namespace, Stats};
 
-use crate::{DaemonProc, start_daemon_tagged};
+use crate::DaemonProc;
 
 const BLOCK: u64 = 4096;
 
 fn content(key: Key) -> Vec<u8> {
-    let mut v = Vec::with_capacity(BLOCK as usize);
-    let mut x = (key.0 as u64) ^ ((key.0 >> 64) as u64) ^ 0x9e37_79b9_7f4a_7c15;
-    while (v.len() as u64) < BLOCK {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
+    let mut v = vec![0u8; BLOCK as usize];
+    crate::fill_block(key, &mut v);
     v
 }
 
@@ -73,27 +67,16 @@ pub(crate) async fn wait_ready(clients: &[Client], n: u32) -> anyhow::Result<()>
 }
 
 fn start_cluster(tag: &str, nodes: u32, keys: usize, extra: &str) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
-    let ports: Vec<u16> = (0..nodes)
-        .map(|_| Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()))
-        .collect::<anyhow::Result<_>>()?;
     // Room for every key plus slack, 4 KiB slots.
     let pool_mib = ((keys as u64 * (BLOCK + 128) * 3 / 2) >> 20).max(16);
-    let mut out = Vec::new();
-    for id in 1..=nodes {
-        let mut cfg = format!(
-            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\n\
-             [[pools]]\nname = \"p4k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n\
-             [coherence]\n{extra}",
-            ports[id as usize - 1]
-        );
-        for (i, p) in ports.iter().enumerate() {
-            if i as u32 + 1 != id {
-                cfg.push_str(&format!("[[peers]]\nid = {}\naddr = \"127.0.0.1:{p}\"\n", i + 1));
-            }
-        }
-        out.push(start_daemon_tagged(&format!("coh-{tag}-{id}"), &cfg)?);
-    }
-    Ok(out)
+    crate::start_sm_cluster(
+        &format!("coh-{tag}"),
+        nodes,
+        &format!(
+            "[[pools]]\nname = \"p4k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n\
+             [coherence]\n{extra}"
+        ),
+    )
 }
 
 async fn phase(tag: &str, nodes: u32, keys: usize, extra: &str) -> anyhow::Result<Phase> {

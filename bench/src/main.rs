@@ -436,6 +436,41 @@ pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(Dae
     Ok((d, socket))
 }
 
+/// Starts `nodes` daemons forming one cluster: static membership, peers on
+/// loopback, UCX over shared memory; `node_extra` (pools, coherence
+/// settings) goes into every node's config. Daemon `i` is tagged `tag-i`.
+pub(crate) fn start_sm_cluster(tag: &str, nodes: u32, node_extra: &str) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
+    let ports: Vec<u16> = (0..nodes)
+        .map(|_| Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()))
+        .collect::<anyhow::Result<_>>()?;
+    let mut out = Vec::new();
+    for id in 1..=nodes {
+        let mut cfg = format!(
+            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\n{node_extra}\n",
+            ports[id as usize - 1]
+        );
+        for (i, p) in ports.iter().enumerate() {
+            if i as u32 + 1 != id {
+                cfg.push_str(&format!("[[peers]]\nid = {}\naddr = \"127.0.0.1:{p}\"\n", i + 1));
+            }
+        }
+        out.push(start_daemon_tagged(&format!("{tag}-{id}"), &cfg)?);
+    }
+    Ok(out)
+}
+
+/// A block's content: a deterministic function of its key (xorshift
+/// seeded by it), so every byte read back can be checked.
+pub(crate) fn fill_block(key: kvmesh_client::Key, out: &mut [u8]) {
+    let mut x = key.lo() ^ key.hi() ^ 0x9e37_79b9_7f4a_7c15;
+    for c in out.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        c.copy_from_slice(&x.to_le_bytes()[..c.len()]);
+    }
+}
+
 /// Touches every byte (8 at a time) so an in-place read really reads.
 fn fold(bytes: &[u8]) -> u64 {
     let mut acc = 0u64;

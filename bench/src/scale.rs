@@ -29,7 +29,7 @@ use anyhow::{Context, bail};
 use hdrhistogram::Histogram;
 use kvmesh_client::{Client, Key, Namespace};
 
-use crate::{DaemonProc, start_daemon_tagged};
+use crate::DaemonProc;
 
 /// Block size of this run (`--block-kib`), set once in `run`.
 static BLOCK: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -341,23 +341,14 @@ fn wait_ready_blocking(clients: &[Client], rt: &tokio::runtime::Runtime) -> anyh
 }
 
 fn start_cluster(tag: &str, pool_mib: u64) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
-    let ports: Vec<u16> = (0..2)
-        .map(|_| Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()))
-        .collect::<anyhow::Result<_>>()?;
-    let mut out = Vec::new();
-    for id in 1..=2usize {
-        let other = 3 - id;
-        let cfg = format!(
-            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\n\
-             [[pools]]\nname = \"blocks\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n\
-             [[peers]]\nid = {other}\naddr = \"127.0.0.1:{}\"\n",
-            ports[id - 1],
-            block() / 1024,
-            ports[other - 1]
-        );
-        out.push(start_daemon_tagged(&format!("{tag}-{id}"), &cfg)?);
-    }
-    Ok(out)
+    crate::start_sm_cluster(
+        tag,
+        2,
+        &format!(
+            "[[pools]]\nname = \"blocks\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n",
+            block() / 1024
+        ),
+    )
 }
 
 pub(crate) fn run(json: bool, levels: &[usize], samples: usize, idle_s: u64, block_kib: usize) -> anyhow::Result<()> {

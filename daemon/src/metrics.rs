@@ -33,11 +33,68 @@ fn call_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.00001, 2.0, 22))
 }
 
+/// A histogram with fixed buckets recorded with relaxed atomics: no lock
+/// per observation (prometheus-client's `Histogram` takes a mutex), for
+/// paths that observe once per block.
+#[derive(Debug)]
+pub struct AtomicHistogram {
+    bounds: Vec<f64>,
+    /// One count per bound, plus the overflow (+Inf) bucket.
+    counts: Vec<std::sync::atomic::AtomicU64>,
+    /// Sum of observations, in micro-units.
+    sum_micros: std::sync::atomic::AtomicU64,
+}
+
+impl AtomicHistogram {
+    /// Buckets with these upper bounds (increasing).
+    pub fn new(bounds: impl IntoIterator<Item = f64>) -> AtomicHistogram {
+        let bounds: Vec<f64> = bounds.into_iter().collect();
+        let counts = (0..=bounds.len()).map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
+        AtomicHistogram { bounds, counts, sum_micros: std::sync::atomic::AtomicU64::new(0) }
+    }
+
+    /// Records one value.
+    pub fn observe(&self, v: f64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let i = self.bounds.iter().position(|&b| v <= b).unwrap_or(self.bounds.len());
+        self.counts[i].fetch_add(1, Relaxed);
+        self.sum_micros.fetch_add((v.max(0.0) * 1e6) as u64, Relaxed);
+    }
+}
+
+impl EncodeMetric for AtomicHistogram {
+    fn encode(&self, mut encoder: prometheus_client::encoding::MetricEncoder) -> Result<(), std::fmt::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let counts: Vec<u64> = self.counts.iter().map(|c| c.load(Relaxed)).collect();
+        let buckets: Vec<(f64, u64)> =
+            self.bounds.iter().copied().chain([f64::MAX]).zip(counts.iter().copied()).collect();
+        let sum = self.sum_micros.load(Relaxed) as f64 / 1e6;
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(sum, counts.iter().sum(), &buckets, None)
+    }
+
+    fn metric_type(&self) -> prometheus_client::metrics::MetricType {
+        prometheus_client::metrics::MetricType::Histogram
+    }
+}
+
+/// An [`AtomicHistogram`] shared with its recorder, registered per scrape.
+#[derive(Debug)]
+struct Shared(Arc<AtomicHistogram>);
+
+impl EncodeMetric for Shared {
+    fn encode(&self, encoder: prometheus_client::encoding::MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+    fn metric_type(&self) -> prometheus_client::metrics::MetricType {
+        self.0.metric_type()
+    }
+}
+
 /// Histograms the daemon records as it works.
 #[derive(Debug)]
 pub struct Metrics {
     engine_calls: Family<CallLabels, Histogram, fn() -> Histogram>,
-    lease_left: Option<Histogram>,
+    lease_left: Option<Arc<AtomicHistogram>>,
 }
 
 impl Default for Metrics {
@@ -48,7 +105,7 @@ impl Default for Metrics {
 
 impl Metrics {
     /// Also renders the store's lease-left-at-unpin histogram.
-    pub fn with_lease_left(mut self, h: Histogram) -> Metrics {
+    pub fn with_lease_left(mut self, h: Arc<AtomicHistogram>) -> Metrics {
         self.lease_left = Some(h);
         self
     }
@@ -190,7 +247,11 @@ pub fn render(stats: pb::StatsResponse, metrics: &Metrics) -> String {
     let mut reg = Registry::with_prefix("kvmesh");
     reg.register("engine_call_seconds", "Engine gRPC call latency by method and result.", metrics.engine_calls.clone());
     if let Some(h) = &metrics.lease_left {
-        reg.register("lease_remaining_at_unpin_seconds", "Lease left when an engine released a pin.", h.clone());
+        reg.register(
+            "lease_remaining_at_unpin_seconds",
+            "Lease left when an engine released a pin.",
+            Shared(Arc::clone(h)),
+        );
     }
     reg.register_collector(Box::new(Snapshot(stats)));
     let mut out = String::new();

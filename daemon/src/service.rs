@@ -392,17 +392,7 @@ impl pb::engine_server::Engine for EngineService {
         Ok(Response::new(pb::ListNamespacesResponse {
             namespaces: list
                 .into_iter()
-                .map(|(n, blocks)| pb::NamespaceSummary {
-                    info: Some(pb::NamespaceInfo {
-                        id: n.id,
-                        name: n.name,
-                        block_bytes: n.block_bytes,
-                        layout: n.layout,
-                        pool: n.pool,
-                        fingerprint: n.fingerprint,
-                    }),
-                    blocks,
-                })
+                .map(|(n, blocks)| pb::NamespaceSummary { info: Some(ns_info(n)), blocks })
                 .collect(),
         }))
     }

@@ -349,7 +349,7 @@ pub struct Store {
     evicted: Vec<(u64, Key)>,
     /// Lease left when a pin is released (`/metrics`): how close engines
     /// cut their leases.
-    lease_left_at_unpin: prometheus_client::metrics::histogram::Histogram,
+    lease_left_at_unpin: Arc<crate::metrics::AtomicHistogram>,
 }
 
 /// Key of the index: namespace and block key, packed to 20 bytes (28 per
@@ -382,8 +382,8 @@ pub fn unix_ms(deadline: Instant, now: Instant) -> u64 {
 
 impl Store {
     /// The histogram of lease left at unpin (shared: `/metrics` renders it).
-    pub fn lease_left_at_unpin(&self) -> prometheus_client::metrics::histogram::Histogram {
-        self.lease_left_at_unpin.clone()
+    pub fn lease_left_at_unpin(&self) -> Arc<crate::metrics::AtomicHistogram> {
+        Arc::clone(&self.lease_left_at_unpin)
     }
 
     /// Applies reloaded limits and eviction watermarks (`SIGHUP`).
@@ -505,9 +505,9 @@ impl Store {
             ns_by_name: HashMap::default(),
             ns_by_fingerprint: HashMap::default(),
             index: HashMap::with_capacity_and_hasher(slots_total, Default::default()),
-            lease_left_at_unpin: prometheus_client::metrics::histogram::Histogram::new(
+            lease_left_at_unpin: Arc::new(crate::metrics::AtomicHistogram::new(
                 prometheus_client::metrics::histogram::exponential_buckets(0.01, 2.0, 17),
-            ),
+            )),
             sessions: HashMap::default(),
             leases: HashMap::default(),
             deadlines: BTreeSet::new(),

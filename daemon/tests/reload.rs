@@ -54,6 +54,29 @@ async fn sighup_applies_limits_and_log_filter_and_refuses_the_rest() {
     assert_eq!(d.client().await.hello().batch_keys_max, 100);
 }
 
+/// kvmeshd on `cfg` with its log filter from the file (no `KVMESH_LOG`),
+/// once its socket answers; and its log file.
+fn spawn_own_log(
+    dir: &common::TempDir,
+    cfg: &std::path::Path,
+    socket: &std::path::Path,
+) -> (std::process::Child, std::path::PathBuf) {
+    let log_path = dir.0.join("kvmeshd.log");
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+        .arg("--config")
+        .arg(cfg)
+        .env_remove("KVMESH_LOG")
+        .stderr(std::fs::File::create(&log_path).unwrap())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while std::os::unix::net::UnixStream::connect(socket).is_err() {
+        assert!(t0.elapsed() < Duration::from_secs(20), "kvmeshd did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    (child, log_path)
+}
+
 /// `[log] filter` is reloaded too (when `KVMESH_LOG` does not override it).
 #[test]
 fn sighup_reloads_the_log_filter() {
@@ -66,19 +89,7 @@ fn sighup_reloads_the_log_filter() {
         pool("p", "4MiB", "4KiB")
     );
     std::fs::write(&cfg_path, format!("{base}[log]\nfilter = \"warn\"\n")).unwrap();
-    let log_path = dir.0.join("kvmeshd.log");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-        .arg("--config")
-        .arg(&cfg_path)
-        .env_remove("KVMESH_LOG")
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(20));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut child, log_path) = spawn_own_log(&dir, &cfg_path, &socket);
     let log = || std::fs::read_to_string(&log_path).unwrap_or_default();
     assert!(!log().contains("INFO"), "warn filter: {}", log());
     std::fs::write(&cfg_path, format!("{base}[log]\nfilter = \"info\"\nformat = \"text\"\n")).unwrap();
@@ -108,19 +119,7 @@ fn json_log_format() {
         ),
     )
     .unwrap();
-    let log_path = dir.0.join("kvmeshd.log");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-        .arg("--config")
-        .arg(&cfg_path)
-        .env_remove("KVMESH_LOG")
-        .stderr(std::fs::File::create(&log_path).unwrap())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(&socket).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(20));
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let (mut child, log_path) = spawn_own_log(&dir, &cfg_path, &socket);
     let _ = child.kill();
     let _ = child.wait();
     let log = std::fs::read_to_string(&log_path).unwrap();

@@ -17,7 +17,7 @@ import ctypes as _ctypes
 import json as _json
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
-from . import _kvmesh
+from . import _kvmesh, errors
 from .errors import (
     DaemonUnavailable,
     InvalidArgument,
@@ -51,16 +51,7 @@ __all__ = [
     "prefix_keys",
     "key",
     "KEY_SEED",
-    "KvmeshError",
-    "InvalidArgument",
-    "NotFound",
-    "Miss",
-    "ResourceExhausted",
-    "LeaseExpired",
-    "Refused",
-    "DaemonUnavailable",
-    "Released",
-]
+] + errors.__all__
 
 
 class PutSummary(NamedTuple):

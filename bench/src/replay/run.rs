@@ -178,22 +178,9 @@ pub(crate) fn key_of(id: u64) -> Key {
     Key::chain(None, &[id as u32, (id >> 32) as u32])
 }
 
-/// Block content: a deterministic function of the key, so every byte read
-/// is checked.
-fn fill(key: Key, out: &mut [u8]) {
-    let mut x = key.lo() ^ key.hi().rotate_left(17) ^ 0x9e37_79b9_7f4a_7c15;
-    for c in out.chunks_mut(8) {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        let b = x.to_le_bytes();
-        c.copy_from_slice(&b[..c.len()]);
-    }
-}
-
 fn wrong_bytes(key: Key, got: &[u8], scratch: &mut Vec<u8>) -> u64 {
     scratch.resize(got.len(), 0);
-    fill(key, scratch);
+    crate::fill_block(key, scratch);
     if scratch[..] == got[..] {
         return 0;
     }
@@ -210,28 +197,6 @@ fn pick(policy: Policy, i: usize, r: &Request, n: usize, seed: u64) -> usize {
         Policy::Random => h(i as u64),
         Policy::PrefixAffinity => r.hash_ids.first().map_or(i % n, |&id| h(id)),
     }
-}
-
-/// Starts `n` daemons forming one cluster (static membership, sm).
-fn start_cluster(n: u32, pool_mib: u64, block_bytes: u64) -> anyhow::Result<Vec<(DaemonProc, PathBuf)>> {
-    let ports: Vec<u16> = (0..n)
-        .map(|_| Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()))
-        .collect::<anyhow::Result<_>>()?;
-    let mut out = Vec::new();
-    for id in 1..=n {
-        let mut cfg = format!(
-            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\n\
-             [[pools]]\nname = \"replay\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = {block_bytes}\nmlock = false\n",
-            ports[id as usize - 1]
-        );
-        for (i, p) in ports.iter().enumerate() {
-            if i as u32 + 1 != id {
-                cfg.push_str(&format!("[[peers]]\nid = {}\naddr = \"127.0.0.1:{p}\"\n", i + 1));
-            }
-        }
-        out.push(crate::start_daemon_tagged(&format!("replay-{id}"), &cfg)?);
-    }
-    Ok(out)
 }
 
 struct Plan {
@@ -254,7 +219,11 @@ async fn one_request(
 ) {
     let t_req = Instant::now();
     let n = plan.keys.len();
-    let key_bytes: Vec<[u8; 16]> = plan.keys.iter().map(|k| k.0.to_be_bytes()).collect();
+    // Redis keys: the 16 key bytes (not needed for kvmesh).
+    let key_bytes: Vec<[u8; 16]> = match backend {
+        Backend::Redis(_) => plan.keys.iter().map(|k| k.0.to_be_bytes()).collect(),
+        Backend::Kvmesh(..) => Vec::new(),
+    };
     let t = Instant::now();
     let local = match &backend {
         Backend::Kvmesh(client, ns) => match client.lookup(ns, &plan.keys).await {
@@ -345,7 +314,7 @@ async fn one_request(
             .iter()
             .map(|&k| {
                 let mut v = vec![0u8; block_bytes];
-                fill(k, &mut v);
+                crate::fill_block(k, &mut v);
                 v
             })
             .collect();
@@ -453,7 +422,11 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         if o.daemons == 0 {
             bail!("--daemons must be at least 1");
         }
-        start_cluster(o.daemons, o.pool_mib, block_bytes)?.into_iter().unzip()
+        let pools = format!(
+            "[[pools]]\nname = \"replay\"\nbytes = \"{}MiB\"\nslot_payload_bytes = {block_bytes}\nmlock = false\n",
+            o.pool_mib
+        );
+        crate::start_sm_cluster("replay", o.daemons, &pools)?.into_iter().unzip()
     } else {
         (Vec::new(), o.sockets.clone())
     };

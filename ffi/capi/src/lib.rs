@@ -34,7 +34,7 @@ use std::cell::RefCell;
 use std::ffi::{CStr, CString, c_char};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
-use std::sync::{Mutex, TryLockError};
+use std::sync::{Arc, Mutex, TryLockError};
 
 use kvmesh_client::blocking;
 use kvmesh_client::{
@@ -145,7 +145,8 @@ pub struct kvmesh_invalidate_summary_t {
 /// A connection to the local kvmeshd (opaque).
 pub struct kvmesh_client_t {
     client: blocking::Client,
-    namespaces: Mutex<Vec<Namespace>>,
+    /// Shared, so a call borrows one without copying its strings.
+    namespaces: Mutex<Vec<Arc<Namespace>>>,
 }
 
 /// A pinned batch of blocks (opaque).
@@ -157,13 +158,7 @@ pub struct kvmesh_batch_t {
 /// The slots of a put in progress (opaque).
 pub struct kvmesh_alloc_t {
     client: blocking::Client,
-    slots: Mutex<Vec<AllocSlot>>,
-}
-
-enum AllocSlot {
-    Allocated(WritableBlock),
-    Exists,
-    InProgress,
+    slots: Mutex<Vec<Allocation>>,
 }
 
 thread_local! {
@@ -297,7 +292,7 @@ fn out_opt<T>(p: *mut T, v: T) {
 }
 
 impl kvmesh_client_t {
-    fn namespace(&self, id: u32) -> Result<Namespace, Fail> {
+    fn namespace(&self, id: u32) -> Result<Arc<Namespace>, Fail> {
         let known = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
         known.iter().find(|n| n.id == id).cloned().ok_or_else(|| {
             Fail(
@@ -309,7 +304,7 @@ impl kvmesh_client_t {
     fn remember(&self, ns: &Namespace) -> kvmesh_namespace_t {
         let mut known = self.namespaces.lock().unwrap_or_else(|e| e.into_inner());
         if !known.iter().any(|n| n.id == ns.id) {
-            known.push(ns.clone());
+            known.push(Arc::new(ns.clone()));
         }
         kvmesh_namespace_t { id: ns.id, pool: ns.pool, block_bytes: ns.block_bytes, fingerprint: ns.fingerprint }
     }
@@ -569,16 +564,21 @@ pub unsafe extern "C" fn kvmesh_batch_block(
             return Err(Fail::invalid("data or len is NULL"));
         }
         let blocks = lock(&b.blocks, "batch")?;
-        let entry =
-            blocks.get(i).ok_or_else(|| Fail::invalid(format!("index {i} out of a batch of {}", blocks.len())))?;
-        let block = entry.as_ref().ok_or_else(|| Fail(KVMESH_E_NOT_FOUND, format!("entry {i} is a miss")))?;
-        if block.lease_remaining().is_zero() {
-            return Err(Fail(KVMESH_E_LEASE_EXPIRED, format!("the lease of entry {i} has ended")));
-        }
+        let block = batch_entry(&blocks, i)?;
         put_out(data, block.as_ptr(), "data")?;
         put_out(len, block.len(), "len")?;
         Ok(KVMESH_OK)
     })
+}
+
+/// Entry `i` of a batch: a pinned block within its lease, or why not.
+fn batch_entry(blocks: &[Option<PinnedBlock>], i: usize) -> Result<&PinnedBlock, Fail> {
+    let entry = blocks.get(i).ok_or_else(|| Fail::invalid(format!("index {i} out of a batch of {}", blocks.len())))?;
+    let block = entry.as_ref().ok_or_else(|| Fail(KVMESH_E_NOT_FOUND, format!("entry {i} is a miss")))?;
+    if block.lease_remaining().is_zero() {
+        return Err(Fail(KVMESH_E_LEASE_EXPIRED, format!("the lease of entry {i} has ended")));
+    }
+    Ok(block)
 }
 
 /// Re-reads the whole slot of entry `i` (header, payload, trailer) and
@@ -592,12 +592,7 @@ pub unsafe extern "C" fn kvmesh_batch_verify(batch: *const kvmesh_batch_t, i: us
     guard("kvmesh_batch_verify", || {
         let b = handle(batch, "batch")?;
         let blocks = lock(&b.blocks, "batch")?;
-        let entry =
-            blocks.get(i).ok_or_else(|| Fail::invalid(format!("index {i} out of a batch of {}", blocks.len())))?;
-        let block = entry.as_ref().ok_or_else(|| Fail(KVMESH_E_NOT_FOUND, format!("entry {i} is a miss")))?;
-        if block.lease_remaining().is_zero() {
-            return Err(Fail(KVMESH_E_LEASE_EXPIRED, format!("the lease of entry {i} has ended")));
-        }
+        let block = batch_entry(&blocks, i)?;
         block.verify().map_err(|e| Fail(KVMESH_E_INTERNAL, format!("entry {i} failed validation: {e}")))?;
         Ok(KVMESH_OK)
     })
@@ -725,15 +720,7 @@ pub unsafe extern "C" fn kvmesh_allocate(
         } else {
             c.client.call(inner.allocate(&ns, &keys))?
         };
-        let slots = allocs
-            .into_iter()
-            .map(|a| match a {
-                Allocation::Allocated(w) => AllocSlot::Allocated(w),
-                Allocation::Exists => AllocSlot::Exists,
-                Allocation::InProgress => AllocSlot::InProgress,
-            })
-            .collect();
-        let a = Box::new(kvmesh_alloc_t { client: c.client.clone(), slots: Mutex::new(slots) });
+        let a = Box::new(kvmesh_alloc_t { client: c.client.clone(), slots: Mutex::new(allocs) });
         out_opt(out, Box::into_raw(a));
         Ok(KVMESH_OK)
     })
@@ -775,13 +762,13 @@ pub unsafe extern "C" fn kvmesh_alloc_block(
         let mut slots = lock(&a.slots, "alloc")?;
         let n = slots.len();
         match slots.get_mut(i).ok_or_else(|| Fail::invalid(format!("index {i} out of an allocation of {n}")))? {
-            AllocSlot::Allocated(w) => {
+            Allocation::Allocated(w) => {
                 put_out(data, w.as_mut_ptr(), "data")?;
                 put_out(len, w.len(), "len")?;
                 Ok(KVMESH_OK)
             }
-            AllocSlot::Exists => Ok(KVMESH_EXISTS),
-            AllocSlot::InProgress => Ok(KVMESH_IN_PROGRESS),
+            Allocation::Exists => Ok(KVMESH_EXISTS),
+            Allocation::InProgress => Ok(KVMESH_IN_PROGRESS),
         }
     })
 }
@@ -813,12 +800,12 @@ pub unsafe extern "C" fn kvmesh_commit(alloc: *mut kvmesh_alloc_t, outcomes: *mu
         let mut writes = Vec::new();
         for s in slots {
             codes.push(match s {
-                AllocSlot::Allocated(w) => {
+                Allocation::Allocated(w) => {
                     writes.push(w);
                     KVMESH_OK
                 }
-                AllocSlot::Exists => KVMESH_EXISTS,
-                AllocSlot::InProgress => KVMESH_IN_PROGRESS,
+                Allocation::Exists => KVMESH_EXISTS,
+                Allocation::InProgress => KVMESH_IN_PROGRESS,
             });
         }
         let results = if writes.is_empty() { Vec::new() } else { a.client.call(a.client.inner().commit(writes))? };
@@ -871,7 +858,7 @@ pub unsafe extern "C" fn kvmesh_abort(alloc: *mut kvmesh_alloc_t) -> i32 {
             .unwrap_or_else(|e| e.into_inner())
             .into_iter()
             .filter_map(|s| match s {
-                AllocSlot::Allocated(w) => Some(w),
+                Allocation::Allocated(w) => Some(w),
                 _ => None,
             })
             .collect();

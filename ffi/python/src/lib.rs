@@ -96,7 +96,7 @@ fn key_bytes(py: Python<'_>, k: Key) -> Bound<'_, PyBytes> {
 /// A registered namespace.
 #[pyclass(module = "kvmesh", frozen, name = "Namespace")]
 struct PyNamespace {
-    ns: kvmesh_client::Namespace,
+    ns: Arc<kvmesh_client::Namespace>,
 }
 
 #[pymethods]
@@ -143,7 +143,7 @@ impl PyNamespace {
 #[pyclass(module = "kvmesh._kvmesh", frozen, name = "Client")]
 struct PyClient {
     client: Mutex<Option<blocking::Client>>,
-    namespaces: Mutex<HashMap<String, kvmesh_client::Namespace>>,
+    namespaces: Mutex<HashMap<String, Arc<kvmesh_client::Namespace>>>,
     socket: String,
 }
 
@@ -152,9 +152,10 @@ impl PyClient {
         lock(&self.client).clone().ok_or_else(|| error(py, "DaemonUnavailable", "the client is closed".into()))
     }
 
-    fn ns(&self, py: Python<'_>, ns: &Bound<'_, PyAny>) -> PyResult<kvmesh_client::Namespace> {
+    /// The namespace of an argument: shared, never copied per call.
+    fn ns(&self, py: Python<'_>, ns: &Bound<'_, PyAny>) -> PyResult<Arc<kvmesh_client::Namespace>> {
         if let Ok(n) = ns.cast::<PyNamespace>() {
-            return Ok(n.get().ns.clone());
+            return Ok(Arc::clone(&n.get().ns));
         }
         let Ok(name) = ns.cast::<PyString>() else {
             return Err(invalid(
@@ -167,8 +168,8 @@ impl PyClient {
             return Ok(n.clone());
         }
         let c = self.get(py)?;
-        let n = py.detach(|| c.call(c.inner().namespace(&name))).map_err(|e| client_error(py, e))?;
-        lock(&self.namespaces).insert(name, n.clone());
+        let n = Arc::new(py.detach(|| c.call(c.inner().namespace(&name))).map_err(|e| client_error(py, e))?);
+        lock(&self.namespaces).insert(name, Arc::clone(&n));
         Ok(n)
     }
 
@@ -232,14 +233,14 @@ impl PyClient {
         layout: &str,
     ) -> PyResult<PyNamespace> {
         let layout = layout.to_string();
-        let ns = self.call(py, |c| c.call(c.inner().register_namespace(&name, block_bytes, &layout)))?;
-        lock(&self.namespaces).insert(ns.name.clone(), ns.clone());
+        let ns = Arc::new(self.call(py, |c| c.call(c.inner().register_namespace(&name, block_bytes, &layout)))?);
+        lock(&self.namespaces).insert(ns.name.clone(), Arc::clone(&ns));
         Ok(PyNamespace { ns })
     }
 
     fn namespace(&self, py: Python<'_>, name: String) -> PyResult<PyNamespace> {
-        let ns = self.call(py, |c| c.call(c.inner().namespace(&name)))?;
-        lock(&self.namespaces).insert(ns.name.clone(), ns.clone());
+        let ns = Arc::new(self.call(py, |c| c.call(c.inner().namespace(&name)))?);
+        lock(&self.namespaces).insert(ns.name.clone(), Arc::clone(&ns));
         Ok(PyNamespace { ns })
     }
 
