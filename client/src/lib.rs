@@ -923,6 +923,14 @@ impl Client {
         Ok((r.keys.iter().map(|k| Key::from_parts(k.hi, k.lo)).collect(), r.total))
     }
 
+    /// Starts a graceful drain of the daemon (see the `Drain` RPC): it
+    /// refuses new pins and allocations, waits up to `deadline_ms` (0: its
+    /// configured `server.drain_timeout_ms`) for those given to end, leaves
+    /// the cluster and exits. Answers at once.
+    pub async fn drain(&self, deadline_ms: u64) -> Result<pb::DrainResponse> {
+        Ok(self.rpc().drain(pb::DrainRequest { deadline_ms }).await?.into_inner())
+    }
+
     /// Daemon statistics.
     pub async fn stats(&self) -> Result<Stats> {
         Ok(self.rpc().stats(pb::StatsRequest {}).await?.into_inner())

@@ -35,6 +35,7 @@ pub fn stats_json(s: &crate::Stats) -> String {
         "uptime_ms": s.uptime_ms,
         "remote_fetched": s.remote_fetched,
         "remote_misses": s.remote_misses,
+        "draining": s.draining,
         "remote_validation_failures": s.remote_validation_failures,
         "transfer_failures": s.transfer_failures,
         "transfer_timeouts": s.transfer_timeouts,

@@ -95,7 +95,13 @@ impl EtcdModel {
     fn expire(&mut self, now: u64) {
         let dead: Vec<i64> = self.leases.iter().filter(|(_, e)| **e <= now).map(|(l, _)| *l).collect();
         for l in dead {
-            self.leases.remove(&l);
+            self.revoke(l);
+        }
+    }
+
+    /// Ends a lease now and deletes its keys (a revoke, or its expiry).
+    fn revoke(&mut self, l: i64) {
+        if self.leases.remove(&l).is_some() {
             let keys: Vec<String> = self.kv.iter().filter(|(_, v)| v.2 == Some(l)).map(|(k, _)| k.clone()).collect();
             for k in keys {
                 self.kv.remove(&k);
@@ -154,6 +160,8 @@ pub struct RunStats {
     pub epochs: u64,
     /// Crashes injected.
     pub crashes: u64,
+    /// Drains injected (leave, then exit and restart).
+    pub drains: u64,
     /// Copies held across the cluster when the prefill ended (scale runs).
     pub prefilled: u64,
 }
@@ -344,6 +352,26 @@ enum Ev {
     Isolate {
         node: NodeId,
         until: u64,
+    },
+    /// A daemon drains: its core leaves, it asks the membership to remove
+    /// it, and its process exits a little later.
+    Drain {
+        node: NodeId,
+    },
+    /// A drained daemon's process exits (and starts again later).
+    Exit {
+        node: NodeId,
+        inc: u64,
+    },
+    /// A leave message arriving at the coordinator `to`.
+    Leave {
+        to: NodeId,
+        node: NodeId,
+        inc: u64,
+    },
+    /// etcd mode: a drained daemon revokes its lease.
+    EtcdRevoke {
+        lease: i64,
     },
 }
 
@@ -1061,6 +1089,12 @@ impl World {
                 }
                 MembershipAction::Persist(e) => self.persisted_epoch = e,
                 MembershipAction::Publish(view) => self.publish(n, view),
+                MembershipAction::ForwardLeave { to, node, incarnation } => {
+                    if self.reachable(n) && (!self.faults || self.rng.chance(0.97)) {
+                        let d = self.rng.range(10, KEEPALIVE_DELAY_MAX);
+                        self.push(d, Ev::Leave { to, node, inc: incarnation });
+                    }
+                }
             }
         }
     }
@@ -1370,10 +1404,59 @@ impl World {
             self.note(format!("t={} PAUSE n{n} until {until}", self.now));
         } else if self.rng.chance(0.0015) && self.up(n) {
             self.push(0, Ev::Crash { node: n });
+        } else if self.rng.chance(if self.cfg.bug == Some(Bug::LeaveBeforeStop) { 0.004 } else { 0.001 }) && self.up(n)
+        {
+            self.push(0, Ev::Drain { node: n });
         } else if self.rng.chance(0.002) && self.up(n) {
             let until = self.now + self.rng.range(5_000, 400_000);
             self.push(0, Ev::Isolate { node: n, until });
         }
+    }
+
+    /// The process of `n` ends (a crash, or the exit after a drain): it
+    /// starts again later, mostly fast (inside the leases it, or as
+    /// coordinator, granted), sometimes slowly.
+    fn stop_process(&mut self, node: NodeId) {
+        let inc = self.nodes[node as usize].incarnation;
+        self.nodes[node as usize].core = None;
+        self.nodes[node as usize].membership = None;
+        self.nodes[node as usize].session = None;
+        self.nodes[node as usize].etcd = None;
+        self.ops.retain(|(n, i, _), _| !(*n == node && *i == inc));
+        self.pins.retain(|(n, _, _), _| *n != node);
+        let down = if self.rng.chance(0.8) { self.rng.range(1_000, 60_000) } else { self.rng.range(60_000, 300_000) };
+        self.nodes[node as usize].down_until = self.now + down;
+        self.push(down, Ev::Restart { node });
+    }
+
+    /// A drain as the daemon does it: the core leaves first (it serves
+    /// nothing from here on), then the membership is asked to remove the
+    /// node (static: a message to the coordinator; etcd: the lease is
+    /// revoked and the session ends for good); the process exits a little
+    /// later. The planted bug asks the membership first and stops the core
+    /// only at the exit.
+    fn drain(&mut self, node: NodeId) {
+        let inc = self.nodes[node as usize].incarnation;
+        if self.cfg.bug != Some(Bug::LeaveBeforeStop) {
+            self.drive(node, Event::Leave);
+        }
+        if self.cfg.etcd {
+            let sn = &mut self.nodes[node as usize];
+            sn.etcd = None;
+            if let Some(s) = sn.session.take()
+                && self.etcd_reachable(node)
+            {
+                self.send_to_etcd(node, Ev::EtcdRevoke { lease: s.lease });
+            }
+        } else {
+            let local = self.local_now(node);
+            if let Some(m) = self.nodes[node as usize].membership.as_mut() {
+                let actions = m.leave(node, inc, local);
+                self.membership_actions(node, actions);
+            }
+        }
+        let d = self.rng.range(1_000, 30_000);
+        self.push(d, Ev::Exit { node, inc });
     }
 
     fn check_invariants(&mut self) -> Result<(), Violation> {
@@ -1533,19 +1616,36 @@ impl World {
             Ev::Crash { node } => {
                 self.note(format!("t={} CRASH n{node}", self.now));
                 self.stats.crashes += 1;
-                let inc = self.nodes[node as usize].incarnation;
-                self.nodes[node as usize].core = None;
-                self.nodes[node as usize].membership = None;
-                self.nodes[node as usize].session = None;
-                self.nodes[node as usize].etcd = None;
-                self.ops.retain(|(n, i, _), _| !(*n == node && *i == inc));
-                self.pins.retain(|(n, _, _), _| *n != node);
-                // Mostly fast restarts (inside the leases the node, or as
-                // coordinator, granted), sometimes slow ones.
-                let down =
-                    if self.rng.chance(0.8) { self.rng.range(1_000, 60_000) } else { self.rng.range(60_000, 300_000) };
-                self.nodes[node as usize].down_until = self.now + down;
-                self.push(down, Ev::Restart { node });
+                self.stop_process(node);
+            }
+            Ev::Drain { node } => {
+                if self.up(node) && self.nodes[node as usize].core.as_ref().is_some_and(|c| !c.has_left()) {
+                    self.note(format!("t={} DRAIN n{node}", self.now));
+                    self.stats.drains += 1;
+                    self.drain(node);
+                }
+            }
+            Ev::Exit { node, inc } => {
+                if self.up(node) && self.nodes[node as usize].incarnation == inc {
+                    self.note(format!("t={} EXIT n{node} (drained)", self.now));
+                    // With the planted bug, the core stops only now.
+                    self.drive(node, Event::Leave);
+                    self.stop_process(node);
+                }
+            }
+            Ev::Leave { to, node, inc } => {
+                if self.reachable(to) {
+                    let local = self.local_now(to);
+                    if let Some(m) = self.nodes[to as usize].membership.as_mut() {
+                        let actions = m.peer_leave(node, inc, local);
+                        self.membership_actions(to, actions);
+                    }
+                }
+            }
+            Ev::EtcdRevoke { lease } => {
+                if self.etcd.down_until <= self.now {
+                    self.etcd.revoke(lease);
+                }
             }
             Ev::Restart { node } => {
                 if !self.up(node) {
@@ -1690,9 +1790,11 @@ fn target(ev: &Ev) -> Option<NodeId> {
         | Ev::EtcdSessionUp { node, .. }
         | Ev::EtcdKeepAliveResp { node, .. }
         | Ev::EtcdWatch { node, .. }
-        | Ev::EtcdFail { node, .. } => *node,
+        | Ev::EtcdFail { node, .. }
+        | Ev::Drain { node }
+        | Ev::Exit { node, .. } => *node,
         Ev::TransferDone { reader, .. } => *reader,
-        Ev::KeepAlive { to, .. } => *to,
+        Ev::KeepAlive { to, .. } | Ev::Leave { to, .. } => *to,
         _ => return None,
     })
 }

@@ -56,13 +56,14 @@ fn scale_seeds_pass_and_agree_with_a_full_scan() {
 /// them (a bug caught by accident, under another name, is a checker that
 /// does not check what it claims). Skipping the ack wait breaks S1 (two
 /// Valid versions) and S3 (a change completed while a holder serves).
-const PLANTED: [(&str, &str); 6] = [
+const PLANTED: [(&str, &str); 7] = [
     ("skip-ack-wait", "S1/S3"),
     ("ack-without-invalidate", "S3"),
     ("skip-validation", "DATA"),
     ("reuse-granted-slot", "S4"),
     ("coordinator-no-wait", "M1"),
     ("etcd-short-ttl", "M1"),
+    ("leave-before-stop", "M1"),
 ];
 
 #[test]

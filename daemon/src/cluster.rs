@@ -182,6 +182,27 @@ pub struct Cluster {
     reads_in_flight: AtomicU64,
     /// Health of the etcd session (etcd membership only).
     etcd_status: Option<Arc<crate::etcd::EtcdStatus>>,
+    /// Flush barriers: a ping sent on a peer's stream after what must
+    /// arrive, and who waits for its pong (which proves the peer handled
+    /// every frame before it). Keyed by (peer, ping number).
+    barriers: Mutex<HashMap<(NodeId, u64), oneshot::Sender<()>>>,
+    next_barrier: AtomicU64,
+}
+
+/// Ping numbers from here up are flush barriers (heartbeats count from 1).
+const BARRIER_BASE: u64 = 1 << 63;
+
+/// What leaving the cluster did (`Cluster::leave`).
+#[derive(Clone, Debug, Default)]
+pub struct LeaveReport {
+    /// Copies dropped (their homes told).
+    pub copies_dropped: usize,
+    /// Peers of the view that confirmed they handled the leave.
+    pub peers_confirmed: usize,
+    /// Peers of the view (other than this daemon).
+    pub peers: usize,
+    /// etcd: the lease was revoked (the task ended) in time.
+    pub etcd_left: Option<bool>,
 }
 
 /// Where the etcd task delivers views and lease refreshes.
@@ -308,6 +329,8 @@ impl Cluster {
             counters: ClusterCounters::default(),
             reads_in_flight: AtomicU64::new(0),
             etcd_status: etcd_task.as_ref().map(|t| Arc::clone(&t.2)),
+            barriers: Mutex::new(HashMap::new()),
+            next_barrier: AtomicU64::new(BARRIER_BASE),
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
@@ -504,6 +527,9 @@ impl Cluster {
                     self.publish_view(&view);
                     g.epoch_seen = g.epoch_seen.max(view.epoch);
                     queue.push_back(Event::View(view));
+                }
+                MembershipAction::ForwardLeave { to, node: _, incarnation } => {
+                    self.send_frame(to, pb::Frame { body: Some(Body::Leave(pb::Leave { incarnation })) });
                 }
             }
         }
@@ -857,7 +883,12 @@ impl Cluster {
                     tx.send(f).await.map_err(|_| "stream closed".to_string())?;
                 }
                 m = inbound.message() => match m {
-                    Ok(Some(pb::Frame { body: Some(pb::frame::Body::Pong(_)) })) => last_pong = Instant::now(),
+                    Ok(Some(pb::Frame { body: Some(pb::frame::Body::Pong(x)) })) => {
+                        last_pong = Instant::now();
+                        if x >= BARRIER_BASE && let Some(w) = self.barriers.lock().remove(&(entry.id, x)) {
+                            let _ = w.send(());
+                        }
+                    }
                     Ok(Some(_)) => {}
                     Ok(None) => return Err("peer closed the stream".into()),
                     Err(s) => return Err(format!("stream error: {}", s.message())),
@@ -963,6 +994,15 @@ impl Cluster {
                 {
                     let mut g = self.inner.lock();
                     let actions = g.membership.peer_keepalive(ka, self.now_us());
+                    self.run_membership(&mut g, actions);
+                }
+                self.timer.notify_one();
+            }
+            Some(Body::Leave(l)) => {
+                tracing::info!(peer = from, incarnation = l.incarnation, "membership: peer left the cluster");
+                {
+                    let mut g = self.inner.lock();
+                    let actions = g.membership.peer_leave(from, l.incarnation, self.now_us());
                     self.run_membership(&mut g, actions);
                 }
                 self.timer.notify_one();
@@ -1284,6 +1324,61 @@ impl Cluster {
         drop(g);
         self.timer.notify_one();
         res
+    }
+
+    /// Leaves the cluster for good (a drain, before the process exits):
+    /// the core stops serving first (`Event::Leave`: operations fail,
+    /// copies are dropped and their homes told), then the membership is
+    /// asked to remove this daemon now (static: a `Leave` frame to the
+    /// coordinator; etcd: the lease is revoked), so no peer waits out a
+    /// lease for it. Waits up to `wait` for every peer of the view to have
+    /// handled what was sent (a ping after it, answered) and for etcd.
+    pub async fn leave(self: &Arc<Self>, wait: Duration) -> LeaveReport {
+        let deadline = tokio::time::Instant::now() + wait;
+        let bug = planted_bug() == Some(kvmesh_coherence::Bug::LeaveBeforeStop);
+        let mut report = LeaveReport::default();
+        let peers: Vec<NodeId> = {
+            let mut g = self.inner.lock();
+            if bug {
+                tracing::warn!("PLANTED BUG leave-before-stop: asking the membership first");
+            } else {
+                report.copies_dropped = g.node.copy_count();
+                self.feed_locked(&mut g, Event::Leave);
+                self.flush_locked(&mut g);
+            }
+            let actions = g.membership.leave(self.id, self.incarnation, self.now_us());
+            self.run_membership(&mut g, actions);
+            g.node.view().members.iter().map(|m| m.id).filter(|&m| m != self.id).collect()
+        };
+        self.timer.notify_one();
+        if bug {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let mut g = self.inner.lock();
+            report.copies_dropped = g.node.copy_count();
+            self.feed_locked(&mut g, Event::Leave);
+            self.flush_locked(&mut g);
+        }
+        report.peers = peers.len();
+        let mut waits = Vec::new();
+        for p in peers {
+            let seq = self.next_barrier.fetch_add(1, Ordering::Relaxed);
+            let (tx, rx) = oneshot::channel();
+            self.barriers.lock().insert((p, seq), tx);
+            self.send_frame(p, pb::Frame { body: Some(pb::frame::Body::Ping(seq)) });
+            waits.push(rx);
+        }
+        for rx in waits {
+            if matches!(tokio::time::timeout_at(deadline, rx).await, Ok(Ok(()))) {
+                report.peers_confirmed += 1;
+            }
+        }
+        self.barriers.lock().clear();
+        if let Some(st) = &self.etcd_status {
+            let notified = st.left_notify.notified();
+            let left = st.left.load(Ordering::SeqCst) || tokio::time::timeout_at(deadline, notified).await.is_ok();
+            report.etcd_left = Some(left || st.left.load(Ordering::SeqCst));
+        }
+        report
     }
 
     /// Whether the coherence state can be locked within `wait` (the

@@ -311,7 +311,7 @@ pub struct PeerEntry {
 }
 
 /// `[server]`
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// Path of the engine socket. Default: `$XDG_RUNTIME_DIR/kvmesh/kvmeshd.sock`,
@@ -321,7 +321,24 @@ pub struct ServerConfig {
     /// at most 4.
     #[serde(default)]
     pub worker_threads: u32,
+    /// Drain (SIGTERM, `kvmesh drain`): how long engines' pins and
+    /// allocations may take to end before the daemon leaves anyway.
+    #[serde(default = "default_drain_timeout_ms")]
+    pub drain_timeout_ms: u64,
 }
+
+fn default_drain_timeout_ms() -> u64 {
+    20_000
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { socket: None, worker_threads: 0, drain_timeout_ms: default_drain_timeout_ms() }
+    }
+}
+
+/// Longest drain deadline accepted (config or `kvmesh drain`).
+pub const DRAIN_TIMEOUT_MS_MAX: u64 = 600_000;
 
 /// `[limits]`
 #[derive(Debug, Clone, Deserialize)]
@@ -647,6 +664,12 @@ impl Config {
         }
         if self.peers.len() > 256 {
             return Err(format!("peers: {} peers configured, at most 256", self.peers.len()));
+        }
+        if self.server.drain_timeout_ms > DRAIN_TIMEOUT_MS_MAX {
+            return Err(format!(
+                "server.drain_timeout_ms: {} exceeds {DRAIN_TIMEOUT_MS_MAX} (10 minutes)",
+                self.server.drain_timeout_ms
+            ));
         }
         if self.server.worker_threads > 64 {
             return Err(format!("server.worker_threads: {} exceeds 64", self.server.worker_threads));

@@ -16,6 +16,9 @@ pub enum Error {
     /// A limit is reached (no evictable slot, too many pins, ...).
     #[error("{0}")]
     ResourceExhausted(String),
+    /// The daemon does not take this work now (it is draining).
+    #[error("{0}")]
+    Unavailable(String),
     /// A bug or an OS failure.
     #[error("{0}")]
     Internal(String),
@@ -29,6 +32,7 @@ impl From<Error> for tonic::Status {
             Error::NotFound(_) => Code::NotFound,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
+            Error::Unavailable(_) => Code::Unavailable,
             Error::Internal(_) => Code::Internal,
         };
         tonic::Status::new(code, e.to_string())

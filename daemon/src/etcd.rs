@@ -83,17 +83,33 @@ pub struct EtcdStatus {
     pub errors: AtomicU64,
     /// Keepalives dropped because the task was behind.
     pub keepalives_dropped: AtomicU64,
+    /// This daemon left (a drain): the task revoked its lease (or gave up
+    /// trying) and ended; it never registers again.
+    pub left: AtomicBool,
+    /// Signalled when `left` is set.
+    pub left_notify: tokio::sync::Notify,
+}
+
+/// What the driver asks of the etcd task.
+#[derive(Debug)]
+pub enum Cmd {
+    /// Refresh the lease for the core's keepalive sent at this time.
+    KeepAlive(u64),
+    /// The core left the cluster: revoke the lease (the member key goes at
+    /// once, so the next view leaves this daemon out without waiting out
+    /// the TTL) and end for good.
+    Leave,
 }
 
 /// The driver-side half: hands keepalives to the etcd task.
 pub struct EtcdMembership {
-    tx: mpsc::Sender<u64>,
+    tx: mpsc::Sender<Cmd>,
     status: Arc<EtcdStatus>,
 }
 
 /// The membership the driver talks to, the receiving end for [`run`], and
 /// the shared status.
-pub fn channel() -> (EtcdMembership, mpsc::Receiver<u64>, Arc<EtcdStatus>) {
+pub fn channel() -> (EtcdMembership, mpsc::Receiver<Cmd>, Arc<EtcdStatus>) {
     let (tx, rx) = mpsc::channel(PENDING_MAX);
     let status = Arc::new(EtcdStatus::default());
     (EtcdMembership { tx, status: Arc::clone(&status) }, rx, status)
@@ -101,9 +117,18 @@ pub fn channel() -> (EtcdMembership, mpsc::Receiver<u64>, Arc<EtcdStatus>) {
 
 impl Membership for EtcdMembership {
     fn keepalive(&mut self, ka: KeepAlive, _now: Time) -> Vec<MembershipAction> {
-        if self.tx.try_send(ka.sent_at_us).is_err() {
+        if self.tx.try_send(Cmd::KeepAlive(ka.sent_at_us)).is_err() {
             self.status.keepalives_dropped.fetch_add(1, Ordering::Relaxed);
         }
+        Vec::new()
+    }
+
+    fn leave(&mut self, _node: NodeId, _incarnation: u64, _now: Time) -> Vec<MembershipAction> {
+        let tx = self.tx.clone();
+        // The channel may be full of keepalives: wait for room.
+        tokio::spawn(async move {
+            let _ = tx.send(Cmd::Leave).await;
+        });
         Vec::new()
     }
 
@@ -124,14 +149,24 @@ impl Membership for EtcdMembership {
 
 /// Runs sessions with etcd until the driver goes away, reconnecting with
 /// backoff after every failure.
-pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<u64>, sink: Arc<dyn Sink>, status: Arc<EtcdStatus>) {
+pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<Cmd>, sink: Arc<dyn Sink>, status: Arc<EtcdStatus>) {
     let mut backoff = Duration::from_millis(100);
     let mut st = EtcdMember::new(s.me, s.incarnation);
+    let leave = |status: &EtcdStatus| {
+        status.connected.store(false, Ordering::Relaxed);
+        status.left.store(true, Ordering::SeqCst);
+        status.left_notify.notify_waiters();
+    };
     loop {
         let r = session(&s, &mut st, &mut kas, &*sink, &status).await;
         st.end_session();
         match r {
-            Ok(()) => return,
+            Ok(left) => {
+                if left {
+                    leave(&status);
+                }
+                return;
+            }
             Err(e) => {
                 status.connected.store(false, Ordering::Relaxed);
                 status.errors.fetch_add(1, Ordering::Relaxed);
@@ -141,8 +176,14 @@ pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<u64>, sink: Arc<dyn Si
                 );
             }
         }
-        // Keepalives sent meanwhile will never be answered.
-        while kas.try_recv().is_ok() {}
+        // Keepalives sent meanwhile will never be answered; a leave ends
+        // the task (no session: nothing to revoke).
+        while let Ok(cmd) = kas.try_recv() {
+            if matches!(cmd, Cmd::Leave) {
+                leave(&status);
+                return;
+            }
+        }
         tokio::time::sleep(backoff).await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
@@ -178,14 +219,15 @@ fn deliver(st: &mut EtcdMember, sink: &dyn Sink) {
 }
 
 /// One session: a lease, the registration under it, a watch on the
-/// prefix. `Ok` only when the driver went away.
+/// prefix. `Ok(true)` after a leave (the lease revoked), `Ok(false)` when
+/// the driver went away.
 async fn session(
     s: &EtcdSettings,
     st: &mut EtcdMember,
-    kas: &mut mpsc::Receiver<u64>,
+    kas: &mut mpsc::Receiver<Cmd>,
     sink: &dyn Sink,
     status: &EtcdStatus,
-) -> Result<(), String> {
+) -> Result<bool, String> {
     let e = |what: &str| {
         let what = what.to_string();
         move |err: etcd_client::Error| format!("{what}: {err}")
@@ -220,8 +262,19 @@ async fn session(
     propose(st, s, &mut c).await.map_err(e("propose view"))?;
     loop {
         tokio::select! {
-            sent = kas.recv() => {
-                let Some(sent) = sent else { return Ok(()) };
+            cmd = kas.recv() => {
+                let sent = match cmd {
+                    None => return Ok(false),
+                    Some(Cmd::KeepAlive(sent)) => sent,
+                    Some(Cmd::Leave) => {
+                        match tokio::time::timeout(s.dial_timeout, c.lease_revoke(lease)).await {
+                            Ok(Ok(_)) => tracing::info!(lease, "etcd membership: left (lease revoked, member key deleted)"),
+                            Ok(Err(err)) => tracing::warn!(lease, "etcd membership: revoke failed ({err}); the member key goes when the lease expires"),
+                            Err(_) => tracing::warn!(lease, "etcd membership: revoke timed out; the member key goes when the lease expires"),
+                        }
+                        return Ok(true);
+                    }
+                };
                 if pending.len() >= PENDING_MAX {
                     status.keepalives_dropped.fetch_add(1, Ordering::Relaxed);
                     continue;

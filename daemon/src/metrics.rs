@@ -146,6 +146,7 @@ impl prometheus_client::collector::Collector for Snapshot {
         gauge(e, "pins_outstanding", "Pins held by engines.", s.pins_outstanding)?;
         gauge(e, "allocations_outstanding", "Uncommitted allocations.", s.allocations_outstanding)?;
         gauge(e, "peers_connected", "Peer daemons connected.", s.peers_connected)?;
+        gauge(e, "draining", "1 while a drain refuses new pins and allocations.", s.draining as u64)?;
         for (name, help, v) in [
             ("lookups", "Keys looked up.", s.lookups),
             ("hits", "Keys found (lookups and pins).", s.hits),

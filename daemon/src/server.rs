@@ -395,6 +395,68 @@ fn reload_config(r: &Reload, live: &mut Config, store: &Arc<Mutex<Store>>) {
     *live = new;
 }
 
+/// A graceful drain: refuses new pins and allocations, waits (up to
+/// `deadline`) for engines' pins and allocations to end, leaves the
+/// cluster (the core stops serving, the homes and the membership are told),
+/// then returns so the daemon stops (true when it left; false when a
+/// second SIGTERM/SIGINT ended it at once).
+async fn drain(
+    why: &str,
+    deadline: Duration,
+    store: &Arc<Mutex<Store>>,
+    cluster: Option<&Arc<crate::cluster::Cluster>>,
+    signals: &mut mpsc::Receiver<&'static str>,
+) -> bool {
+    let t0 = Instant::now();
+    store.lock().set_draining();
+    let (pins, allocs) = store.lock().engine_outstanding();
+    tracing::info!(
+        pins,
+        allocations = allocs,
+        "{why}: draining: new pins and allocations are refused; waiting up to {deadline:?} for engines to release what they hold (a second SIGTERM stops at once)"
+    );
+    sd_notify("STATUS=draining");
+    let until = t0 + deadline;
+    loop {
+        let (p, a) = store.lock().engine_outstanding();
+        if p + a == 0 {
+            break;
+        }
+        if Instant::now() >= until {
+            tracing::warn!(
+                pins = p,
+                allocations = a,
+                "drain deadline passed with pins or allocations outstanding; leaving anyway"
+            );
+            break;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            Some(sig) = signals.recv() => {
+                tracing::warn!("{sig} during the drain: stopping at once (peers wait out this daemon's lease)");
+                return false;
+            }
+        }
+    }
+    if let Some(c) = cluster {
+        tokio::select! {
+            r = c.leave(Duration::from_secs(2)) => tracing::info!(
+                copies_dropped = r.copies_dropped,
+                peers_confirmed = r.peers_confirmed,
+                peers = r.peers,
+                etcd_left = ?r.etcd_left,
+                "left the cluster"
+            ),
+            Some(sig) = signals.recv() => {
+                tracing::warn!("{sig} while leaving the cluster: stopping at once");
+                return false;
+            }
+        }
+    }
+    tracing::info!("drained in {:?}", t0.elapsed());
+    true
+}
+
 /// [`run`] with a configuration reload on `SIGHUP` (when `handle_signals`).
 pub async fn run_with(
     cfg: Config,
@@ -403,6 +465,7 @@ pub async fn run_with(
     reload: Option<Reload>,
 ) -> anyhow::Result<()> {
     let mut live_cfg = cfg.clone();
+    let cfg_drain_ms = cfg.server.drain_timeout_ms;
     let (path, default_location) = match &cfg.server.socket {
         Some(p) => (p.clone(), false),
         None => (default_socket_path(), true),
@@ -606,7 +669,8 @@ pub async fn run_with(
             }
         });
     }
-    let engine = EngineService::new(Arc::clone(&store), peers.clone(), cluster.clone());
+    let (drain_tx, mut drain_rx) = tokio::sync::watch::channel::<Option<u64>>(None);
+    let engine = EngineService::new(Arc::clone(&store), peers.clone(), cluster.clone(), drain_tx);
     let lease_left = store.lock().lease_left_at_unpin();
     let metrics = Arc::new(crate::metrics::Metrics::default().with_lease_left(lease_left));
     if let Some(l) = metrics_listener {
@@ -643,28 +707,45 @@ pub async fn run_with(
     }
     wedge_hook(&store);
     let hup_store = Arc::clone(&store);
-    let signals = async move {
-        if !handle_signals {
-            return std::future::pending::<&'static str>().await;
-        }
+    // Signals become messages, so that a second SIGTERM can end a drain.
+    let (sig_tx, mut sig_rx) = mpsc::channel::<&'static str>(4);
+    if handle_signals {
         use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
-        let mut hup = signal(SignalKind::hangup()).expect("install SIGHUP handler");
-        loop {
-            tokio::select! {
-                _ = term.recv() => return "SIGTERM",
-                _ = tokio::signal::ctrl_c() => return "SIGINT",
-                _ = hup.recv() => match &reload {
-                    Some(r) => reload_config(r, &mut live_cfg, &hup_store),
-                    None => tracing::warn!("SIGHUP: no configuration file to reload (started on the embedded default)"),
-                },
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        tokio::spawn(async move {
+            loop {
+                let sig = tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = int.recv() => "SIGINT",
+                    _ = hup.recv() => {
+                        match &reload {
+                            Some(r) => reload_config(r, &mut live_cfg, &hup_store),
+                            None => tracing::warn!("SIGHUP: no configuration file to reload (started on the embedded default)"),
+                        }
+                        continue;
+                    }
+                };
+                if sig_tx.send(sig).await.is_err() {
+                    return;
+                }
             }
+        });
+    }
+    let drain_ms = cfg_drain_ms;
+    let first = tokio::select! {
+        why = sig_rx.recv() => Some((why.unwrap_or("signal"), drain_ms)),
+        r = drain_rx.wait_for(|d| d.is_some()) => Some(("kvmesh drain", r.map(|d| d.unwrap_or(drain_ms)).unwrap_or(drain_ms))),
+        _ = shutdown => None,
+    };
+    let drained = match first {
+        Some((why, ms)) => drain(why, Duration::from_millis(ms), &store, cluster.as_ref(), &mut sig_rx).await,
+        None => {
+            tracing::info!("shutdown requested");
+            false
         }
     };
-    tokio::select! {
-        why = signals => tracing::info!("{why} received: shutting down"),
-        _ = shutdown => tracing::info!("shutdown requested"),
-    }
     sd_notify("STOPPING=1");
     watchdog_stop.store(true, Ordering::Relaxed);
     let _ = stop_tx.send(true);
@@ -676,8 +757,13 @@ pub async fn run_with(
         Err(_) => tracing::warn!("grpc server did not stop within 5 s"),
         _ => {}
     }
-    if let Some(ps) = peer_server {
-        let _ = tokio::time::timeout(Duration::from_secs(2), ps).await;
+    if let Some(mut ps) = peer_server {
+        // Peers keep their streams open; once this daemon left the cluster
+        // nothing they send matters any more.
+        let wait = if drained { Duration::from_millis(100) } else { Duration::from_secs(2) };
+        if tokio::time::timeout(wait, &mut ps).await.is_err() {
+            ps.abort();
+        }
     }
     drop(peers);
     drop(claim);

@@ -33,6 +33,9 @@ pub struct EngineService {
     peers: Option<Arc<crate::peers::Peers>>,
     cluster: Option<Arc<Cluster>>,
     started: Instant,
+    /// Set (to the deadline, ms) when a drain is asked for over the API;
+    /// the server watches it.
+    drain: tokio::sync::watch::Sender<Option<u64>>,
 }
 
 impl EngineService {
@@ -42,8 +45,9 @@ impl EngineService {
         store: Arc<Mutex<Store>>,
         peers: Option<Arc<crate::peers::Peers>>,
         cluster: Option<Arc<Cluster>>,
+        drain: tokio::sync::watch::Sender<Option<u64>>,
     ) -> Self {
-        EngineService { store, peers, cluster, started: Instant::now() }
+        EngineService { store, peers, cluster, started: Instant::now(), drain }
     }
 }
 
@@ -411,6 +415,34 @@ impl pb::engine_server::Engine for EngineService {
         let _ = session_of(&req)?;
         Ok(Response::new(self.snapshot().await))
     }
+
+    async fn drain(&self, req: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
+        let _ = session_of(&req)?;
+        let r = req.into_inner();
+        if r.deadline_ms > crate::config::DRAIN_TIMEOUT_MS_MAX {
+            return Err(Status::invalid_argument(format!(
+                "deadline_ms {} exceeds {} (10 minutes)",
+                r.deadline_ms,
+                crate::config::DRAIN_TIMEOUT_MS_MAX
+            )));
+        }
+        let (already, (pins, allocs), configured) = {
+            let mut st = self.store.lock();
+            let configured = st.config().server.drain_timeout_ms;
+            (st.set_draining(), st.engine_outstanding(), configured)
+        };
+        let deadline_ms = if r.deadline_ms == 0 { configured } else { r.deadline_ms };
+        if !already {
+            tracing::info!(deadline_ms, pins, allocations = allocs, "drain asked for over the engine API");
+            self.drain.send_replace(Some(deadline_ms));
+        }
+        Ok(Response::new(pb::DrainResponse {
+            already_draining: already,
+            pins_outstanding: pins,
+            allocations_outstanding: allocs,
+            deadline_ms: if already { self.drain.borrow().unwrap_or(configured) } else { deadline_ms },
+        }))
+    }
 }
 
 impl EngineService {
@@ -474,6 +506,7 @@ impl EngineService {
             peers_connected,
             remote_misses,
             coherence,
+            draining: self.store.lock().draining(),
         }
     }
 }

@@ -337,6 +337,8 @@ pub struct Store {
     pins_outstanding: u64,
     allocs_outstanding: u64,
     cfg: Config,
+    /// A drain is under way: new engine pins and allocations are refused.
+    draining: bool,
     /// Random per start; ties the fd handshake to the RPCs of this daemon.
     pub instance_id: u64,
     /// Counters for `Stats`.
@@ -513,6 +515,7 @@ impl Store {
             deadlines: BTreeSet::new(),
             lease_seq: 0,
             pins_outstanding: 0,
+            draining: false,
             allocs_outstanding: 0,
             cfg,
             // Start time in milliseconds (high 44 bits: later starts have
@@ -797,8 +800,39 @@ impl Store {
         Ok(v)
     }
 
+    /// Starts a drain: from now on engine pins and allocations are refused
+    /// (what was given may finish). True if it was already draining.
+    pub fn set_draining(&mut self) -> bool {
+        std::mem::replace(&mut self.draining, true)
+    }
+
+    /// Whether a drain is under way.
+    pub fn draining(&self) -> bool {
+        self.draining
+    }
+
+    /// Refuses new work while draining.
+    fn check_not_draining(&self) -> Result<(), Error> {
+        if self.draining {
+            return Err(Error::Unavailable(
+                "kvmeshd is draining (shutting down): no new pins or allocations; connect to the daemon that replaces it".into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Pins and allocations engines still hold (peers' grant pins and the
+    /// daemon's own fetches left out): what a drain waits for. O(sessions).
+    pub fn engine_outstanding(&self) -> (u64, u64) {
+        self.sessions
+            .iter()
+            .filter(|(id, _)| **id < PEER_SESSION_BASE)
+            .fold((0, 0), |(p, a), (_, s)| (p + s.pins.len() as u64, a + s.allocs.len() as u64))
+    }
+
     /// Refuses a pin request that would exceed the session's pin limit.
     pub fn check_pin_request(&mut self, session: SessionId, n: usize) -> Result<(), Error> {
+        self.check_not_draining()?;
         self.check_batch(n)?;
         self.check_pins_room(session, n)
     }
@@ -939,6 +973,7 @@ impl Store {
         stop_at_first_miss: bool,
         now: Instant,
     ) -> Result<(Vec<Option<PinOutcome>>, Instant), Error> {
+        self.check_not_draining()?;
         self.namespace(ns)?;
         self.check_batch(keys.len())?;
         self.check_pins_room(session, keys.len())?;
@@ -1138,6 +1173,7 @@ impl Store {
         lease_ms: u64,
         now: Instant,
     ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
+        self.check_not_draining()?;
         self.allocate_inner(session, ns, keys, lease_ms, None, now)
     }
 

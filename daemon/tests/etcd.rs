@@ -256,3 +256,42 @@ async fn etcd_membership_survives_restarts_outages_and_partitions() {
     wait_all_serving(&nodes, 3, "partition healed").await;
     eventually_all_serve(&nodes, b'D', b"ABC", "after D").await;
 }
+
+/// A drained daemon revokes its etcd lease on the way out: the others see a
+/// view without it at once (not after the lease TTL), an overwrite of a key
+/// it held completes without waiting for it, and it rejoins when started
+/// again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_daemon_revokes_its_lease_and_the_view_moves_on_at_once() {
+    let Some(etcd) = Etcd::start() else { return };
+    let ports = [free_port(), free_port(), free_port()];
+    let mut nodes: Vec<Daemon> =
+        (1..=3u32).map(|id| Daemon::start(&format!("etcd-drain-{id}"), &config(id, &ports, etcd.port))).collect();
+    wait_all_serving(&nodes, 3, "start").await;
+    put_until_stored(&nodes[0], b'A').await;
+    eventually_all_serve(&nodes, b'A', &[], "after A").await;
+    let n3 = &mut nodes[2];
+    let ok = Command::new("kill").arg("-TERM").arg(n3.child.id().to_string()).status().unwrap().success();
+    assert!(ok);
+    let t0 = Instant::now();
+    while n3.child.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no exit; log:\n{}", n3.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let exited = t0.elapsed();
+    assert!(n3.log().contains("lease revoked"), "{}", n3.log());
+    assert!(exited < Duration::from_secs(TTL_S), "a drain without pins took {exited:?}");
+    // Within a fraction of the TTL the others serve in a view of two.
+    let t1 = Instant::now();
+    for n in &nodes[..2] {
+        wait_until(n, "view without the drained daemon", |k| k.serving && k.members == 2 && k.directory_ready).await;
+    }
+    let view_after = t1.elapsed();
+    fill::put_until_stored(&nodes[0], KEY, b'B', Duration::from_secs(20)).await;
+    let stored_after = t1.elapsed();
+    eprintln!("drained daemon exited in {exited:?}; view of 2 after {view_after:?}; B stored after {stored_after:?}");
+    assert!(stored_after < Duration::from_millis(TTL_S * 1000 / 2), "waited for the lease: {stored_after:?}");
+    nodes[2].restart(&[]);
+    wait_all_serving(&nodes, 3, "drained daemon restarted").await;
+    eventually_all_serve(&nodes, b'B', b"A", "after B").await;
+}

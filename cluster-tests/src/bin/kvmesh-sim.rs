@@ -33,7 +33,8 @@ struct Args {
     #[arg(long, default_value_t = 8)]
     slots: usize,
     /// Plant a bug: skip-ack-wait, skip-validation, reuse-granted-slot,
-    /// ack-without-invalidate, coordinator-no-wait, etcd-short-ttl.
+    /// ack-without-invalidate, coordinator-no-wait, etcd-short-ttl,
+    /// leave-before-stop.
     #[arg(long)]
     inject_bug: Option<String>,
     /// Membership: `static` (the coordinator on node 0) or `etcd` (a model
@@ -100,6 +101,7 @@ fn main() -> std::process::ExitCode {
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
     let mut locate_grants = 0u64;
+    let mut drains = 0u64;
     let mut prefilled = 0u64;
     let mut violations = 0u64;
     let mut seeds_run = 0u64;
@@ -119,6 +121,7 @@ fn main() -> std::process::ExitCode {
                 vfail += s.validation_failures;
                 locate_grants += s.locate_grants;
                 crashes += s.crashes;
+                drains += s.drains;
                 epochs += s.epochs;
                 prefilled = prefilled.max(s.prefilled);
             }
@@ -142,7 +145,7 @@ fn main() -> std::process::ExitCode {
     eprintln!(
         "{seeds_run} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
          {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {crashes} crashes, \
-         {epochs} epochs",
+         {drains} drains, {epochs} epochs",
         events as f64 / secs
     );
     println!(

@@ -219,6 +219,9 @@ pub enum Bug {
     /// etcd membership with a lease TTL below the protocol lease (the rule
     /// the daemon's config check enforces, broken; simulator only).
     EtcdShortTtl,
+    /// A draining daemon asks the membership to remove it before its core
+    /// has stopped serving (read by drivers: the daemon and the simulator).
+    LeaveBeforeStop,
 }
 
 impl Bug {
@@ -231,17 +234,19 @@ impl Bug {
             "ack-without-invalidate" => Bug::AckWithoutInvalidate,
             "coordinator-no-wait" => Bug::CoordinatorNoWait,
             "etcd-short-ttl" => Bug::EtcdShortTtl,
+            "leave-before-stop" => Bug::LeaveBeforeStop,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 6] = [
+    pub const NAMES: [&'static str; 7] = [
         "skip-ack-wait",
         "skip-validation",
         "reuse-granted-slot",
         "ack-without-invalidate",
         "coordinator-no-wait",
         "etcd-short-ttl",
+        "leave-before-stop",
     ];
 }
 
@@ -320,6 +325,13 @@ pub enum Event {
     },
     /// Time passed: does what is due (O(log n) per timer due).
     Tick,
+    /// This node leaves the cluster for good (a drain before the process
+    /// exits): every operation in flight fails, every copy is dropped and
+    /// its home told (`RemoveHolder`), and from now on the node serves
+    /// nothing, answers no peer and sends no keepalive. Only after this
+    /// may the driver ask the membership to remove the node (a view that
+    /// leaves it out must never find it serving: M1).
+    Leave,
 }
 
 /// What a client call ended with.

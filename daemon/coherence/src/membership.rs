@@ -76,6 +76,16 @@ pub enum MembershipAction {
     /// A new view: feed it to the local core and send it to the other
     /// members.
     Publish(View),
+    /// Tell the coordinator `to` that `node` (this daemon, incarnation
+    /// `incarnation`) left the cluster and serves nothing any more.
+    ForwardLeave {
+        /// Destination.
+        to: NodeId,
+        /// The daemon that left.
+        node: NodeId,
+        /// Its incarnation.
+        incarnation: u64,
+    },
 }
 
 /// A membership service as a driver sees it. Times are microseconds on the
@@ -93,6 +103,19 @@ pub trait Membership: Send {
     /// (re)start.
     fn recovering(&self) -> bool {
         false
+    }
+    /// This daemon left the cluster: call only once its core has handled
+    /// `Event::Leave` (it serves nothing any more), so that a view without
+    /// it never finds it serving (M1). Asks for its removal now instead of
+    /// after the removal time. The coordinator itself cannot leave: it
+    /// answers nothing here, and its members stop serving when their
+    /// leases lapse, as after a crash.
+    fn leave(&mut self, _node: NodeId, _incarnation: u64, _now: Time) -> Vec<MembershipAction> {
+        Vec::new()
+    }
+    /// Another daemon says it left (the coordinator removes it at once).
+    fn peer_leave(&mut self, _node: NodeId, _incarnation: u64, _now: Time) -> Vec<MembershipAction> {
+        Vec::new()
     }
 }
 
@@ -144,6 +167,10 @@ impl Membership for Forwarder {
     fn coordinator(&self) -> NodeId {
         self.coordinator
     }
+
+    fn leave(&mut self, node: NodeId, incarnation: u64, _now: Time) -> Vec<MembershipAction> {
+        vec![MembershipAction::ForwardLeave { to: self.coordinator, node, incarnation }]
+    }
 }
 
 /// The coordinator: grants leases, detects silent members, publishes views.
@@ -156,6 +183,10 @@ pub struct Coordinator {
     removal_us: u64,
     /// No lease and no view before this time (local clock).
     recover_until: Option<Time>,
+    /// Daemons that left: incarnation and when (local clock). Their
+    /// keepalives still in flight must not bring them back; kept for the
+    /// removal time (one entry per node at most).
+    departed: BTreeMap<NodeId, (u64, Time)>,
 }
 
 impl Coordinator {
@@ -167,6 +198,7 @@ impl Coordinator {
             members: BTreeMap::new(),
             removal_us: cfg.removal_us,
             recover_until: (!cfg.skip_restart_wait).then_some(now + cfg.removal_us),
+            departed: BTreeMap::new(),
         }
     }
 
@@ -209,6 +241,12 @@ impl Coordinator {
     /// admitted again only once the newer has been silent for the removal
     /// time (a daemon whose clock stepped back still rejoins).
     fn record(&mut self, ka: &KeepAlive, now: Time) -> Option<bool> {
+        if let Some(&(inc, at)) = self.departed.get(&ka.node)
+            && ka.incarnation <= inc
+            && now.saturating_sub(at) <= self.removal_us
+        {
+            return None;
+        }
         if let Some(m) = self.members.get(&ka.node)
             && ka.incarnation < m.0
             && now.saturating_sub(m.2) <= self.removal_us
@@ -273,6 +311,7 @@ impl Membership for Coordinator {
         let before = self.members.len();
         let (removal, me) = (self.removal_us, self.me);
         self.members.retain(|&id, m| id == me || now.saturating_sub(m.2) <= removal);
+        self.departed.retain(|_, d| now.saturating_sub(d.1) <= removal);
         if self.members.len() != before {
             self.publish(&mut out);
         }
@@ -281,6 +320,26 @@ impl Membership for Coordinator {
 
     fn coordinator(&self) -> NodeId {
         self.me
+    }
+
+    fn peer_leave(&mut self, node: NodeId, incarnation: u64, now: Time) -> Vec<MembershipAction> {
+        let mut out = Vec::new();
+        if node == self.me {
+            return out;
+        }
+        // Only the incarnation that left: a newer one is a restarted
+        // daemon that serves (or will) and stays.
+        let d = self.departed.entry(node).or_insert((incarnation, now));
+        if incarnation >= d.0 {
+            *d = (incarnation, now);
+        }
+        if self.members.get(&node).is_some_and(|m| m.0 == incarnation) {
+            self.members.remove(&node);
+            if self.recover_until.is_none() {
+                self.publish(&mut out);
+            }
+        }
+        out
     }
 
     fn recovering(&self) -> bool {
@@ -515,6 +574,28 @@ mod tests {
         // lower one (a clock stepped back) is admitted.
         let v = published(&m.peer_keepalive(ka(2, 19, 4, 3), 3 + REMOVAL + 1)).expect("rejoin");
         assert_eq!(v.member(2).map(|x| x.incarnation), Some(19));
+    }
+
+    #[test]
+    fn a_member_that_left_is_removed_at_once_and_its_late_keepalives_ignored() {
+        let mut m = static_membership(StaticConfig { skip_restart_wait: true, ..cfg(0) }, 0);
+        m.keepalive(ka(1, 10, 0, 0), 0);
+        let v = published(&m.peer_keepalive(ka(2, 20, 1, 1), 1)).expect("node 2 joins");
+        assert_eq!(v.members.len(), 2);
+        // A leave of another incarnation changes nothing.
+        assert!(published(&m.peer_leave(2, 19, 2)).is_none());
+        // Its own leave: a view without it now, not after the removal time.
+        let v = published(&m.peer_leave(2, 20, 3)).expect("node 2 removed");
+        assert_eq!((v.epoch, v.members.iter().map(|x| x.id).collect::<Vec<_>>()), (v.epoch, vec![1]));
+        // A keepalive it sent before leaving, delayed: ignored.
+        assert!(m.peer_keepalive(ka(2, 20, 2, v.epoch), 4).is_empty());
+        // The restarted daemon (a new incarnation) joins again at once.
+        let v = published(&m.peer_keepalive(ka(2, 21, 5, v.epoch), 5)).expect("restart joins");
+        assert_eq!(v.member(2).map(|x| x.incarnation), Some(21));
+        // The coordinator cannot leave its own view; a forwarder forwards.
+        assert!(m.leave(1, 10, 6).is_empty());
+        let mut f = static_membership(StaticConfig { me: 2, ..cfg(0) }, 0);
+        assert_eq!(f.leave(2, 21, 7), vec![MembershipAction::ForwardLeave { to: 1, node: 2, incarnation: 21 }]);
     }
 
     #[test]

@@ -267,6 +267,8 @@ pub struct Node {
     view: View,
     now: Time,
     lease_until: Option<Time>,
+    /// The node left the cluster (`Event::Leave`): it never serves again.
+    left: bool,
     last_keepalive: Option<Time>,
     /// Send times of the last keepalives (an acknowledgement must echo one).
     keepalives_sent: VecDeque<Time>,
@@ -329,6 +331,7 @@ impl Node {
             view: View::default(),
             now: 0,
             lease_until: None,
+            left: false,
             last_keepalive: None,
             keepalives_sent: VecDeque::new(),
             copies: FxHashMap::with_capacity_and_hasher(expected, Default::default()),
@@ -584,6 +587,7 @@ impl Node {
             Event::Receive { from, batch } => self.receive(from, batch),
             Event::TransferDone { op, dest, result } => self.transfer_done(op, dest, result),
             Event::View(v) => self.new_view(v),
+            Event::KeepAliveAck { .. } if self.left => {}
             Event::KeepAliveAck { sent_at } if !self.keepalives_sent.contains(&sent_at) => {
                 self.metrics.unsolicited_keepalive_acks += 1;
             }
@@ -594,6 +598,7 @@ impl Node {
                 self.lease_until = Some(self.lease_until.map_or(until, |u| u.max(until)));
             }
             Event::Tick => self.tick(),
+            Event::Leave => self.leave(),
         }
         self.drain_inbox();
         self.flush(false);
@@ -648,6 +653,11 @@ impl Node {
     }
 
     fn drain_inbox(&mut self) {
+        if self.left {
+            // Nothing is answered once the node left (not even itself).
+            self.inbox.clear();
+            return;
+        }
         while let Some((from, msg)) = self.inbox.pop_front() {
             self.dispatch(from, msg);
         }
@@ -929,7 +939,7 @@ impl Node {
 
     fn tick(&mut self) {
         let now = self.now;
-        if self.last_keepalive.is_none_or(|l| now >= l + self.cfg.keepalive_us) {
+        if !self.left && self.last_keepalive.is_none_or(|l| now >= l + self.cfg.keepalive_us) {
             self.last_keepalive = Some(now);
             if self.keepalives_sent.len() >= KEEPALIVES_REMEMBERED {
                 self.keepalives_sent.pop_front();
@@ -1006,6 +1016,41 @@ impl Node {
         }
     }
 
+    /// Leaves the cluster for good (`Event::Leave`): fails every operation
+    /// in flight, drops every copy and tells its home (so no change waits
+    /// for this node's ack until a view leaves it out), gives up the lease
+    /// and sends everything queued now.
+    fn leave(&mut self) {
+        if self.left {
+            return;
+        }
+        let ops: Vec<OpId> = self.ops.keys().copied().collect();
+        for id in ops {
+            self.expire_op(id);
+        }
+        let keys: Vec<BlockKey> = self.copies.keys().copied().collect();
+        for key in keys {
+            if let Some(c) = self.drop_copy(&key)
+                && let Some(home) = self.view.home_of(&key)
+                && home != self.id
+            {
+                self.send(home, Msg::RemoveHolder { key, version: c.version, copy: c.id });
+            }
+        }
+        self.left = true;
+        self.lease_until = None;
+        self.dir.clear();
+        self.timers.changes.clear();
+        self.timers.announces.clear();
+        self.announce_pending.clear();
+        self.flush(true);
+    }
+
+    /// Whether this node left the cluster (`Event::Leave`).
+    pub fn has_left(&self) -> bool {
+        self.left
+    }
+
     /// A change's retransmission timer fired (its entry already removed):
     /// resends the invalidation to holders that have not acked for a
     /// retransmit interval, and sets the timer again.
@@ -1073,7 +1118,7 @@ impl Node {
     // ----- membership -----
 
     fn new_view(&mut self, v: View) {
-        if v.epoch <= self.view.epoch {
+        if v.epoch <= self.view.epoch || self.left {
             return;
         }
         self.view = v;
@@ -1146,7 +1191,7 @@ impl Node {
 
     fn receive(&mut self, from: NodeId, batch: Batch) {
         let known = self.view.member(from).is_some_and(|m| m.incarnation == batch.incarnation);
-        if batch.epoch != self.view.epoch || !known || self.view.member(self.id).is_none() {
+        if self.left || batch.epoch != self.view.epoch || !known || self.view.member(self.id).is_none() {
             self.metrics.stale_epoch_drops += 1;
             return;
         }

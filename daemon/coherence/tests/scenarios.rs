@@ -485,3 +485,43 @@ fn a_large_announce_travels_in_parts_and_needs_them_all() {
         assert!(net.nodes[1].directory().any(|(dk, d)| dk == k && d.holders == vec![0]), "{k:?} registered");
     }
 }
+
+#[test]
+fn a_node_that_leaves_tells_the_homes_and_serves_nothing_more() {
+    let mut net = Net::new(3, Config::default());
+    // Find a key homed away from node 2, put it on node 0, read it on 2.
+    let k = (0..64u128).map(key).find(|k| net.nodes[0].view().home_of(k) != Some(2)).unwrap();
+    let home = net.nodes[0].view().home_of(&k).unwrap();
+    net.put(0, 1, k, 3);
+    net.settle();
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    assert!(matches!(net.outcome(2, 2), Some(Outcome::Hit { .. })));
+    let holders = |net: &Net| net.nodes[home as usize].directory().find(|(x, _)| *x == k).unwrap().1.holders;
+    assert!(holders(&net).contains(&2));
+    // Node 2 leaves: its copy is gone and the home unregisters it, without
+    // waiting for any view change.
+    net.drive(2, Event::Leave);
+    assert!(net.nodes[2].has_left() && !net.nodes[2].serving());
+    assert_eq!(net.nodes[2].copies().count(), 0);
+    net.settle();
+    assert!(!holders(&net).contains(&2), "the home still lists the node that left: {:?}", holders(&net));
+    // So an overwrite from node 0 completes without node 2.
+    net.put(0, 3, k, 4);
+    net.settle();
+    assert!(matches!(net.outcome(0, 3), Some(Outcome::Stored { .. })), "{:?}", net.outcome(0, 3));
+    // After leaving: calls are refused, no keepalive is sent, an ack of an
+    // earlier keepalive does not make it serve again.
+    // (The ack echoes its latest keepalive, still inside the lease.)
+    let sent = net.last_keepalive(2).unwrap();
+    net.drive(2, Event::KeepAliveAck { sent_at: sent });
+    net.drive(2, Event::ClientGet { op: 4, key: k });
+    assert_eq!(net.outcome(2, 4), Some(Outcome::Error(kvmesh_coherence::ErrorKind::NotMember)));
+    assert!(!net.nodes[2].serving());
+    let before = net.keepalives.iter().filter(|x| x.0 == 2).count();
+    net.now += 10_000_000;
+    net.drive(2, Event::Tick);
+    assert_eq!(net.keepalives.iter().filter(|x| x.0 == 2).count(), before, "no keepalive after leaving");
+}

@@ -68,6 +68,21 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Drain the daemon: refuse new pins and allocations, let those given
+    /// end (up to the deadline), leave the cluster, exit. Waits until the
+    /// daemon has exited unless --no-wait.
+    Drain {
+        /// How long pins may take to end, ms (0: the daemon's
+        /// server.drain_timeout_ms).
+        #[arg(long, default_value_t = 0)]
+        deadline_ms: u64,
+        /// Return once the drain started.
+        #[arg(long)]
+        no_wait: bool,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Store one block from a file (exactly one block long).
     Put {
         /// Write a new version even if the key is cached (mutable keys).
@@ -236,6 +251,53 @@ async fn run(args: Args) -> Result<(), Failure> {
                 }
             }
         }
+        Cmd::Drain { deadline_ms, no_wait, json } => {
+            let path = args.socket.clone().unwrap_or_else(kvmesh_client::default_socket_path);
+            let client = connect(args.socket).await?;
+            let r = client.drain(deadline_ms).await?;
+            drop(client);
+            let t0 = std::time::Instant::now();
+            let mut exited = None;
+            if !no_wait {
+                // The daemon is gone when its socket refuses connections.
+                let limit = std::time::Duration::from_millis(r.deadline_ms) + std::time::Duration::from_secs(15);
+                while t0.elapsed() < limit {
+                    if tokio::net::UnixStream::connect(&path).await.is_err() {
+                        exited = Some(t0.elapsed());
+                        break;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                }
+            }
+            if json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "already_draining": r.already_draining, "pins_outstanding": r.pins_outstanding,
+                        "allocations_outstanding": r.allocations_outstanding, "deadline_ms": r.deadline_ms,
+                        "waited": !no_wait, "exited": exited.is_some(),
+                        "exited_after_ms": exited.map(|d| d.as_millis() as u64),
+                    })
+                );
+            } else {
+                println!(
+                    "{}: {} pins and {} allocations outstanding, deadline {} ms",
+                    if r.already_draining { "already draining" } else { "draining" },
+                    r.pins_outstanding,
+                    r.allocations_outstanding,
+                    r.deadline_ms
+                );
+                if let Some(d) = exited {
+                    println!("daemon exited after {:.1} s", d.as_secs_f64());
+                }
+            }
+            if !no_wait && exited.is_none() {
+                return Err(Failure::Error(format!(
+                    "the daemon still runs {:.0} s after the drain began",
+                    t0.elapsed().as_secs_f64()
+                )));
+            }
+        }
         Cmd::Put { overwrite, namespace, block_size, key, file } => {
             let key = parse_key(&key)?;
             if block_size == 0 {
@@ -376,7 +438,13 @@ fn print_stats(s: &kvmesh_client::Stats) {
             if p.mlocked { ", mlocked" } else { "" }
         );
     }
-    println!("namespaces {}  sessions {}  uptime {} s", s.namespaces, s.sessions, s.uptime_ms / 1000);
+    println!(
+        "namespaces {}  sessions {}  uptime {} s{}",
+        s.namespaces,
+        s.sessions,
+        s.uptime_ms / 1000,
+        if s.draining { "  DRAINING (new pins and allocations refused)" } else { "" }
+    );
     println!("pins outstanding {}  allocations outstanding {}", s.pins_outstanding, s.allocations_outstanding);
     println!(
         "lookups {}  hits {}  misses {}  pins {}  commits {}  aborts {}",

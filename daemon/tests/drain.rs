@@ -1,0 +1,183 @@
+//! Graceful drain (SIGTERM, `kvmesh drain`): new pins and allocations are
+//! refused with a clear error, pins already given may end (up to the
+//! deadline), a second SIGTERM stops at once, and a drained daemon leaves
+//! its cluster so that no peer waits out its lease — compared here with a
+//! SIGKILL of the same daemon in the same setup.
+
+mod common;
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{Daemon, fill, free_port, peer_config, pool, run_cli};
+use kvmesh_client::{ErrorKind, Key};
+
+const KEY: Key = Key(0xd7a1_0000_0000_0000_0000_0000_0000_0001);
+
+fn signal(d: &Daemon, sig: &str) {
+    let ok = Command::new("kill").arg(sig).arg(d.child.id().to_string()).status().expect("run kill").success();
+    assert!(ok, "kill {sig} {}", d.child.id());
+}
+
+/// Waits for the daemon process to end; its exit status, or None after
+/// `limit`. (Async: the client's unpins run on this runtime meanwhile.)
+async fn wait_exit(d: &mut Daemon, limit: Duration) -> Option<std::process::ExitStatus> {
+    let t0 = Instant::now();
+    while t0.elapsed() < limit {
+        if let Some(s) = d.child.try_wait().expect("try_wait") {
+            return Some(s);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    None
+}
+
+async fn wait_draining(d: &Daemon) {
+    let c = d.client().await;
+    let t0 = Instant::now();
+    while !c.stats().await.unwrap().draining {
+        assert!(t0.elapsed() < Duration::from_secs(10), "never draining; log:\n{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_drain_refuses_new_work_waits_for_pins_then_exits() {
+    let mut d = Daemon::start("drain-pins", &pool("p", "4MiB", "4KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("ns", 4096, "t").await.unwrap();
+    let data = vec![7u8; 4096];
+    c.put(&ns, &[(KEY, &data)]).await.unwrap();
+    let held = c.pin(&ns, &[KEY]).await.unwrap().pop().flatten().expect("hit");
+
+    signal(&d, "-TERM");
+    wait_draining(&d).await;
+    // A new connection still works for reads of state, but new pins and
+    // allocations are refused, saying why.
+    let c2 = d.client().await;
+    let e = c2.pin(&ns, &[KEY]).await.expect_err("a pin while draining");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains("draining"), "{e}");
+    let e = c2.allocate(&ns, &[Key(KEY.0 + 1)]).await.expect_err("an allocation while draining");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    let s = c2.stats().await.unwrap();
+    assert_eq!(s.pins_outstanding, 1);
+    // The pin still reads its bytes, and the daemon waits for it.
+    assert!(held.iter().all(|&b| b == 7));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(d.child.try_wait().unwrap().is_none(), "exited with a pin outstanding; log:\n{}", d.log());
+    drop(held);
+    drop(c2);
+    let status =
+        wait_exit(&mut d, Duration::from_secs(10)).await.unwrap_or_else(|| panic!("no exit; log:\n{}", d.log()));
+    assert!(status.success(), "{status:?}; log:\n{}", d.log());
+    let log = d.log();
+    assert!(log.contains("SIGTERM: draining") && log.contains("drained in"), "{log}");
+    assert!(!d.socket.exists(), "socket left behind");
+}
+
+#[tokio::test]
+async fn a_second_sigterm_stops_at_once() {
+    let mut d = Daemon::start("drain-twice", &pool("p", "4MiB", "4KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("ns", 4096, "t").await.unwrap();
+    c.put(&ns, &[(KEY, &[1u8; 4096])]).await.unwrap();
+    let _held = c.pin(&ns, &[KEY]).await.unwrap().pop().flatten().expect("hit");
+    signal(&d, "-TERM");
+    wait_draining(&d).await;
+    let t0 = Instant::now();
+    signal(&d, "-TERM");
+    let status =
+        wait_exit(&mut d, Duration::from_secs(8)).await.unwrap_or_else(|| panic!("no exit; log:\n{}", d.log()));
+    assert!(status.success(), "{status:?}");
+    assert!(t0.elapsed() < Duration::from_secs(8));
+    assert!(d.log().contains("SIGTERM during the drain: stopping at once"), "{}", d.log());
+}
+
+#[tokio::test]
+async fn kvmesh_drain_with_a_deadline_ends_a_held_pin_and_waits_for_the_exit() {
+    let mut d = Daemon::start("drain-cli", &pool("p", "4MiB", "4KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("ns", 4096, "t").await.unwrap();
+    c.put(&ns, &[(KEY, &[2u8; 4096])]).await.unwrap();
+    let _held = c.pin(&ns, &[KEY]).await.unwrap().pop().flatten().expect("hit");
+    // Bad input is refused without draining.
+    let (code, _, err) = run_cli(&d.socket, &["drain", "--deadline-ms", "999999999"]);
+    assert_eq!(code, 1, "{err}");
+    assert!(err.contains("exceeds"), "{err}");
+    assert!(!c.stats().await.unwrap().draining);
+    let t0 = Instant::now();
+    let socket = d.socket.clone();
+    let out = tokio::task::spawn_blocking(move || run_cli(&socket, &["drain", "--deadline-ms", "400", "--json"]))
+        .await
+        .unwrap();
+    let (code, stdout, stderr) = out;
+    assert_eq!(code, 0, "{stdout}{stderr}; log:\n{}", d.log());
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(v["pins_outstanding"], 1);
+    assert_eq!(v["deadline_ms"], 400);
+    assert_eq!(v["exited"], true);
+    assert!(t0.elapsed() >= Duration::from_millis(400), "the pin's deadline was not waited for");
+    let status = wait_exit(&mut d, Duration::from_secs(5)).await.expect("exited");
+    assert!(status.success());
+    assert!(d.log().contains("drain deadline passed"), "{}", d.log());
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Departure {
+    Drain,
+    Kill,
+}
+
+/// Three daemons; node 3 holds a copy of KEY (it read it). Node 3 departs
+/// (drain or SIGKILL); returns how long node 1's overwrite of KEY then takes
+/// to be stored (it must not complete while a serving holder is unacked).
+async fn overwrite_after_departure(how: Departure) -> Duration {
+    let ports = [free_port(), free_port(), free_port()];
+    let pools = pool("p", "8MiB", "64KiB");
+    let coherence = "[coherence]\nmembership_lease_ms = 4000\nop_timeout_ms = 1000\n";
+    let mut nodes: Vec<Daemon> = (1..=3)
+        .map(|id| Daemon::start(&format!("depart-{how:?}-{id}"), &(peer_config(id, &ports, "tcp", &pools) + coherence)))
+        .collect();
+    for n in &nodes {
+        n.wait_peers(2).await;
+    }
+    fill::put_until_stored(&nodes[0], KEY, b'A', Duration::from_secs(20)).await;
+    assert_eq!(fill::get(&nodes[2], KEY).await, Some(b'A'), "node 3 reads (and holds) A");
+    let mut n3 = nodes.pop().unwrap();
+    match how {
+        Departure::Drain => {
+            signal(&n3, "-TERM");
+            let s = wait_exit(&mut n3, Duration::from_secs(10)).await.unwrap_or_else(|| panic!("log:\n{}", n3.log()));
+            assert!(s.success());
+            let log = n3.log();
+            assert!(log.contains("left the cluster") && log.contains("peers_confirmed=2"), "{log}");
+        }
+        Departure::Kill => {
+            n3.child.kill().unwrap();
+            n3.child.wait().unwrap();
+        }
+    }
+    let took = fill::put_until_stored(&nodes[0], KEY, b'B', Duration::from_secs(30)).await;
+    assert_eq!(fill::get(&nodes[0], KEY).await, Some(b'B'));
+    let c = nodes[1].client().await;
+    let t0 = Instant::now();
+    while !c.stats().await.unwrap().coherence.is_some_and(|k| k.members == 2 && k.directory_ready) {
+        assert!(t0.elapsed() < Duration::from_secs(10));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(fill::get(&nodes[1], KEY).await, Some(b'B'));
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_daemon_leaves_at_once_a_killed_one_is_waited_out() {
+    let drained = overwrite_after_departure(Departure::Drain).await;
+    let killed = overwrite_after_departure(Departure::Kill).await;
+    eprintln!("overwrite after the holder departed: drained {drained:?}, SIGKILLed {killed:?}");
+    // The membership lease is 4 s: a killed holder is removed (and the
+    // overwrite completes) only after it; a drained one told the home and
+    // the coordinator before it exited.
+    assert!(killed >= Duration::from_millis(2_500), "killed: {killed:?}");
+    assert!(drained < Duration::from_millis(1_500), "drained: {drained:?} (killed: {killed:?})");
+}
