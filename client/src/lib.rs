@@ -931,6 +931,12 @@ impl Client {
         Ok(self.rpc().drain(pb::DrainRequest { deadline_ms }).await?.into_inner())
     }
 
+    /// The daemon's running configuration as TOML, and where it came from.
+    pub async fn config(&self) -> Result<(String, String)> {
+        let r = self.rpc().get_config(pb::GetConfigRequest {}).await?.into_inner();
+        Ok((r.toml, r.source))
+    }
+
     /// Daemon statistics.
     pub async fn stats(&self) -> Result<Stats> {
         Ok(self.rpc().stats(pb::StatsRequest {}).await?.into_inner())

@@ -175,6 +175,8 @@ pub struct Cluster {
     store: Arc<Mutex<Store>>,
     peers: Arc<Peers>,
     links: HashMap<NodeId, mpsc::Sender<pb::Frame>>,
+    /// Per peer: the state of this daemon's stream to it.
+    link_stats: HashMap<NodeId, LinkStats>,
     timer: Notify,
     /// Driver counters.
     pub counters: ClusterCounters,
@@ -187,6 +189,31 @@ pub struct Cluster {
     /// every frame before it). Keyed by (peer, ping number).
     barriers: Mutex<HashMap<(NodeId, u64), oneshot::Sender<()>>>,
     next_barrier: AtomicU64,
+}
+
+/// The state of the coherence stream to one peer (for `Stats`).
+#[derive(Default)]
+struct LinkStats {
+    up: std::sync::atomic::AtomicBool,
+    /// When the peer last answered a ping (µs on the driver's clock; 0:
+    /// never).
+    last_pong_us: AtomicU64,
+    queue_drops: AtomicU64,
+}
+
+/// One peer as the coherence driver sees it.
+#[derive(Clone, Debug)]
+pub struct LinkInfo {
+    /// Peer.
+    pub id: NodeId,
+    /// The stream to it is up.
+    pub up: bool,
+    /// Since its last pong (None: never).
+    pub last_pong_ago: Option<Duration>,
+    /// Frames to it dropped.
+    pub queue_drops: u64,
+    /// Its incarnation in the current view, if a member.
+    pub view_incarnation: Option<u64>,
 }
 
 /// Ping numbers from here up are flush barriers (heartbeats count from 1).
@@ -296,10 +323,12 @@ impl Cluster {
         }
         store.lock().set_coherent();
         let mut links = HashMap::new();
+        let mut link_stats = HashMap::new();
         let mut link_rx = Vec::new();
         for e in peers.entries() {
             let (tx, rx) = mpsc::channel(cfg.peer_queue_frames);
             links.insert(e.id, tx);
+            link_stats.insert(e.id, LinkStats::default());
             link_rx.push((e.clone(), rx));
         }
         tracing::info!(node = id, coordinator, "coherence driver started");
@@ -325,6 +354,7 @@ impl Cluster {
             store,
             peers,
             links,
+            link_stats,
             timer: Notify::new(),
             counters: ClusterCounters::default(),
             reads_in_flight: AtomicU64::new(0),
@@ -598,6 +628,9 @@ impl Cluster {
             Some(tx) => {
                 if tx.try_send(f).is_err() {
                     self.counters.queue_drops.fetch_add(1, Ordering::Relaxed);
+                    if let Some(l) = self.link_stats.get(&to) {
+                        l.queue_drops.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             None => tracing::warn!(peer = to, "coherence: no link to node (not in [[peers]])"),
@@ -844,6 +877,10 @@ impl Cluster {
                 dropped += 1;
             }
             self.counters.queue_drops.fetch_add(dropped, Ordering::Relaxed);
+            if let Some(l) = self.link_stats.get(&entry.id) {
+                l.up.store(false, Ordering::Relaxed);
+                l.queue_drops.fetch_add(dropped, Ordering::Relaxed);
+            }
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -872,6 +909,10 @@ impl Cluster {
         .map_err(|s| format!("exchange: {}", s.message()))?;
         let mut inbound = resp.into_inner();
         tracing::info!(peer = entry.id, "coherence stream up");
+        let stats = self.link_stats.get(&entry.id);
+        if let Some(l) = stats {
+            l.up.store(true, Ordering::Relaxed);
+        }
         let mut ping = tokio::time::interval(heartbeat);
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_pong = Instant::now();
@@ -885,6 +926,9 @@ impl Cluster {
                 m = inbound.message() => match m {
                     Ok(Some(pb::Frame { body: Some(pb::frame::Body::Pong(x)) })) => {
                         last_pong = Instant::now();
+                        if let Some(l) = stats {
+                            l.last_pong_us.store(self.now_us().max(1), Ordering::Relaxed);
+                        }
                         if x >= BARRIER_BASE && let Some(w) = self.barriers.lock().remove(&(entry.id, x)) {
                             let _ = w.send(());
                         }
@@ -1324,6 +1368,28 @@ impl Cluster {
         drop(g);
         self.timer.notify_one();
         res
+    }
+
+    /// Every configured peer: its stream and its place in the view.
+    pub fn links(&self) -> Vec<LinkInfo> {
+        let view = self.inner.lock().node.view().clone();
+        let now = self.now_us();
+        let mut out: Vec<LinkInfo> = self
+            .link_stats
+            .iter()
+            .map(|(&id, l)| {
+                let pong = l.last_pong_us.load(Ordering::Relaxed);
+                LinkInfo {
+                    id,
+                    up: l.up.load(Ordering::Relaxed),
+                    last_pong_ago: (pong > 0).then(|| Duration::from_micros(now.saturating_sub(pong))),
+                    queue_drops: l.queue_drops.load(Ordering::Relaxed),
+                    view_incarnation: view.member(id).map(|m| m.incarnation),
+                }
+            })
+            .collect();
+        out.sort_by_key(|l| l.id);
+        out
     }
 
     /// Leaves the cluster for good (a drain, before the process exits):

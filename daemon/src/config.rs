@@ -3,14 +3,14 @@
 
 use std::path::PathBuf;
 
-use serde::{Deserialize, Deserializer};
+use serde::{Deserialize, Deserializer, Serialize};
 
 /// The default configuration, embedded in the binary (`kvmeshd` with no
 /// arguments runs on it; `kvmeshd --print-default-config` prints it).
 pub const DEFAULT_CONFIG: &str = include_str!("../kvmeshd.default.toml");
 
 /// Whole configuration file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
     /// Engine socket.
@@ -49,7 +49,7 @@ pub struct Config {
 }
 
 /// `[log]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// A `RUST_LOG`-style filter (`info`, `kvmeshd::cluster=debug,info`);
@@ -108,7 +108,7 @@ impl Config {
 }
 
 /// `[metrics]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// `host:port` serving `GET /metrics` (Prometheus); `""` turns it off.
@@ -134,7 +134,7 @@ impl MetricsConfig {
 }
 
 /// `[membership]`: where views and membership leases come from.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MembershipConfig {
     /// `static`: the configured peers, with a coordinator daemon
@@ -166,7 +166,7 @@ impl Default for MembershipConfig {
 }
 
 /// `[node]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct NodeConfig {
     /// Node id, unique in the cluster.
@@ -180,7 +180,7 @@ impl Default for NodeConfig {
 }
 
 /// `[peer]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerConfig {
     /// Address of the peer gRPC service (`host:port`); none: no peer service.
@@ -222,7 +222,7 @@ impl Default for PeerConfig {
 
 /// `[coherence]`: the coherence protocol between clustered daemons and
 /// the static membership that feeds it.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CoherenceConfig {
     /// Node that runs the membership coordinator (grants membership
@@ -301,7 +301,7 @@ impl Default for CoherenceConfig {
 }
 
 /// `[[peers]]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PeerEntry {
     /// The peer's node id.
@@ -311,7 +311,7 @@ pub struct PeerEntry {
 }
 
 /// `[server]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerConfig {
     /// Path of the engine socket. Default: `$XDG_RUNTIME_DIR/kvmesh/kvmeshd.sock`,
@@ -341,7 +341,7 @@ impl Default for ServerConfig {
 pub const DRAIN_TIMEOUT_MS_MAX: u64 = 600_000;
 
 /// `[limits]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitsConfig {
     /// Most keys in one request.
@@ -378,7 +378,7 @@ impl Default for LimitsConfig {
 }
 
 /// `[eviction]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EvictionConfig {
     /// When the used fraction of a pool exceeds this, evict...
@@ -394,7 +394,7 @@ impl Default for EvictionConfig {
 }
 
 /// `[[pools]]`
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     /// Name in stats and logs.
@@ -458,6 +458,11 @@ fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
 pub const POOL_SLOTS_MAX: u64 = 1 << 24;
 
 impl Config {
+    /// The configuration as TOML (every field, defaults filled in).
+    pub fn to_toml(&self) -> Result<String, String> {
+        toml::to_string(self).map_err(|e| e.to_string())
+    }
+
     /// Parses and validates a configuration text; `origin` names it in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config, String> {
         let cfg: Config = toml::from_str(text).map_err(|e| format!("{origin}: {e}"))?;

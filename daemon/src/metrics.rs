@@ -187,6 +187,47 @@ impl prometheus_client::collector::Collector for Snapshot {
                 ConstGauge::new(get(p)).encode(me.encode_family(&labels)?)?;
             }
         }
+        // Per peer (bounded by the configured [[peers]]).
+        if !s.peers.is_empty() {
+            for (name, help, get) in [
+                (
+                    "peer_up",
+                    "1 when the coherence stream to the peer is up.",
+                    (|p: &pb::PeerInfo| p.stream_up as u64) as fn(&pb::PeerInfo) -> u64,
+                ),
+                ("peer_handshake", "1 when the data-plane handshake with the peer is done.", |p| p.handshake as u64),
+                ("peer_in_view", "1 when the peer is a member of the current view.", |p| p.in_view as u64),
+            ] {
+                let g = ConstGauge::new(0u64);
+                let mut me = e.encode_descriptor(name, help, None, g.metric_type())?;
+                for p in &s.peers {
+                    let id = p.id.to_string();
+                    ConstGauge::new(get(p)).encode(me.encode_family(&[("peer", id.as_str())])?)?;
+                }
+            }
+            let c = ConstCounter::new(0u64);
+            let mut me = e.encode_descriptor(
+                "peer_queue_drops",
+                "Frames to the peer dropped (queue full or stream down).",
+                None,
+                c.metric_type(),
+            )?;
+            for p in &s.peers {
+                let id = p.id.to_string();
+                ConstCounter::new(p.queue_drops).encode(me.encode_family(&[("peer", id.as_str())])?)?;
+            }
+            let g = ConstGauge::new(0.0f64);
+            let mut me = e.encode_descriptor(
+                "peer_last_pong_age_seconds",
+                "Seconds since the peer last answered a heartbeat (absent: never).",
+                None,
+                g.metric_type(),
+            )?;
+            for p in s.peers.iter().filter(|p| p.last_pong_ms_ago > 0) {
+                let id = p.id.to_string();
+                ConstGauge::new(p.last_pong_ms_ago as f64 / 1e3).encode(me.encode_family(&[("peer", id.as_str())])?)?;
+            }
+        }
         if let Some(c) = &s.coherence {
             gauge(e, "coherence_serving", "1 when the daemon serves (member of the current view).", c.serving as u64)?;
             gauge(e, "coherence_epoch", "Membership epoch.", c.epoch)?;

@@ -105,6 +105,17 @@ impl Peers {
         n
     }
 
+    /// Every configured peer: id, address, and the incarnation of its
+    /// handshake (None without one).
+    pub async fn handshakes(&self) -> Vec<(u32, String, Option<u64>)> {
+        let mut out = Vec::new();
+        for p in &self.peers {
+            let inc = p.conn.lock().await.as_ref().map(|c| c.incarnation);
+            out.push((p.entry.id, p.entry.addr.clone(), inc));
+        }
+        out
+    }
+
     /// Connects to every configured peer that is not connected yet.
     pub async fn connect_all(&self) {
         let futs = self.peers.iter().map(|p| self.ensure(p));

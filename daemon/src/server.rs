@@ -390,7 +390,11 @@ fn reload_config(r: &Reload, live: &mut Config, store: &Arc<Mutex<Store>>) {
         tracing::error!("config reload: log.filter: {e}; nothing changed");
         return;
     }
-    store.lock().reload_limits(new.limits.clone(), new.eviction.clone());
+    {
+        let mut st = store.lock();
+        st.reload_limits(new.limits.clone(), new.eviction.clone());
+        st.reload_log(new.log.clone());
+    }
     tracing::info!("config reloaded from {} (log.filter, limits, eviction)", r.path.display());
     *live = new;
 }
@@ -670,7 +674,10 @@ pub async fn run_with(
         });
     }
     let (drain_tx, mut drain_rx) = tokio::sync::watch::channel::<Option<u64>>(None);
-    let engine = EngineService::new(Arc::clone(&store), peers.clone(), cluster.clone(), drain_tx);
+    let source = reload
+        .as_ref()
+        .map_or("no file (the embedded default, or given in-process)".to_string(), |r| r.path.display().to_string());
+    let engine = EngineService::new(Arc::clone(&store), peers.clone(), cluster.clone(), drain_tx, source);
     let lease_left = store.lock().lease_left_at_unpin();
     let metrics = Arc::new(crate::metrics::Metrics::default().with_lease_left(lease_left));
     if let Some(l) = metrics_listener {

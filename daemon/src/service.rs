@@ -36,6 +36,8 @@ pub struct EngineService {
     /// Set (to the deadline, ms) when a drain is asked for over the API;
     /// the server watches it.
     drain: tokio::sync::watch::Sender<Option<u64>>,
+    /// Where the configuration came from (`GetConfig`).
+    config_source: String,
 }
 
 impl EngineService {
@@ -46,8 +48,9 @@ impl EngineService {
         peers: Option<Arc<crate::peers::Peers>>,
         cluster: Option<Arc<Cluster>>,
         drain: tokio::sync::watch::Sender<Option<u64>>,
+        config_source: String,
     ) -> Self {
-        EngineService { store, peers, cluster, started: Instant::now(), drain }
+        EngineService { store, peers, cluster, started: Instant::now(), drain, config_source }
     }
 }
 
@@ -416,6 +419,13 @@ impl pb::engine_server::Engine for EngineService {
         Ok(Response::new(self.snapshot().await))
     }
 
+    async fn get_config(&self, req: Request<pb::GetConfigRequest>) -> Result<Response<pb::GetConfigResponse>, Status> {
+        let _ = session_of(&req)?;
+        let cfg = self.store.lock().config().clone();
+        let toml = cfg.to_toml().map_err(|e| Status::internal(format!("cannot render the config: {e}")))?;
+        Ok(Response::new(pb::GetConfigResponse { toml, source: self.config_source.clone() }))
+    }
+
     async fn drain(&self, req: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
         let _ = session_of(&req)?;
         let r = req.into_inner();
@@ -455,6 +465,26 @@ impl EngineService {
             None => 0,
         };
         let coherence = self.cluster.as_ref().map(|c| c.stats());
+        let mut peers = Vec::new();
+        if let Some(p) = &self.peers {
+            let links = self.cluster.as_ref().map(|c| c.links()).unwrap_or_default();
+            let transports = p.config().transports.clone();
+            for (id, addr, inc) in p.handshakes().await {
+                let l = links.iter().find(|l| l.id == id);
+                peers.push(pb::PeerInfo {
+                    id,
+                    addr,
+                    handshake: inc.is_some(),
+                    incarnation: inc.unwrap_or(0),
+                    stream_up: l.is_some_and(|l| l.up),
+                    last_pong_ms_ago: l.and_then(|l| l.last_pong_ago).map_or(0, |d| d.as_millis().max(1) as u64),
+                    queue_drops: l.map_or(0, |l| l.queue_drops),
+                    in_view: l.is_some_and(|l| l.view_incarnation.is_some()),
+                    view_incarnation: l.and_then(|l| l.view_incarnation).unwrap_or(0),
+                    transports: transports.clone(),
+                });
+            }
+        }
         let (remote_misses, transfer_failures, transfer_timeouts) = match &self.cluster {
             Some(c) => {
                 use std::sync::atomic::Ordering::Relaxed;
@@ -507,6 +537,7 @@ impl EngineService {
             remote_misses,
             coherence,
             draining: self.store.lock().draining(),
+            peers,
         }
     }
 }

@@ -394,6 +394,11 @@ impl Store {
         self.cfg.eviction = eviction;
     }
 
+    /// Records the reloaded log settings (so the running config reads true).
+    pub fn reload_log(&mut self, log: crate::config::LogConfig) {
+        self.cfg.log = log;
+    }
+
     /// Up to `limit` keys of namespace `ns` cached here, and how many there
     /// are in all (a walk of the index: for admin tools).
     pub fn list_keys(&self, ns: u32, limit: usize) -> Result<(Vec<Key>, u64), Error> {

@@ -82,3 +82,79 @@ async fn pools_namespaces_and_top_describe_a_working_daemon() {
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("--interval-s"), "{err}");
 }
+
+/// `kvmesh config` prints the running configuration, which the daemon
+/// accepts again as its config file (a true round trip, defaults filled in).
+#[tokio::test]
+async fn config_prints_a_running_config_the_daemon_accepts_again() {
+    let d = Daemon::start("cli-config", &(pool("p", "8MiB", "64KiB") + "[limits]\nsessions_max = 77\n"));
+    let (code, out, err) = run_cli(&d.socket, &["config"]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("# running configuration of kvmeshd (from "), "{out}");
+    assert!(out.contains("sessions_max = 77") && out.contains("drain_timeout_ms = 20000"), "{out}");
+    let file = d.dir.0.join("printed.toml");
+    std::fs::write(&file, &out).unwrap();
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+        .arg("--config")
+        .arg(&file)
+        .arg("--check-config")
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
+    let (code, out, _) = run_cli(&d.socket, &["config", "--json"]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["source"].as_str().unwrap().ends_with("kvmeshd.toml"), "{v}");
+    assert!(v["toml"].as_str().unwrap().contains("[[pools]]"));
+}
+
+/// `kvmesh peers` of a two-daemon cluster: the other daemon with its
+/// handshake, stream, heartbeat and place in the view; then down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn peers_shows_the_other_daemon_up_then_down() {
+    use common::{free_port, peer_config};
+    let ports = [free_port(), free_port()];
+    let pools = pool("p", "8MiB", "64KiB");
+    let extra = "[coherence]\nmembership_lease_ms = 1000\n";
+    let a = Daemon::start("cli-peers-1", &(peer_config(1, &ports, "tcp", &pools) + extra));
+    let mut b = Daemon::start("cli-peers-2", &(peer_config(2, &ports, "tcp", &pools) + extra));
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    // A heartbeat answer needs a heartbeat period.
+    let t0 = std::time::Instant::now();
+    let v = loop {
+        let (code, out, err) = run_cli(&a.socket, &["peers", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        if !v["peers"][0]["last_pong_ms_ago"].is_null() {
+            break v;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(10), "{v}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let p = &v["peers"][0];
+    assert_eq!(p["id"], 2);
+    assert_eq!(p["addr"], format!("127.0.0.1:{}", ports[1]));
+    assert_eq!(
+        (p["handshake"].as_bool(), p["stream_up"].as_bool(), p["in_view"].as_bool()),
+        (Some(true), Some(true), Some(true))
+    );
+    assert_eq!(p["incarnation"], p["view_incarnation"]);
+    assert_eq!(p["transports"], "tcp");
+    let (code, out, _) = run_cli(&a.socket, &["peers"]);
+    assert_eq!(code, 0);
+    assert!(out.starts_with("  ID ADDR") && out.contains(" up ") && out.contains("view epoch"), "{out}");
+    b.child.kill().unwrap();
+    b.child.wait().unwrap();
+    let t0 = std::time::Instant::now();
+    loop {
+        let (_, out, _) = run_cli(&a.socket, &["peers", "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let p = &v["peers"][0];
+        if p["stream_up"] == false && p["in_view"] == false {
+            break;
+        }
+        assert!(t0.elapsed() < std::time::Duration::from_secs(15), "{v}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}

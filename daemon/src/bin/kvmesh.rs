@@ -68,6 +68,19 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Peer daemons: handshake, coherence stream, last heartbeat answer,
+    /// frames dropped, membership in the current view.
+    Peers {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The running configuration (TOML; reloaded fields as reloaded).
+    Config {
+        /// Print JSON ({"source":..,"toml":..}) instead of the TOML.
+        #[arg(long)]
+        json: bool,
+    },
     /// Drain the daemon: refuse new pins and allocations, let those given
     /// end (up to the deadline), leave the cluster, exit. Waits until the
     /// daemon has exited unless --no-wait.
@@ -249,6 +262,66 @@ async fn run(args: Args) -> Result<(), Failure> {
                 if count > 0 && n >= count {
                     break;
                 }
+            }
+        }
+        Cmd::Peers { json } => {
+            let client = connect(args.socket).await?;
+            let s = client.stats().await?;
+            let epoch = s.coherence.as_ref().map(|c| c.epoch);
+            if json {
+                let peers: Vec<_> = s
+                    .peers
+                    .iter()
+                    .map(|p| {
+                        serde_json::json!({
+                            "id": p.id, "addr": p.addr, "handshake": p.handshake, "incarnation": p.incarnation,
+                            "stream_up": p.stream_up,
+                            "last_pong_ms_ago": (p.last_pong_ms_ago > 0).then_some(p.last_pong_ms_ago),
+                            "queue_drops": p.queue_drops, "in_view": p.in_view,
+                            "view_incarnation": p.in_view.then_some(p.view_incarnation), "transports": p.transports,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::json!({"epoch": epoch, "peers": peers}));
+            } else if s.peers.is_empty() {
+                println!("no peers configured (a single-node daemon)");
+            } else {
+                println!(
+                    "{:>4} {:<22} {:<9} {:>20} {:<7} {:>10} {:>7} {:<8} TRANSPORTS",
+                    "ID", "ADDR", "HANDSHAKE", "INCARNATION", "STREAM", "LAST-PONG", "DROPS", "IN-VIEW"
+                );
+                for p in &s.peers {
+                    let pong = if p.last_pong_ms_ago == 0 {
+                        "never".to_string()
+                    } else {
+                        format!("{} ms", p.last_pong_ms_ago)
+                    };
+                    println!(
+                        "{:>4} {:<22} {:<9} {:>20} {:<7} {:>10} {:>7} {:<8} {}",
+                        p.id,
+                        p.addr,
+                        if p.handshake { "yes" } else { "no" },
+                        if p.handshake { p.incarnation.to_string() } else { "-".into() },
+                        if p.stream_up { "up" } else { "down" },
+                        pong,
+                        p.queue_drops,
+                        if p.in_view { "yes" } else { "no" },
+                        p.transports
+                    );
+                }
+                if let Some(e) = epoch {
+                    println!("view epoch {e}");
+                }
+            }
+        }
+        Cmd::Config { json } => {
+            let client = connect(args.socket).await?;
+            let (toml, source) = client.config().await?;
+            if json {
+                println!("{}", serde_json::json!({"source": source, "toml": toml}));
+            } else {
+                println!("# running configuration of kvmeshd (from {source})");
+                print!("{toml}");
             }
         }
         Cmd::Drain { deadline_ms, no_wait, json } => {
