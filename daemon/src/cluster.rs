@@ -103,6 +103,7 @@ enum WaitKind {
 struct Waiter {
     kind: WaitKind,
     tx: oneshot::Sender<OpResult>,
+    started: Instant,
 }
 
 struct Inner {
@@ -177,6 +178,8 @@ pub struct Cluster {
     links: HashMap<NodeId, mpsc::Sender<pb::Frame>>,
     /// Per peer: the state of this daemon's stream to it.
     link_stats: HashMap<NodeId, LinkStats>,
+    /// Histograms of gets and transfers (rendered by `/metrics`).
+    pub remote_metrics: Arc<crate::metrics::RemoteMetrics>,
     timer: Notify,
     /// Driver counters.
     pub counters: ClusterCounters,
@@ -355,6 +358,7 @@ impl Cluster {
             peers,
             links,
             link_stats,
+            remote_metrics: Arc::default(),
             timer: Notify::new(),
             counters: ClusterCounters::default(),
             reads_in_flight: AtomicU64::new(0),
@@ -480,14 +484,16 @@ impl Cluster {
             }
             Action::ClientDone { op, outcome } => {
                 let waiter = g.waiters.remove(&op);
+                let mut fetched = false;
                 let result = match outcome {
                     Outcome::Hit { version, slot } => {
                         // A fetched copy the core accepted: make it Valid in
                         // the store (header rewritten with our generation).
-                        if let Some(meta) = g.fetching.remove(&slot)
-                            && !self.store.lock().commit_core(to_store(slot), version, meta.checksum, true)
-                        {
-                            tracing::error!(?slot, "coherence: fetched slot lost before commit");
+                        if let Some(meta) = g.fetching.remove(&slot) {
+                            fetched = true;
+                            if !self.store.lock().commit_core(to_store(slot), version, meta.checksum, true) {
+                                tracing::error!(?slot, "coherence: fetched slot lost before commit");
+                            }
                         }
                         let pinned = match &waiter {
                             Some(Waiter { kind: WaitKind::Get { session, lease_ms }, .. }) => self
@@ -516,6 +522,18 @@ impl Cluster {
                     Outcome::Error(e) => OpResult::Error(e),
                 };
                 if let Some(w) = waiter {
+                    if matches!(w.kind, WaitKind::Get { .. }) {
+                        let result = match &result {
+                            OpResult::Hit(_) if fetched => "fetched",
+                            OpResult::Hit(_) => "local_hit",
+                            OpResult::Miss => "miss",
+                            _ => "error",
+                        };
+                        self.remote_metrics
+                            .get_seconds
+                            .get_or_create(&crate::metrics::GetLabels { result })
+                            .observe(w.started.elapsed().as_secs_f64());
+                    }
                     let _ = w.tx.send(result);
                 }
             }
@@ -832,6 +850,7 @@ impl Cluster {
         }
         let mut failed = false;
         let mut pending = index.len();
+        let mut moved = 0u64;
         while pending > 0 {
             let Some((k, outcome)) = rx.recv().await else { break };
             pending -= 1;
@@ -839,6 +858,7 @@ impl Cluster {
             let result = match outcome {
                 TransferOutcome::Done => {
                     let (stride, cap, mapping) = &geometry[k];
+                    moved += *stride;
                     let d = to_store(reads[i].dest);
                     match mapping.read(d.slot as u64 * stride, *stride) {
                         Ok(bytes) => Ok(slot_image(&bytes, *cap, reads[i].expect.key.ns)),
@@ -855,6 +875,10 @@ impl Cluster {
             report(i, result, &mut reported);
         }
         tracing::trace!(from, reads = index.len(), move_us = t_post.elapsed().as_micros() as u64, "slots read");
+        let m = &self.remote_metrics;
+        m.transfer_batch_seconds.observe(t_post.elapsed().as_secs_f64());
+        m.transfer_batch_bytes.observe(moved as f64);
+        m.bytes_read.inc_by(moved);
         if failed && mode != Mode::Recv {
             self.peers.reset(from).await;
         }
@@ -1154,7 +1178,7 @@ impl Cluster {
                 let op = g.next_op;
                 g.next_op += 1;
                 let (tx, rx) = oneshot::channel();
-                g.waiters.insert(op, Waiter { kind, tx });
+                g.waiters.insert(op, Waiter { kind, tx, started: Instant::now() });
                 rxs.push(rx);
                 let ev = match make {
                     Call::Get(key) => Event::ClientGet { op, key },

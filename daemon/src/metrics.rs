@@ -33,6 +33,44 @@ fn call_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.00001, 2.0, 22))
 }
 
+/// The result label of a clustered get.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GetLabels {
+    /// `local_hit`, `fetched` (read from a peer and validated), `miss`,
+    /// `error`.
+    pub result: &'static str,
+}
+
+fn get_histogram() -> Histogram {
+    // 5 µs .. ~21 s.
+    Histogram::new(exponential_buckets(0.000005, 2.0, 23))
+}
+
+/// What the coherence driver records about remote work.
+#[derive(Debug)]
+pub struct RemoteMetrics {
+    /// Per key of a clustered get: from entering the driver to its answer.
+    pub get_seconds: Family<GetLabels, Histogram, fn() -> Histogram>,
+    /// Bytes one batch of reads from one holder moved (successful reads).
+    pub transfer_batch_bytes: Histogram,
+    /// Time of one batch of reads from one holder, posted to last outcome.
+    pub transfer_batch_seconds: Histogram,
+    /// Bytes read from peers.
+    pub bytes_read: prometheus_client::metrics::counter::Counter,
+}
+
+impl Default for RemoteMetrics {
+    fn default() -> Self {
+        RemoteMetrics {
+            get_seconds: Family::new_with_constructor(get_histogram),
+            // 4 KiB .. 4 GiB.
+            transfer_batch_bytes: Histogram::new(exponential_buckets(4096.0, 4.0, 11)),
+            transfer_batch_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 22)),
+            bytes_read: Default::default(),
+        }
+    }
+}
+
 /// A histogram with fixed buckets recorded with relaxed atomics: no lock
 /// per observation (prometheus-client's `Histogram` takes a mutex), for
 /// paths that observe once per block.
@@ -95,15 +133,22 @@ impl EncodeMetric for Shared {
 pub struct Metrics {
     engine_calls: Family<CallLabels, Histogram, fn() -> Histogram>,
     lease_left: Option<Arc<AtomicHistogram>>,
+    remote: Option<Arc<RemoteMetrics>>,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics { engine_calls: Family::new_with_constructor(call_histogram), lease_left: None }
+        Metrics { engine_calls: Family::new_with_constructor(call_histogram), lease_left: None, remote: None }
     }
 }
 
 impl Metrics {
+    /// Also renders the coherence driver's remote histograms.
+    pub fn with_remote(mut self, r: Arc<RemoteMetrics>) -> Metrics {
+        self.remote = Some(r);
+        self
+    }
+
     /// Also renders the store's lease-left-at-unpin histogram.
     pub fn with_lease_left(mut self, h: Arc<AtomicHistogram>) -> Metrics {
         self.lease_left = Some(h);
@@ -294,6 +339,24 @@ pub fn render(stats: pb::StatsResponse, metrics: &Metrics) -> String {
             "Lease left when an engine released a pin.",
             Shared(Arc::clone(h)),
         );
+    }
+    if let Some(r) = &metrics.remote {
+        reg.register(
+            "get_seconds",
+            "Clustered gets, per key: from the driver to the answer, by result (local_hit, fetched, miss, error).",
+            r.get_seconds.clone(),
+        );
+        reg.register(
+            "transfer_batch_bytes",
+            "Bytes one batch of reads from one peer moved.",
+            r.transfer_batch_bytes.clone(),
+        );
+        reg.register(
+            "transfer_batch_seconds",
+            "One batch of reads from one peer, posted to its last outcome.",
+            r.transfer_batch_seconds.clone(),
+        );
+        reg.register("remote_read_bytes", "Bytes read from peers.", r.bytes_read.clone());
     }
     reg.register_collector(Box::new(Snapshot(stats)));
     let mut out = String::new();

@@ -679,7 +679,11 @@ pub async fn run_with(
         .map_or("no file (the embedded default, or given in-process)".to_string(), |r| r.path.display().to_string());
     let engine = EngineService::new(Arc::clone(&store), peers.clone(), cluster.clone(), drain_tx, source);
     let lease_left = store.lock().lease_left_at_unpin();
-    let metrics = Arc::new(crate::metrics::Metrics::default().with_lease_left(lease_left));
+    let mut metrics = crate::metrics::Metrics::default().with_lease_left(lease_left);
+    if let Some(c) = &cluster {
+        metrics = metrics.with_remote(Arc::clone(&c.remote_metrics));
+    }
+    let metrics = Arc::new(metrics);
     if let Some(l) = metrics_listener {
         let engine = engine.clone();
         let snapshot = move || {

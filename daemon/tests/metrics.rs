@@ -226,3 +226,62 @@ fn the_systemd_unit_verifies() {
         Err(e) => eprintln!("SKIPPED systemd-analyze verify: not found ({e}); install the Debian package systemd"),
     }
 }
+
+/// Fetching from a peer shows in the getter's histograms: gets by result,
+/// transfer batch bytes and time, bytes read; and the per-peer gauges.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_fetch_shows_in_the_get_and_transfer_histograms() {
+    use common::peer_config;
+    let ports = [free_port(), free_port()];
+    let mport = free_port();
+    let pools = pool("p", "8MiB", "64KiB");
+    let a = Daemon::start("metrics-remote-1", &peer_config(1, &ports, "tcp", &pools));
+    let b = Daemon::start(
+        "metrics-remote-2",
+        &(peer_config(2, &ports, "tcp", &pools) + &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n")),
+    );
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let ns_a = ca.register_namespace("m", 65536, "x").await.unwrap();
+    let ns_b = cb.register_namespace("m", 65536, "x").await.unwrap();
+    let keys: Vec<Key> = (1..=3u128).map(|i| Key(0xabc0 + i)).collect();
+    let data = vec![5u8; 65536];
+    let items: Vec<(Key, &[u8])> = keys.iter().map(|&k| (k, &data[..])).collect();
+    assert_eq!(ca.put(&ns_a, &items).await.unwrap().stored, 3);
+    // Three fetched from daemon 1, then the same three local, one miss.
+    let mut ask = keys.clone();
+    ask.push(Key(0xdead));
+    let got = cb.pin(&ns_b, &ask).await.unwrap();
+    assert_eq!(got.iter().filter(|b| b.is_some()).count(), 3);
+    drop(got);
+    let got = cb.pin(&ns_b, &keys).await.unwrap();
+    assert!(got.iter().all(|b| b.as_ref().is_some_and(|b| b.iter().all(|&x| x == 5))));
+    let (_, _, text) = tokio::task::spawn_blocking(move || get(mport, "/metrics", "*/*")).await.unwrap();
+    assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"fetched\"}"), 3.0, "{text}");
+    assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"local_hit\"}"), 3.0);
+    assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"miss\"}"), 1.0);
+    let batches = sample(&text, "kvmesh_transfer_batch_bytes_count");
+    assert!((1.0..=3.0).contains(&batches), "{text}");
+    // Whole slots move (header + payload + trailer): at least the payload.
+    assert!(sample(&text, "kvmesh_remote_read_bytes_total") >= 3.0 * 65536.0, "{text}");
+    assert_eq!(sample(&text, "kvmesh_transfer_batch_bytes_sum"), sample(&text, "kvmesh_remote_read_bytes_total"));
+    assert_eq!(sample(&text, "kvmesh_peer_up{peer=\"1\"}"), 1.0);
+    assert_eq!(sample(&text, "kvmesh_peer_in_view{peer=\"1\"}"), 1.0);
+    if let Ok(mut p) = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+        let out = p.wait_with_output().unwrap();
+        assert!(
+            out.status.success(),
+            "promtool: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
