@@ -10,9 +10,10 @@ set -euo pipefail
 # compiles etcd's protos at build time) and etcd itself (the membership
 # tests start a real one on loopback); DejaVu Sans (the replay plots' PNG text)
 # and redis-server (the replay's baseline store); prometheus for promtool (the
-# metrics and alert-rule checks), systemd for systemd-analyze (the unit check).
+# metrics and alert-rule checks), systemd for systemd-analyze (the unit check),
+# adduser and python3 (the Debian package's install test).
 PACKAGES=(gcc libc6-dev pkg-config libucx-dev ucx-utils libclang-dev libibverbs-dev librdmacm-dev
-    protobuf-compiler etcd-server fonts-dejavu-core redis-server prometheus systemd)
+    protobuf-compiler etcd-server fonts-dejavu-core redis-server prometheus systemd adduser python3)
 
 missing=()
 for p in "${PACKAGES[@]}"; do

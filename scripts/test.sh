@@ -74,4 +74,6 @@ cargo run --locked -q -p kvmesh-bench -- scale --json --blocks 2000,4000 --sampl
 echo "== bindings benchmark smoke run (C and Python sides against a daemon; checks hits, ignores timing)" >&2
 cargo build --locked -q -p kvmesh-capi
 cargo run --locked -q -p kvmesh-bench -- bindings --json --block-kib 64 --iters 2 --rounds 1 >/dev/null
+echo "== Debian package: build, install (dpkg -i), run as the kvmesh user, drain, purge" >&2
+bash scripts/test-deb.sh
 echo "== all tests passed" >&2
