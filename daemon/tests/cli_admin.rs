@@ -78,6 +78,8 @@ async fn pools_namespaces_and_top_describe_a_working_daemon() {
     assert_eq!(rows.len(), 2, "{out}");
     assert!(rows.iter().any(|r| r["lookups_per_s"].as_f64().unwrap() > 10.0), "{out}");
     assert_eq!(rows[1]["pins_outstanding"], 2);
+    // This daemon serves no /metrics: no percentiles, said so.
+    assert!(rows.iter().all(|r| r["pin_p99_s"].is_null()), "{out}");
     let (code, _, err) = run_cli(&d.socket, &["top", "--interval-s", "0", "--count", "1"]);
     assert_eq!(code, 1, "{err}");
     assert!(err.contains("--interval-s"), "{err}");
@@ -157,4 +159,48 @@ async fn peers_shows_the_other_daemon_up_then_down() {
         assert!(t0.elapsed() < std::time::Duration::from_secs(15), "{v}");
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
+}
+
+/// `kvmesh top` reads the P99s of the interval from the daemon's /metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn top_shows_pin_p99_from_the_metrics_endpoint() {
+    let port = common::free_port();
+    let d = Daemon::start(
+        "cli-top-p99",
+        &(pool("p", "8MiB", "64KiB") + &format!("[metrics]\nlisten = \"127.0.0.1:{port}\"\n")),
+    );
+    let c = d.client().await;
+    let ns = c.register_namespace("t", 4096, "x").await.unwrap();
+    let keys: Vec<Key> = (1..=4u128).map(Key).collect();
+    let data = vec![1u8; 4096];
+    let items: Vec<(Key, &[u8])> = keys.iter().map(|&k| (k, &data[..])).collect();
+    c.put(&ns, &items).await.unwrap();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (c2, ns2, stop2) = (c.clone(), ns.clone(), stop.clone());
+    let load = tokio::spawn(async move {
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            drop(c2.pin(&ns2, &keys).await.unwrap());
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
+    });
+    let socket = d.socket.clone();
+    let (code, out, err) = tokio::task::spawn_blocking(move || {
+        run_cli(&socket, &["top", "--interval-s", "0.3", "--count", "2", "--json"])
+    })
+    .await
+    .unwrap();
+    let socket = d.socket.clone();
+    let (code2, table, _) =
+        tokio::task::spawn_blocking(move || run_cli(&socket, &["top", "--interval-s", "0.3", "--count", "1"]))
+            .await
+            .unwrap();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    load.await.unwrap();
+    assert_eq!((code, code2), (0, 0), "{err}");
+    let rows: Vec<serde_json::Value> = out.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    for r in &rows {
+        let p99 = r["pin_p99_s"].as_f64().unwrap_or_else(|| panic!("no pin P99 while pins run: {out}"));
+        assert!(p99 > 0.0 && p99 < 5.0, "{out}");
+    }
+    assert!(table.contains("PIN-P99") && table.lines().nth(1).unwrap().contains("ms"), "{table}");
 }

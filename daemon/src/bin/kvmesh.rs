@@ -55,8 +55,9 @@ enum Cmd {
         json: bool,
     },
     /// A live view, refreshed every interval: operations per second, hit
-    /// ratio, bytes moved, pool occupancy (Ctrl-C stops it). Latency
-    /// percentiles are on the metrics endpoint (`/metrics`).
+    /// ratio, pool occupancy, and P99s of pin, commit and fetched gets over
+    /// the interval (read from the daemon's /metrics; "-" when it is off or
+    /// nothing was observed). Ctrl-C stops it.
     Top {
         /// Seconds between refreshes.
         #[arg(long, default_value_t = 1.0)]
@@ -248,16 +249,37 @@ async fn run(args: Args) -> Result<(), Failure> {
                 return Err(Failure::Error(format!("--interval-s must be a positive number, got {interval_s}")));
             }
             let client = connect(args.socket).await?;
+            // Latency percentiles come from the daemon's /metrics histograms
+            // (the address from its running config; none when it is off).
+            let metrics = metrics_addr(&client).await;
             let mut prev = client.stats().await?;
+            let mut prev_text = match metrics {
+                Some(a) => scrape(a).await,
+                None => None,
+            };
             let mut t_prev = std::time::Instant::now();
             let mut n = 0u32;
             loop {
                 tokio::time::sleep(std::time::Duration::from_secs_f64(interval_s)).await;
                 let s = client.stats().await?;
+                let text = match metrics {
+                    Some(a) => scrape(a).await,
+                    None => None,
+                };
                 let dt = t_prev.elapsed().as_secs_f64();
                 t_prev = std::time::Instant::now();
-                print_top(&prev, &s, dt, json, n == 0);
+                let p99 = |metric: &str, sel: &str| match (&prev_text, &text) {
+                    (Some(a), Some(b)) => p99_between(a, b, metric, sel),
+                    _ => None,
+                };
+                let lat = Latencies {
+                    pin: p99("kvmesh_engine_call_seconds_bucket", "method=\"pin\""),
+                    commit: p99("kvmesh_engine_call_seconds_bucket", "method=\"commit\""),
+                    fetched: p99("kvmesh_get_seconds_bucket", "result=\"fetched\""),
+                };
+                print_top(&prev, &s, dt, json, n == 0, &lat);
                 prev = s;
+                prev_text = text;
                 n += 1;
                 if count > 0 && n >= count {
                     break;
@@ -455,8 +477,84 @@ async fn run(args: Args) -> Result<(), Failure> {
     Ok(())
 }
 
+/// P99s of one `top` interval (upper bucket bounds, seconds); None when
+/// nothing was observed or the metrics endpoint is off.
+struct Latencies {
+    pin: Option<f64>,
+    commit: Option<f64>,
+    fetched: Option<f64>,
+}
+
+/// The metrics address from the daemon's running config (`metrics.listen`;
+/// an unspecified IP is reached on loopback).
+async fn metrics_addr(client: &Client) -> Option<std::net::SocketAddr> {
+    let (text, _) = client.config().await.ok()?;
+    let table: toml::Table = text.parse().ok()?;
+    let listen = table.get("metrics")?.get("listen")?.as_str()?;
+    let mut addr: std::net::SocketAddr = listen.parse().ok()?;
+    if addr.ip().is_unspecified() {
+        addr.set_ip(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    Some(addr)
+}
+
+/// GET /metrics (HTTP/1.1, the body only); None on any failure.
+async fn scrape(addr: std::net::SocketAddr) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let io = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())
+            .await
+            .ok()?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await.ok()?;
+        let text = String::from_utf8(buf).ok()?;
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        head.starts_with("HTTP/1.1 200").then(|| body.to_string())
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(2), io).await.ok().flatten()
+}
+
+/// Cumulative bucket counts of `metric` summed over the series whose labels
+/// contain `selector`: (upper bound, count), in increasing bounds.
+fn buckets(text: &str, metric: &str, selector: &str) -> Vec<(f64, u64)> {
+    let mut out: std::collections::BTreeMap<u64, (f64, u64)> = Default::default();
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(metric) else { continue };
+        let Some((labels, value)) = rest.strip_prefix('{').and_then(|r| r.split_once("} ")) else { continue };
+        if !labels.contains(selector) {
+            continue;
+        }
+        let Some(le) = labels.split(',').find_map(|l| l.strip_prefix("le=\"")).and_then(|l| l.strip_suffix('"')) else {
+            continue;
+        };
+        let bound = if le == "+Inf" { f64::INFINITY } else { le.parse().unwrap_or(f64::NAN) };
+        let (Ok(v), false) = (value.trim().parse::<f64>(), bound.is_nan()) else { continue };
+        let e = out.entry(bound.to_bits()).or_insert((bound, 0));
+        e.1 += v as u64;
+    }
+    let mut v: Vec<(f64, u64)> = out.into_values().collect();
+    v.sort_by(|a, b| a.0.total_cmp(&b.0));
+    v
+}
+
+/// The P99 of what was observed between two scrapes: the upper bound of
+/// the first bucket holding 99% of the new observations.
+fn p99_between(before: &str, after: &str, metric: &str, selector: &str) -> Option<f64> {
+    let a = buckets(before, metric, selector);
+    let b = buckets(after, metric, selector);
+    let delta: Vec<(f64, u64)> =
+        b.iter().map(|&(le, n)| (le, n.saturating_sub(a.iter().find(|x| x.0 == le).map_or(0, |x| x.1)))).collect();
+    let total = delta.last()?.1;
+    if total == 0 {
+        return None;
+    }
+    let target = (total as f64 * 0.99).ceil() as u64;
+    delta.iter().find(|x| x.1 >= target).map(|x| x.0)
+}
+
 /// One refresh of `kvmesh top`: rates from two snapshots `dt` seconds apart.
-fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: bool, header: bool) {
+fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: bool, header: bool, lat: &Latencies) {
     let rate = |x: u64, y: u64| y.saturating_sub(x) as f64 / dt;
     let (hits, misses) = (b.hits.saturating_sub(a.hits), b.misses.saturating_sub(a.misses));
     let hit_ratio = if hits + misses == 0 { 0.0 } else { hits as f64 / (hits + misses) as f64 };
@@ -469,6 +567,7 @@ fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: 
         "remote_fetched_per_s": rate(a.remote_fetched, b.remote_fetched), "hit_ratio": hit_ratio,
         "pins_outstanding": b.pins_outstanding, "sessions": b.sessions, "pool_used_pct": used,
         "pinned_slots": pinned, "resource_exhausted_per_s": rate(a.resource_exhausted, b.resource_exhausted),
+        "pin_p99_s": lat.pin, "commit_p99_s": lat.commit, "fetched_get_p99_s": lat.fetched,
     });
     if json {
         println!("{v}");
@@ -476,12 +575,29 @@ fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: 
     }
     if header {
         println!(
-            "{:>9} {:>9} {:>9} {:>6} {:>9} {:>9} {:>7} {:>8} {:>7} {:>8}",
-            "LOOKUP/s", "PIN/s", "COMMIT/s", "HIT%", "EVICT/s", "REMOTE/s", "PINNED", "SESSIONS", "USED%", "REFUSED/s"
+            "{:>9} {:>9} {:>9} {:>6} {:>9} {:>9} {:>7} {:>8} {:>7} {:>8} {:>9} {:>9} {:>9}",
+            "LOOKUP/s",
+            "PIN/s",
+            "COMMIT/s",
+            "HIT%",
+            "EVICT/s",
+            "REMOTE/s",
+            "PINNED",
+            "SESSIONS",
+            "USED%",
+            "REFUSED/s",
+            "PIN-P99",
+            "COMMIT-P99",
+            "FETCH-P99"
         );
     }
+    let ms = |v: Option<f64>| match v {
+        Some(s) if s.is_finite() => format!("<={:.2}ms", s * 1e3),
+        Some(_) => ">max".to_string(),
+        None => "-".to_string(),
+    };
     println!(
-        "{:>9.0} {:>9.0} {:>9.0} {:>5.1}% {:>9.0} {:>9.0} {:>7} {:>8} {:>6.1}% {:>8.0}",
+        "{:>9.0} {:>9.0} {:>9.0} {:>5.1}% {:>9.0} {:>9.0} {:>7} {:>8} {:>6.1}% {:>8.0} {:>9} {:>9} {:>9}",
         rate(a.lookups, b.lookups),
         rate(a.pins, b.pins),
         rate(a.commits, b.commits),
@@ -491,7 +607,10 @@ fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: 
         b.pins_outstanding,
         b.sessions,
         used,
-        rate(a.resource_exhausted, b.resource_exhausted)
+        rate(a.resource_exhausted, b.resource_exhausted),
+        ms(lat.pin),
+        ms(lat.commit),
+        ms(lat.fetched)
     );
 }
 
