@@ -49,16 +49,25 @@ async fn a_drain_refuses_new_work_waits_for_pins_then_exits() {
     let data = vec![7u8; 4096];
     c.put(&ns, &[(KEY, &data)]).await.unwrap();
     let held = c.pin(&ns, &[KEY]).await.unwrap().pop().flatten().expect("hit");
+    let k2 = Key(KEY.0 + 1);
+    let Some(kvmesh_client::Allocation::Allocated(mut w)) = c.allocate(&ns, &[k2]).await.unwrap().pop() else {
+        panic!("allocation")
+    };
+    w.copy_from_slice(&[9u8; 4096]);
 
     signal(&d, "-TERM");
     wait_draining(&d).await;
+    // A put begun before the drain may finish.
+    assert_eq!((c.stats().await.unwrap().allocations_outstanding), 1);
+    let done = c.commit(vec![w]).await.unwrap();
+    assert!(matches!(done.as_slice(), [kvmesh_client::CommitOutcome::Committed { .. }]), "{done:?}");
     // A new connection still works for reads of state, but new pins and
     // allocations are refused, saying why.
     let c2 = d.client().await;
     let e = c2.pin(&ns, &[KEY]).await.expect_err("a pin while draining");
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
     assert!(e.to_string().contains("draining"), "{e}");
-    let e = c2.allocate(&ns, &[Key(KEY.0 + 1)]).await.expect_err("an allocation while draining");
+    let e = c2.allocate(&ns, &[Key(KEY.0 + 2)]).await.expect_err("an allocation while draining");
     assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
     let s = c2.stats().await.unwrap();
     assert_eq!(s.pins_outstanding, 1);
