@@ -9,6 +9,7 @@
 #![forbid(unsafe_code)]
 
 mod bindings;
+mod breakdown;
 mod coherence;
 mod replay;
 mod scale;
@@ -93,6 +94,25 @@ enum Cmd {
         /// Skip ucx_perftest.
         #[arg(long)]
         no_perftest: bool,
+    },
+    /// Where the time of a remote get goes, hop by hop: the getter daemon's
+    /// stage histograms (/metrics) beside the engine's Pin call.
+    Breakdown {
+        /// Print only the final JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Transports to measure.
+        #[arg(long, value_delimiter = ',', default_value = "tcp,sm")]
+        transports: Vec<String>,
+        /// Block sizes in KiB.
+        #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+        block_kib: Vec<u64>,
+        /// Pin calls of one block (batches: a quarter as many, at least 100).
+        #[arg(long, default_value_t = 1000)]
+        calls: usize,
+        /// Keys per batch in the batched rows.
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
     },
     /// Daemons all holding the same keys; one call invalidates them all:
     /// ack batching, invalidate -> ack latency, wrong reads (baseline: the
@@ -282,6 +302,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Transfer { json, pool_mib, block_kib, transports, bytes_mib, no_perftest } => {
             transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest)
         }
+        Cmd::Breakdown { json, transports, block_kib, calls, batch } => {
+            breakdown::run(json, &transports, &block_kib, calls, batch)
+        }
         Cmd::Coherence { json, daemons, keys, invalidate_window, no_baseline } => {
             coherence::run(json, daemons, keys, invalidate_window, !no_baseline)
         }
@@ -412,8 +435,9 @@ pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(Dae
     let pools = extra;
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("kvmeshd.sock");
+    let metrics = if pools.contains("[metrics]") { "" } else { "[metrics]\nlisten = \"\"\n" };
     let cfg = format!(
-        "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n[limits]\nbatch_keys_max = 4096\n[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n{pools}",
+        "[server]\nsocket = {:?}\n{metrics}[limits]\nbatch_keys_max = 4096\n[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n{pools}",
         socket.display().to_string()
     );
     let cfg_path = dir.join("kvmeshd.toml");

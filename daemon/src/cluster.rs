@@ -104,6 +104,9 @@ struct Waiter {
     kind: WaitKind,
     tx: oneshot::Sender<OpResult>,
     started: Instant,
+    /// A fetch: when the core asked for the read, and when it ended.
+    read_started: Option<Instant>,
+    read_done: Option<Instant>,
 }
 
 struct Inner {
@@ -139,6 +142,8 @@ struct Read {
     expect: CoreMeta,
     dest: CoreSlot,
     deadline: u64,
+    /// When the core asked for it.
+    started: Instant,
 }
 
 /// Counters of the driver (the core counts the protocol).
@@ -458,7 +463,11 @@ impl Cluster {
                 Some(dest) => {
                     g.fetching.insert(dest, expect);
                     self.reads_in_flight.fetch_add(1, Ordering::SeqCst);
-                    g.pending_reads.push(Read { op, from, remote, expect, dest, deadline });
+                    let started = Instant::now();
+                    if let Some(w) = g.waiters.get_mut(&op) {
+                        w.read_started = Some(started);
+                    }
+                    g.pending_reads.push(Read { op, from, remote, expect, dest, deadline, started });
                 }
                 None => queue.push_back(Event::TransferDone { op, dest: None, result: Err(TransferError::NoSpace) }),
             },
@@ -529,10 +538,20 @@ impl Cluster {
                             OpResult::Miss => "miss",
                             _ => "error",
                         };
-                        self.remote_metrics
-                            .get_seconds
+                        let m = &self.remote_metrics;
+                        m.get_seconds
                             .get_or_create(&crate::metrics::GetLabels { result })
                             .observe(w.started.elapsed().as_secs_f64());
+                        if fetched && let (Some(rs), Some(rd)) = (w.read_started, w.read_done) {
+                            let stage = |stage: &'static str, d: Duration| {
+                                m.get_stage_seconds
+                                    .get_or_create(&crate::metrics::StageLabels { stage })
+                                    .observe(d.as_secs_f64())
+                            };
+                            stage("locate", rs.saturating_duration_since(w.started));
+                            stage("read", rd.saturating_duration_since(rs));
+                            stage("register", rd.elapsed());
+                        }
                     }
                     let _ = w.tx.send(result);
                 }
@@ -736,6 +755,9 @@ impl Cluster {
         let last = self.reads_in_flight.fetch_sub(1, Ordering::SeqCst) == 1;
         {
             let mut g = self.inner.lock();
+            if let Some(w) = g.waiters.get_mut(&r.op) {
+                w.read_done = Some(Instant::now());
+            }
             self.feed_locked(&mut g, Event::TransferDone { op: r.op, dest, result });
             // The last read of a burst ended: its registrations and grant
             // releases leave now, together.
@@ -825,6 +847,9 @@ impl Cluster {
         let dp = self.peers.dataplane();
         let mode = self.peers.mode();
         let t_post = Instant::now();
+        if let Some(first) = index.iter().map(|&i| reads[i].started).min() {
+            self.remote_metrics.transfer_post_seconds.observe(t_post.saturating_duration_since(first).as_secs_f64());
+        }
         let (batch, mut rx) = dp.transfer_stream(mode, from, inc, items, until);
         if mode == Mode::Recv {
             let req = pb::SendRequest {
@@ -851,6 +876,7 @@ impl Cluster {
         let mut failed = false;
         let mut pending = index.len();
         let mut moved = 0u64;
+        let mut validating = Duration::ZERO;
         while pending > 0 {
             let Some((k, outcome)) = rx.recv().await else { break };
             pending -= 1;
@@ -860,10 +886,13 @@ impl Cluster {
                     let (stride, cap, mapping) = &geometry[k];
                     moved += *stride;
                     let d = to_store(reads[i].dest);
-                    match mapping.read(d.slot as u64 * stride, *stride) {
+                    let tv = Instant::now();
+                    let r = match mapping.read(d.slot as u64 * stride, *stride) {
                         Ok(bytes) => Ok(slot_image(&bytes, *cap, reads[i].expect.key.ns)),
                         Err(_) => Err(TransferError::NoSpace),
-                    }
+                    };
+                    validating += tv.elapsed();
+                    r
                 }
                 TransferOutcome::TimedOut => Err(TransferError::Timeout),
                 TransferOutcome::Failed(e) => {
@@ -877,6 +906,7 @@ impl Cluster {
         tracing::trace!(from, reads = index.len(), move_us = t_post.elapsed().as_micros() as u64, "slots read");
         let m = &self.remote_metrics;
         m.transfer_batch_seconds.observe(t_post.elapsed().as_secs_f64());
+        m.transfer_validate_seconds.observe(validating.as_secs_f64());
         m.transfer_batch_bytes.observe(moved as f64);
         m.bytes_read.inc_by(moved);
         if failed && mode != Mode::Recv {
@@ -1178,7 +1208,7 @@ impl Cluster {
                 let op = g.next_op;
                 g.next_op += 1;
                 let (tx, rx) = oneshot::channel();
-                g.waiters.insert(op, Waiter { kind, tx, started: Instant::now() });
+                g.waiters.insert(op, Waiter { kind, tx, started: Instant::now(), read_started: None, read_done: None });
                 rxs.push(rx);
                 let ev = match make {
                     Call::Get(key) => Event::ClientGet { op, key },

@@ -41,6 +41,15 @@ pub struct GetLabels {
     pub result: &'static str,
 }
 
+/// The stage label of a fetched get.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StageLabels {
+    /// `locate` (into the driver to the read asked: locate at the home,
+    /// grant), `read` (read asked to its end: posting, moving, validating),
+    /// `register` (read ended to the answer: registration at the home).
+    pub stage: &'static str,
+}
+
 fn get_histogram() -> Histogram {
     // 5 µs .. ~21 s.
     Histogram::new(exponential_buckets(0.000005, 2.0, 23))
@@ -51,6 +60,15 @@ fn get_histogram() -> Histogram {
 pub struct RemoteMetrics {
     /// Per key of a clustered get: from entering the driver to its answer.
     pub get_seconds: Family<GetLabels, Histogram, fn() -> Histogram>,
+    /// Fetched gets, per stage.
+    pub get_stage_seconds: Family<StageLabels, Histogram, fn() -> Histogram>,
+    /// A batch of reads: from the core asking for its first read to the
+    /// batch posted to the data plane (task wake-up, handshake check,
+    /// slot geometry).
+    pub transfer_post_seconds: Histogram,
+    /// A batch of reads: time spent hashing the copies that arrived (the
+    /// validation before the core sees them), inside the batch's time.
+    pub transfer_validate_seconds: Histogram,
     /// Bytes one batch of reads from one holder moved (successful reads).
     pub transfer_batch_bytes: Histogram,
     /// Time of one batch of reads from one holder, posted to last outcome.
@@ -63,6 +81,9 @@ impl Default for RemoteMetrics {
     fn default() -> Self {
         RemoteMetrics {
             get_seconds: Family::new_with_constructor(get_histogram),
+            get_stage_seconds: Family::new_with_constructor(get_histogram),
+            transfer_post_seconds: get_histogram(),
+            transfer_validate_seconds: get_histogram(),
             // 4 KiB .. 4 GiB.
             transfer_batch_bytes: Histogram::new(exponential_buckets(4096.0, 4.0, 11)),
             transfer_batch_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 22)),
@@ -345,6 +366,21 @@ pub fn render(stats: pb::StatsResponse, metrics: &Metrics) -> String {
             "get_seconds",
             "Clustered gets, per key: from the driver to the answer, by result (local_hit, fetched, miss, error).",
             r.get_seconds.clone(),
+        );
+        reg.register(
+            "get_stage_seconds",
+            "Fetched gets by stage: locate (home, grant), read (post, move, validate), register (at the home).",
+            r.get_stage_seconds.clone(),
+        );
+        reg.register(
+            "transfer_post_seconds",
+            "A batch of reads: from the first read asked to the batch posted to the data plane.",
+            r.transfer_post_seconds.clone(),
+        );
+        reg.register(
+            "transfer_validate_seconds",
+            "A batch of reads: time spent checksumming the copies that arrived (within the batch time).",
+            r.transfer_validate_seconds.clone(),
         );
         reg.register(
             "transfer_batch_bytes",

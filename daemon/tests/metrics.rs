@@ -261,7 +261,12 @@ async fn a_remote_fetch_shows_in_the_get_and_transfer_histograms() {
     assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"fetched\"}"), 3.0, "{text}");
     assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"local_hit\"}"), 3.0);
     assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"miss\"}"), 1.0);
+    for stage in ["locate", "read", "register"] {
+        assert_eq!(sample(&text, &format!("kvmesh_get_stage_seconds_count{{stage=\"{stage}\"}}")), 3.0, "{text}");
+    }
     let batches = sample(&text, "kvmesh_transfer_batch_bytes_count");
+    assert_eq!(sample(&text, "kvmesh_transfer_post_seconds_count"), batches);
+    assert_eq!(sample(&text, "kvmesh_transfer_validate_seconds_count"), batches);
     assert!((1.0..=3.0).contains(&batches), "{text}");
     // Whole slots move (header + payload + trailer): at least the payload.
     assert!(sample(&text, "kvmesh_remote_read_bytes_total") >= 3.0 * 65536.0, "{text}");

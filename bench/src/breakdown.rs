@@ -1,0 +1,259 @@
+//! `kvmesh-bench breakdown`: where the time of a remote get goes, hop by
+//! hop, from the getter daemon's own histograms (`/metrics`, scraped before
+//! and after each measurement; means from the deltas of sums and counts, so
+//! the stages add up) beside the engine's view of the `Pin` call (client
+//! side, hdrhistogram). Two daemons on loopback; every round fetches blocks
+//! the getter does not hold (they are removed, untimed, after each round).
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use hdrhistogram::Histogram;
+use kvmesh_client::{Client, Key};
+
+/// Sum of the samples of `name` whose labels contain `selector` ("" for
+/// all).
+fn sample_sum(text: &str, name: &str, selector: &str) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let (labels, value) = match rest.strip_prefix('{') {
+                Some(r) => r.split_once("} ")?,
+                None => ("", rest.strip_prefix(' ')?),
+            };
+            labels.contains(selector).then(|| value.trim().parse::<f64>().ok()).flatten()
+        })
+        .sum()
+}
+
+fn scrape(port: u16) -> anyhow::Result<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).context("connect to /metrics")?;
+    write!(s, "GET /metrics HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")?;
+    let mut r = String::new();
+    s.read_to_string(&mut r)?;
+    let (_, body) = r.split_once("\r\n\r\n").context("no HTTP body")?;
+    Ok(body.to_string())
+}
+
+/// Mean of a histogram between two scrapes (seconds), and its count.
+fn mean(a: &str, b: &str, hist: &str, selector: &str) -> (f64, f64) {
+    let sum = sample_sum(b, &format!("{hist}_sum"), selector) - sample_sum(a, &format!("{hist}_sum"), selector);
+    let n = sample_sum(b, &format!("{hist}_count"), selector) - sample_sum(a, &format!("{hist}_count"), selector);
+    (if n > 0.0 { sum / n } else { f64::NAN }, n)
+}
+
+struct Row {
+    transport: String,
+    block: u64,
+    batch: usize,
+    calls: usize,
+    client_p50: u64,
+    client_p99: u64,
+    client_mean: f64,
+    /// Per call, daemon side: the Pin RPC handler.
+    rpc: f64,
+    /// Per key, in the coherence driver.
+    driver: f64,
+    locate: f64,
+    read: f64,
+    register: f64,
+    /// Per batch of reads to the holder.
+    post: f64,
+    moving: f64,
+    validate: f64,
+    batches: f64,
+}
+
+pub(crate) fn run(
+    json: bool,
+    transports: &[String],
+    block_kib: &[u64],
+    calls: usize,
+    batch: usize,
+) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    for t in transports {
+        for &kib in block_kib {
+            for b in [1usize, batch] {
+                let n = if b == 1 { calls } else { (calls / 4).max(100) };
+                rows.push(measure(t, kib << 10, b, n)?);
+            }
+        }
+    }
+    let us = |s: f64| if s.is_nan() { f64::NAN } else { s * 1e6 };
+    if !json {
+        eprintln!(
+            "{:<4} {:>6} {:>5} {:>6} | {:>8} {:>8} {:>8} | {:>8} {:>8} {:>8} {:>8} {:>8} | {:>8} {:>8} {:>8}",
+            "tp",
+            "block",
+            "batch",
+            "calls",
+            "cli p50",
+            "cli p99",
+            "cli mean",
+            "rpc",
+            "driver",
+            "locate",
+            "read",
+            "register",
+            "post",
+            "move",
+            "validate"
+        );
+    }
+    let mut out = Vec::new();
+    for r in &rows {
+        if !json {
+            eprintln!(
+                "{:<4} {:>5}K {:>5} {:>6} | {:>8} {:>8} {:>8.0} | {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0} | {:>8.0} {:>8.0} {:>8.0}",
+                r.transport,
+                r.block >> 10,
+                r.batch,
+                r.calls,
+                r.client_p50,
+                r.client_p99,
+                r.client_mean,
+                us(r.rpc),
+                us(r.driver),
+                us(r.locate),
+                us(r.read),
+                us(r.register),
+                us(r.post),
+                us(r.moving),
+                us(r.validate)
+            );
+        }
+        out.push(serde_json::json!({
+            "transport": r.transport, "block_bytes": r.block, "batch": r.batch, "calls": r.calls,
+            "client_p50_us": r.client_p50, "client_p99_us": r.client_p99, "client_mean_us": r.client_mean,
+            "rpc_mean_us": us(r.rpc), "driver_mean_us_per_key": us(r.driver),
+            "locate_mean_us": us(r.locate), "read_mean_us": us(r.read), "register_mean_us": us(r.register),
+            "post_mean_us_per_batch": us(r.post), "move_mean_us_per_batch": us(r.moving),
+            "validate_mean_us_per_batch": us(r.validate),
+            "read_batches": r.batches,
+        }));
+    }
+    if !json {
+        eprintln!(
+            "us; cli = the engine's Pin call (client side, {} samples per row at least); rpc = the daemon's Pin handler; \
+             driver/locate/read/register = per key in the coherence driver (means); post/move = per batch of reads (move includes validate: hashing the copies)",
+            rows.iter().map(|r| r.calls).min().unwrap_or(0)
+        );
+    }
+    println!("{}", serde_json::json!({"bench": "breakdown", "rows": out}));
+    Ok(())
+}
+
+fn measure(transport: &str, size: u64, batch: usize, calls: usize) -> anyhow::Result<Row> {
+    let port = || -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
+    let (pa, pb, mport) = (port()?, port()?, port()?);
+    let pools = format!(
+        "[[pools]]\nname = \"p\"\nbytes = \"{}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n",
+        ((size * 512) >> 20).max(64),
+        size >> 10
+    );
+    let cfg = |id: u32, me: u16, other: u16, metrics: &str| {
+        format!(
+            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{me}\"\ntransports = \"{transport}\"\ntransfer_timeout_ms = 10000\n\
+             grant_lease_ms = 20000\n[[peers]]\nid = {}\naddr = \"127.0.0.1:{other}\"\n{pools}{metrics}",
+            3 - id
+        )
+    };
+    let tag = format!("bd-{transport}-{}-{batch}", size >> 10);
+    let (_a, sock_a) = crate::start_daemon_tagged(&format!("{tag}-a"), &cfg(1, pa, pb, ""))?;
+    let (_b, sock_b) = crate::start_daemon_tagged(
+        &format!("{tag}-b"),
+        &cfg(2, pb, pa, &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n")),
+    )?;
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    rt.block_on(async {
+        let ca = Client::connect(&sock_a).await?;
+        let cb = Client::connect(&sock_b).await?;
+        let t0 = Instant::now();
+        loop {
+            let mut ready = true;
+            for c in [&ca, &cb] {
+                let s = c.stats().await?;
+                ready &= s.peers_connected == 1
+                    && s.coherence.is_some_and(|c| c.serving && c.members == 2 && c.directory_ready);
+            }
+            if ready {
+                break;
+            }
+            if t0.elapsed() > Duration::from_secs(30) {
+                bail!("daemons did not form a cluster over {transport}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let na = ca.register_namespace("bd", size, "bench").await?;
+        let nb = cb.register_namespace("bd", size, "bench").await?;
+        let slots = ca.hello().pools[na.pool as usize].slots as usize;
+        let keys: Vec<Key> = (0..slots as u128).map(|i| Key(0xbd00_0000 + i)).collect();
+        let block = vec![0x5au8; size as usize];
+        for chunk in keys.chunks(64) {
+            let items: Vec<(Key, &[u8])> = chunk.iter().map(|&k| (k, &block[..])).collect();
+            if ca.put(&na, &items).await?.stored as usize != chunk.len() {
+                bail!("put on A over {transport} failed");
+            }
+        }
+        // Warm-up (connections, handshakes), untimed.
+        for i in 0..20 {
+            let ks = [keys[i % keys.len()]];
+            drop(cb.pin(&nb, &ks).await?);
+            cb.flush_releases().await;
+            cb.remove(&nb, &ks).await?;
+        }
+        let before = tokio::task::spawn_blocking(move || scrape(mport)).await??;
+        let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
+        let mut total = Duration::ZERO;
+        let mut next = 0usize;
+        for _ in 0..calls {
+            let ks: Vec<Key> = (0..batch)
+                .map(|_| {
+                    next += 1;
+                    keys[next % keys.len()]
+                })
+                .collect();
+            let t = Instant::now();
+            let got = cb.pin(&nb, &ks).await?;
+            let dt = t.elapsed();
+            if got.iter().any(|g| g.is_none()) {
+                bail!("a remote get over {transport} missed");
+            }
+            total += dt;
+            hist.record(dt.as_micros().max(1) as u64)?;
+            drop(got);
+            cb.flush_releases().await;
+            cb.remove(&nb, &ks).await?;
+        }
+        let after = tokio::task::spawn_blocking(move || scrape(mport)).await??;
+        let (rpc, _) = mean(&before, &after, "kvmesh_engine_call_seconds", "method=\"pin\"");
+        let (driver, _) = mean(&before, &after, "kvmesh_get_seconds", "result=\"fetched\"");
+        let (locate, _) = mean(&before, &after, "kvmesh_get_stage_seconds", "stage=\"locate\"");
+        let (read, _) = mean(&before, &after, "kvmesh_get_stage_seconds", "stage=\"read\"");
+        let (register, _) = mean(&before, &after, "kvmesh_get_stage_seconds", "stage=\"register\"");
+        let (post, _) = mean(&before, &after, "kvmesh_transfer_post_seconds", "");
+        let (moving, batches) = mean(&before, &after, "kvmesh_transfer_batch_seconds", "");
+        let (validate, _) = mean(&before, &after, "kvmesh_transfer_validate_seconds", "");
+        Ok(Row {
+            transport: transport.to_string(),
+            block: size,
+            batch,
+            calls,
+            client_p50: hist.value_at_quantile(0.5),
+            client_p99: hist.value_at_quantile(0.99),
+            client_mean: total.as_secs_f64() * 1e6 / calls as f64,
+            rpc,
+            driver,
+            locate,
+            read,
+            register,
+            post,
+            moving,
+            validate,
+            batches,
+        })
+    })
+}
