@@ -74,6 +74,15 @@ cargo run --locked -q -p kvmesh-bench -- scale --json --blocks 2000,4000 --sampl
 echo "== bindings benchmark smoke run (C and Python sides against a daemon; checks hits, ignores timing)" >&2
 cargo build --locked -q -p kvmesh-capi
 cargo run --locked -q -p kvmesh-bench -- bindings --json --block-kib 64 --iters 2 --rounds 1 >/dev/null
+echo "== breakdown benchmark smoke run (sm, 64 KiB; checks every stage was measured, ignores timing)" >&2
+out=$(cargo run --locked -q -p kvmesh-bench -- breakdown --json --transports sm --block-kib 64 --calls 20 --batch 4 | tail -1)
+echo "$out" | cut -c1-300 >&2
+for field in locate_mean_us read_mean_us register_mean_us move_mean_us_per_batch; do
+    if [[ $(grep -o "\"$field\":[0-9]" <<<"$out" | wc -l) -ne 2 ]]; then
+        echo "breakdown bench: $field missing or not a number in a row" >&2
+        exit 1
+    fi
+done
 echo "== Debian package: build, install (dpkg -i), run as the kvmesh user, drain, purge" >&2
 bash scripts/test-deb.sh
 echo "== all tests passed" >&2
