@@ -79,7 +79,7 @@ pub struct RemoteMetrics {
 
 impl Default for RemoteMetrics {
     fn default() -> Self {
-        RemoteMetrics {
+        let m = RemoteMetrics {
             get_seconds: Family::new_with_constructor(get_histogram),
             get_stage_seconds: Family::new_with_constructor(get_histogram),
             transfer_post_seconds: get_histogram(),
@@ -88,7 +88,16 @@ impl Default for RemoteMetrics {
             transfer_batch_bytes: Histogram::new(exponential_buckets(4096.0, 4.0, 11)),
             transfer_batch_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 22)),
             bytes_read: Default::default(),
+        };
+        // Every known label value exists from the start (zero series), so
+        // dashboards and alerts see the families before the first event.
+        for result in ["local_hit", "fetched", "miss", "error"] {
+            let _ = m.get_seconds.get_or_create(&GetLabels { result });
         }
+        for stage in ["locate", "read", "register"] {
+            let _ = m.get_stage_seconds.get_or_create(&StageLabels { stage });
+        }
+        m
     }
 }
 
@@ -353,46 +362,46 @@ impl prometheus_client::collector::Collector for Snapshot {
 /// Renders one scrape.
 pub fn render(stats: pb::StatsResponse, metrics: &Metrics) -> String {
     let mut reg = Registry::with_prefix("kvmesh");
-    reg.register("engine_call_seconds", "Engine gRPC call latency by method and result.", metrics.engine_calls.clone());
+    reg.register("engine_call_seconds", "Engine gRPC call latency by method and result", metrics.engine_calls.clone());
     if let Some(h) = &metrics.lease_left {
         reg.register(
             "lease_remaining_at_unpin_seconds",
-            "Lease left when an engine released a pin.",
+            "Lease left when an engine released a pin",
             Shared(Arc::clone(h)),
         );
     }
     if let Some(r) = &metrics.remote {
         reg.register(
             "get_seconds",
-            "Clustered gets, per key: from the driver to the answer, by result (local_hit, fetched, miss, error).",
+            "Clustered gets, per key: from the driver to the answer, by result (local_hit, fetched, miss, error)",
             r.get_seconds.clone(),
         );
         reg.register(
             "get_stage_seconds",
-            "Fetched gets by stage: locate (home, grant), read (post, move, validate), register (at the home).",
+            "Fetched gets by stage: locate (home, grant), read (post, move, validate), register (at the home)",
             r.get_stage_seconds.clone(),
         );
         reg.register(
             "transfer_post_seconds",
-            "A batch of reads: from the first read asked to the batch posted to the data plane.",
+            "A batch of reads: from the first read asked to the batch posted to the data plane",
             r.transfer_post_seconds.clone(),
         );
         reg.register(
             "transfer_validate_seconds",
-            "A batch of reads: time spent checksumming the copies that arrived (within the batch time).",
+            "A batch of reads: time spent checksumming the copies that arrived (within the batch time)",
             r.transfer_validate_seconds.clone(),
         );
         reg.register(
             "transfer_batch_bytes",
-            "Bytes one batch of reads from one peer moved.",
+            "Bytes one batch of reads from one peer moved",
             r.transfer_batch_bytes.clone(),
         );
         reg.register(
             "transfer_batch_seconds",
-            "One batch of reads from one peer, posted to its last outcome.",
+            "One batch of reads from one peer, posted to its last outcome",
             r.transfer_batch_seconds.clone(),
         );
-        reg.register("remote_read_bytes", "Bytes read from peers.", r.bytes_read.clone());
+        reg.register("remote_read_bytes", "Bytes read from peers", r.bytes_read.clone());
     }
     reg.register_collector(Box::new(Snapshot(stats)));
     let mut out = String::new();
