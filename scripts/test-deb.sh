@@ -19,28 +19,47 @@ skip() {
     exit 0
 }
 
-SUDO=""
 if [[ $(id -u) -ne 0 ]]; then
-    if sudo -n true 2>/dev/null; then SUDO="sudo"; else skip "needs root or passwordless sudo"; fi
+    sudo -n true 2>/dev/null || skip "needs root or passwordless sudo"
 fi
 if dpkg-query -W -f='${Status}' kvmesh 2>/dev/null | grep -q "install ok installed"; then
     skip "a kvmesh package is already installed on this machine (left alone)"
 fi
-for tool in runuser python3; do
+for tool in setpriv python3; do
     command -v "$tool" >/dev/null || skip "$tool is missing"
 done
 
-deb=$(scripts/package-deb.sh "$@" | tail -1)
+if [[ -z "${KVMESH_DEB:-}" ]]; then
+    KVMESH_DEB=$(scripts/package-deb.sh "$@" | tail -1)
+fi
+deb=$KVMESH_DEB
+if [[ $(id -u) -ne 0 ]]; then
+    # The package is built as this user; the install part runs as root.
+    exec sudo -n env CI="${CI:-}" KVMESH_DEB="$deb" bash "$0"
+fi
 echo "== package: $deb ($(du -h "$deb" | cut -f1))" >&2
 dpkg-deb --info "$deb" | sed -n 's/^ \(Package\|Version\|Depends\):/  \1:/p' >&2
 
 pid=""
 cleanup() {
     if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
-        $SUDO kill -KILL "$pid" || true
+        kill -KILL "$pid" || true
     fi
-    $SUDO dpkg --purge kvmesh >/dev/null 2>&1 || true
-    $SUDO rm -rf /run/kvmesh
+    # Whatever still runs as the package's user would keep it from being
+    # removed.
+    local uid
+    uid=$(id -u kvmesh 2>/dev/null) || uid=""
+    if [[ -n "$uid" ]]; then
+        for st in /proc/[0-9]*/status; do
+            if awk -v u="$uid" '$1 == "Uid:" && $2 == u { found = 1 } END { exit !found }' "$st" 2>/dev/null; then
+                p=${st#/proc/}
+                kill -KILL "${p%/status}" 2>/dev/null || true
+            fi
+        done
+        sleep 0.2
+    fi
+    dpkg --purge kvmesh >/dev/null 2>&1 || true
+    rm -rf /run/kvmesh
 }
 trap cleanup EXIT
 
@@ -50,7 +69,7 @@ fail() {
     exit 1
 }
 
-$SUDO dpkg -i "$deb" >/dev/null || fail "dpkg -i failed"
+dpkg -i "$deb" >/dev/null || fail "dpkg -i failed"
 [[ -x /usr/bin/kvmeshd && -x /usr/bin/kvmesh ]] || fail "binaries not installed"
 [[ -f /etc/kvmesh/kvmeshd.toml ]] || fail "config not installed"
 [[ -f /lib/systemd/system/kvmeshd.service ]] || fail "unit not installed"
@@ -67,27 +86,29 @@ fi
 # `systemd-analyze verify` above).
 python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 9433))' 2>/dev/null \
     || fail "port 9433 (the installed config's metrics port) is in use on this machine"
-$SUDO install -d -o kvmesh -g kvmesh -m 0700 /run/kvmesh
-$SUDO runuser -u kvmesh -- /usr/bin/kvmeshd --config /etc/kvmesh/kvmeshd.toml 2>/tmp/kvmesh-deb-test.log &
+install -d -o kvmesh -g kvmesh -m 0700 /run/kvmesh
+as_kvmesh() { setpriv --reuid=kvmesh --regid=kvmesh --init-groups -- "$@"; }
+# setpriv execs (no fork): $! is the daemon itself.
+setpriv --reuid=kvmesh --regid=kvmesh --init-groups -- /usr/bin/kvmeshd --config /etc/kvmesh/kvmeshd.toml \
+    2>/tmp/kvmesh-deb-test.log &
 pid=$!
 for _ in $(seq 1 200); do
-    $SUDO test -S /run/kvmesh/kvmeshd.sock && break
+    test -S /run/kvmesh/kvmeshd.sock && break
     sleep 0.05
 done
-$SUDO test -S /run/kvmesh/kvmeshd.sock || fail "the installed daemon did not bind /run/kvmesh/kvmeshd.sock"
-# The daemon runs as kvmesh (its child of runuser).
-daemon_pid=$(pgrep -u kvmesh -x kvmeshd | head -1)
-[[ -n "$daemon_pid" ]] || fail "no kvmeshd process of the kvmesh user"
+test -S /run/kvmesh/kvmeshd.sock || fail "the installed daemon did not bind /run/kvmesh/kvmeshd.sock"
+# The daemon runs as kvmesh.
+[[ $(stat -c %U "/proc/$pid") == kvmesh ]] || fail "the daemon does not run as the kvmesh user"
 
-cli() { $SUDO runuser -u kvmesh -- /usr/bin/kvmesh --socket /run/kvmesh/kvmeshd.sock "$@"; }
+cli() { as_kvmesh /usr/bin/kvmesh --socket /run/kvmesh/kvmeshd.sock "$@"; }
 block=$(mktemp)
 head -c 4096 /dev/urandom > "$block"
 chmod 0644 "$block"
 key=0123456789abcdef0123456789abcdef
 cli put --namespace deb --block-size 4096 "$key" "$block" >/dev/null || fail "put through the installed CLI"
 cli get --namespace deb "$key" "/tmp/kvmesh-deb-get" >/dev/null || fail "get through the installed CLI"
-$SUDO cmp "$block" /tmp/kvmesh-deb-get || fail "the block read back differs"
-$SUDO rm -f /tmp/kvmesh-deb-get "$block"
+cmp "$block" /tmp/kvmesh-deb-get || fail "the block read back differs"
+rm -f /tmp/kvmesh-deb-get "$block"
 cli stats --json | python3 -c 'import json,sys; s=json.load(sys.stdin); assert s["commits"]==1 and s["hits"]>=1, s' \
     || fail "stats after the put and get"
 python3 - <<'EOF' || fail "/metrics"
@@ -97,21 +118,21 @@ assert "kvmesh_commits_total 1" in t, t[:2000]
 EOF
 # Another user cannot reach the socket (directory 0700, socket 0600).
 if getent passwd nobody >/dev/null; then
-    if $SUDO runuser -u nobody -- /usr/bin/kvmesh --socket /run/kvmesh/kvmeshd.sock stats >/dev/null 2>&1; then
+    if setpriv --reuid=nobody --regid=nogroup --clear-groups -- /usr/bin/kvmesh --socket /run/kvmesh/kvmeshd.sock stats >/dev/null 2>&1; then
         fail "another user reached the daemon's socket"
     fi
 fi
 
 # Stop = drain.
-$SUDO kill -TERM "$daemon_pid"
+kill -TERM "$pid"
 rc=0
 wait "$pid" || rc=$?
 pid=""
 [[ $rc -eq 0 ]] || fail "the daemon exited $rc after SIGTERM"
 grep -q "drained in" /tmp/kvmesh-deb-test.log || fail "no drain in the log"
-$SUDO test -e /run/kvmesh/kvmeshd.sock && fail "socket left behind"
+test -e /run/kvmesh/kvmeshd.sock && fail "socket left behind"
 
-$SUDO dpkg --purge kvmesh >/dev/null || fail "dpkg --purge failed"
+dpkg --purge kvmesh >/dev/null || fail "dpkg --purge failed"
 [[ ! -e /usr/bin/kvmeshd && ! -e /etc/kvmesh/kvmeshd.toml && ! -e /var/lib/kvmesh ]] || fail "files left after purge"
 getent passwd kvmesh >/dev/null && fail "kvmesh user left after purge"
 rm -f /tmp/kvmesh-deb-test.log
