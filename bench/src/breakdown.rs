@@ -171,22 +171,7 @@ fn measure(transport: &str, size: u64, batch: usize, calls: usize) -> anyhow::Re
     rt.block_on(async {
         let ca = Client::connect(&sock_a).await?;
         let cb = Client::connect(&sock_b).await?;
-        let t0 = Instant::now();
-        loop {
-            let mut ready = true;
-            for c in [&ca, &cb] {
-                let s = c.stats().await?;
-                ready &= s.peers_connected == 1
-                    && s.coherence.is_some_and(|c| c.serving && c.members == 2 && c.directory_ready);
-            }
-            if ready {
-                break;
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                bail!("daemons did not form a cluster over {transport}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        crate::transfer::wait_pair(&ca, &cb, transport).await?;
         let na = ca.register_namespace("bd", size, "bench").await?;
         let nb = cb.register_namespace("bd", size, "bench").await?;
         let slots = ca.hello().pools[na.pool as usize].slots as usize;

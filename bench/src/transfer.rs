@@ -324,6 +324,26 @@ pub(crate) fn run(
 }
 
 /// Remote gets through two daemons: returns (GB/s, p50 us, p99 us) per
+/// Waits until two daemons serve as one cluster of two (30 s at most).
+pub(crate) async fn wait_pair(ca: &Client, cb: &Client, transport: &str) -> anyhow::Result<()> {
+    let t0 = Instant::now();
+    loop {
+        let mut ready = true;
+        for c in [ca, cb] {
+            let s = c.stats().await?;
+            ready &=
+                s.peers_connected == 1 && s.coherence.is_some_and(|c| c.serving && c.members == 2 && c.directory_ready);
+        }
+        if ready {
+            return Ok(());
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            bail!("daemons did not form a cluster over {transport}");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// (size, batch).
 fn daemon_gets(
     transport: &str,
@@ -355,22 +375,7 @@ fn daemon_gets(
     rt.block_on(async {
         let ca = Client::connect(&sock_a).await?;
         let cb = Client::connect(&sock_b).await?;
-        let t0 = Instant::now();
-        loop {
-            let mut ready = true;
-            for c in [&ca, &cb] {
-                let s = c.stats().await?;
-                ready &= s.peers_connected == 1
-                    && s.coherence.is_some_and(|c| c.serving && c.members == 2 && c.directory_ready);
-            }
-            if ready {
-                break;
-            }
-            if t0.elapsed() > Duration::from_secs(30) {
-                bail!("daemons did not form a cluster over {transport}");
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        wait_pair(&ca, &cb, transport).await?;
         let mut out = Vec::new();
         for &size in sizes {
             let name = format!("xfer-{}", size >> 10);

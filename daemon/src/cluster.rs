@@ -539,15 +539,9 @@ impl Cluster {
                             _ => "error",
                         };
                         let m = &self.remote_metrics;
-                        m.get_seconds
-                            .get_or_create(&crate::metrics::GetLabels { result })
-                            .observe(w.started.elapsed().as_secs_f64());
+                        m.observe_get(result, w.started.elapsed().as_secs_f64());
                         if fetched && let (Some(rs), Some(rd)) = (w.read_started, w.read_done) {
-                            let stage = |stage: &'static str, d: Duration| {
-                                m.get_stage_seconds
-                                    .get_or_create(&crate::metrics::StageLabels { stage })
-                                    .observe(d.as_secs_f64())
-                            };
+                            let stage = |stage: &'static str, d: Duration| m.observe_stage(stage, d.as_secs_f64());
                             stage("locate", rs.saturating_duration_since(w.started));
                             stage("read", rd.saturating_duration_since(rs));
                             stage("register", rd.elapsed());

@@ -75,6 +75,31 @@ pub struct RemoteMetrics {
     pub transfer_batch_seconds: Histogram,
     /// Bytes read from peers.
     pub bytes_read: prometheus_client::metrics::counter::Counter,
+    /// The families' series, looked up once (a get records without a
+    /// family lookup): by `GET_RESULTS` and `GET_STAGES` index.
+    by_result: Vec<Histogram>,
+    by_stage: Vec<Histogram>,
+}
+
+const GET_RESULTS: [&str; 4] = ["local_hit", "fetched", "miss", "error"];
+const GET_STAGES: [&str; 3] = ["locate", "read", "register"];
+
+impl RemoteMetrics {
+    /// Records a clustered get (`result` one of `GET_RESULTS`).
+    pub fn observe_get(&self, result: &'static str, secs: f64) {
+        match GET_RESULTS.iter().position(|r| *r == result) {
+            Some(i) => self.by_result[i].observe(secs),
+            None => self.get_seconds.get_or_create(&GetLabels { result }).observe(secs),
+        }
+    }
+
+    /// Records one stage of a fetched get (one of `GET_STAGES`).
+    pub fn observe_stage(&self, stage: &'static str, secs: f64) {
+        match GET_STAGES.iter().position(|s| *s == stage) {
+            Some(i) => self.by_stage[i].observe(secs),
+            None => self.get_stage_seconds.get_or_create(&StageLabels { stage }).observe(secs),
+        }
+    }
 }
 
 impl Default for RemoteMetrics {
@@ -88,15 +113,14 @@ impl Default for RemoteMetrics {
             transfer_batch_bytes: Histogram::new(exponential_buckets(4096.0, 4.0, 11)),
             transfer_batch_seconds: Histogram::new(exponential_buckets(0.00001, 2.0, 22)),
             bytes_read: Default::default(),
+            by_result: Vec::new(),
+            by_stage: Vec::new(),
         };
         // Every known label value exists from the start (zero series), so
         // dashboards and alerts see the families before the first event.
-        for result in ["local_hit", "fetched", "miss", "error"] {
-            let _ = m.get_seconds.get_or_create(&GetLabels { result });
-        }
-        for stage in ["locate", "read", "register"] {
-            let _ = m.get_stage_seconds.get_or_create(&StageLabels { stage });
-        }
+        let mut m = m;
+        m.by_result = GET_RESULTS.map(|result| m.get_seconds.get_or_create(&GetLabels { result }).clone()).to_vec();
+        m.by_stage = GET_STAGES.map(|stage| m.get_stage_seconds.get_or_create(&StageLabels { stage }).clone()).to_vec();
         m
     }
 }

@@ -96,12 +96,7 @@ async fn config_prints_a_running_config_the_daemon_accepts_again() {
     assert!(out.contains("sessions_max = 77") && out.contains("drain_timeout_ms = 20000"), "{out}");
     let file = d.dir.0.join("printed.toml");
     std::fs::write(&file, &out).unwrap();
-    let check = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-        .arg("--config")
-        .arg(&file)
-        .arg("--check-config")
-        .output()
-        .unwrap();
+    let check = common::check_config(&file);
     assert!(check.status.success(), "{}", String::from_utf8_lossy(&check.stderr));
     let (code, out, _) = run_cli(&d.socket, &["config", "--json"]);
     assert_eq!(code, 0);

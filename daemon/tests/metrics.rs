@@ -67,26 +67,7 @@ async fn metrics_are_served_while_the_daemon_works_and_pass_promtool() {
     let (status, _, _) = tokio::task::spawn_blocking(move || get(port, "/nope", "*/*")).await.unwrap();
     assert_eq!(status, 404);
 
-    match std::process::Command::new("promtool")
-        .arg("check")
-        .arg("metrics")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-    {
-        Ok(mut p) => {
-            p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-            let out = p.wait_with_output().unwrap();
-            assert!(
-                out.status.success(),
-                "promtool check metrics: {}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        Err(e) => eprintln!("SKIPPED promtool check: promtool not found ({e}); install the Debian package prometheus"),
-    }
+    common::promtool_check_metrics(&text);
 }
 
 #[test]
@@ -109,12 +90,7 @@ fn a_metrics_port_in_use_is_a_startup_error_naming_the_field() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("metrics.listen") && err.contains(&port.to_string()), "{err}");
     std::fs::write(&cfg, "[metrics]\nlisten = \"not-an-address\"\n".to_string() + &pool("p", "4MiB", "4KiB")).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-        .arg("--config")
-        .arg(&cfg)
-        .arg("--check-config")
-        .output()
-        .unwrap();
+    let out = common::check_config(&cfg);
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("metrics.listen"),
@@ -183,22 +159,7 @@ async fn the_dashboard_and_alerts_use_only_served_metrics() {
     assert!(names.len() > 10, "{names:?}");
     assert!(served.contains("kvmesh_coherence_inval_to_ack_p99_seconds"), "{text}");
     // The clustered daemon's text passes promtool too.
-    if let Ok(mut p) = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-    {
-        p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-        let out = p.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "promtool: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    common::promtool_check_metrics(&text);
     for n in names {
         assert!(served.contains(n), "{n} is used by deploy/ but not served:\n{text}");
     }
@@ -273,20 +234,5 @@ async fn a_remote_fetch_shows_in_the_get_and_transfer_histograms() {
     assert_eq!(sample(&text, "kvmesh_transfer_batch_bytes_sum"), sample(&text, "kvmesh_remote_read_bytes_total"));
     assert_eq!(sample(&text, "kvmesh_peer_up{peer=\"1\"}"), 1.0);
     assert_eq!(sample(&text, "kvmesh_peer_in_view{peer=\"1\"}"), 1.0);
-    if let Ok(mut p) = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-    {
-        p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-        let out = p.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "promtool: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    common::promtool_check_metrics(&text);
 }

@@ -129,19 +129,9 @@ fn json_log_format() {
         let v: serde_json::Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"));
         assert!(v["level"].is_string() && v["fields"].is_object(), "{l}");
     }
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-        .arg("--config")
-        .arg(&cfg_path)
-        .arg("--check-config")
-        .output()
-        .unwrap();
+    let out = common::check_config(&cfg_path);
     assert!(out.status.success());
     std::fs::write(&cfg_path, format!("[log]\nformat = \"xml\"\n{}", pool("p", "4MiB", "4KiB"))).unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
-        .arg("--config")
-        .arg(&cfg_path)
-        .arg("--check-config")
-        .output()
-        .unwrap();
+    let out = common::check_config(&cfg_path);
     assert!(!out.status.success() && String::from_utf8_lossy(&out.stderr).contains("log.format"));
 }

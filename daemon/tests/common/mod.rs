@@ -136,6 +136,36 @@ pub fn run_cli(socket: &Path, args: &[&str]) -> (i32, String, String) {
     )
 }
 
+/// `kvmeshd --config PATH --check-config`.
+pub fn check_config(path: &Path) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_kvmeshd")).arg("--config").arg(path).arg("--check-config").output().unwrap()
+}
+
+/// Fails the test if `promtool check metrics` rejects `text`; says SKIPPED
+/// where promtool is missing (scripts/setup.sh installs it).
+pub fn promtool_check_metrics(text: &str) {
+    use std::io::Write;
+    match Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+    {
+        Ok(mut p) => {
+            p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            let out = p.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "promtool check metrics: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Err(e) => eprintln!("SKIPPED promtool check: promtool not found ({e}); install the Debian package prometheus"),
+    }
+}
+
 /// A TCP port that was free a moment ago on loopback.
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
