@@ -128,6 +128,7 @@ impl Context {
                 .0 as u64,
             features: (sys::ucp_feature::UCP_FEATURE_RMA
                 | sys::ucp_feature::UCP_FEATURE_TAG
+                | sys::ucp_feature::UCP_FEATURE_AM
                 | sys::ucp_feature::UCP_FEATURE_WAKEUP)
                 .0 as u64,
             mt_workers_shared: 1,
@@ -323,7 +324,54 @@ fn sysv_id_of(base: usize) -> Option<i32> {
 pub struct Worker {
     ctx: Arc<Context>,
     h: sys::ucp_worker_h,
+    /// Where the active-message handler puts what arrives (boxed: UCX
+    /// holds its address; freed after the worker is destroyed).
+    inbox: Box<AmInbox>,
     _not_send: PhantomData<*const ()>,
+}
+
+/// Active messages received and not yet taken, with their limits.
+struct AmInbox {
+    msgs: std::cell::RefCell<std::collections::VecDeque<Vec<u8>>>,
+    /// Messages refused (too long, rendezvous, inbox full).
+    dropped: std::cell::Cell<u64>,
+    max_len: std::cell::Cell<usize>,
+    max_msgs: std::cell::Cell<usize>,
+}
+
+/// The active-message handler: copies an eager message into the inbox.
+/// Called by UCX from `ucp_worker_progress` on the worker's thread.
+unsafe extern "C" fn am_recv(
+    arg: *mut c_void,
+    _header: *const c_void,
+    _header_length: usize,
+    data: *mut c_void,
+    length: usize,
+    param: *const sys::ucp_am_recv_param_t,
+) -> sys::ucs_status_t {
+    // SAFETY: `arg` is the worker's boxed inbox, registered with this
+    // handler; the box lives until after ucp_worker_destroy, and the
+    // handler runs on the worker's own thread (no other reference is live:
+    // the inbox is only borrowed briefly outside progress).
+    let inbox = unsafe { &*(arg as *const AmInbox) };
+    // SAFETY: UCX passes a valid parameter struct for the callback's span.
+    let attr = unsafe { (*param).recv_attr };
+    let rndv = attr & sys::ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0;
+    let full = inbox.msgs.borrow().len() >= inbox.max_msgs.get();
+    if rndv || length > inbox.max_len.get() || full {
+        // Returning OK drops the message (a rendezvous descriptor too).
+        inbox.dropped.set(inbox.dropped.get() + 1);
+        return sys::ucs_status_t::UCS_OK;
+    }
+    let bytes = if length == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: without the rendezvous flag, `data` points to `length`
+        // received bytes valid until the callback returns.
+        unsafe { std::slice::from_raw_parts(data as *const u8, length) }.to_vec()
+    };
+    inbox.msgs.borrow_mut().push_back(bytes);
+    sys::ucs_status_t::UCS_OK
 }
 
 impl Worker {
@@ -337,7 +385,45 @@ impl Worker {
         let mut h: sys::ucp_worker_h = ptr::null_mut();
         // SAFETY: params is valid; h is an out-pointer.
         check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.h, &params, &mut h) })?;
-        Ok(Worker { ctx: Arc::clone(ctx), h, _not_send: PhantomData })
+        let inbox = Box::new(AmInbox {
+            msgs: Default::default(),
+            dropped: Default::default(),
+            max_len: std::cell::Cell::new(0),
+            max_msgs: std::cell::Cell::new(0),
+        });
+        Ok(Worker { ctx: Arc::clone(ctx), h, inbox, _not_send: PhantomData })
+    }
+
+    /// Accepts active messages with `id` of at most `max_len` bytes sent
+    /// eagerly (see [`Endpoint::am_send`]); at most `max_msgs` wait to be
+    /// taken. Others are dropped and counted ([`Worker::am_dropped`]).
+    pub fn accept_am(&self, id: u16, max_len: usize, max_msgs: usize) -> Result<(), UcxError> {
+        self.inbox.max_len.set(max_len);
+        self.inbox.max_msgs.set(max_msgs);
+        let param = sys::ucp_am_handler_param_t {
+            field_mask: (sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_ID
+                | sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_CB
+                | sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_ARG
+                | sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_FLAGS) as u64,
+            id: id as u32,
+            flags: sys::ucp_am_cb_flags_UCP_AM_FLAG_WHOLE_MSG,
+            cb: Some(am_recv),
+            arg: &*self.inbox as *const AmInbox as *mut c_void,
+        };
+        // SAFETY: the handler's argument is the boxed inbox, which outlives
+        // the worker's registration (it is dropped after the worker is
+        // destroyed); `am_recv` matches ucp_am_recv_callback_t.
+        check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.h, &param) })
+    }
+
+    /// Takes the active messages received so far, oldest first.
+    pub fn take_am(&self) -> Vec<Vec<u8>> {
+        self.inbox.msgs.borrow_mut().drain(..).collect()
+    }
+
+    /// Active messages dropped so far (too long, not eager, inbox full).
+    pub fn am_dropped(&self) -> u64 {
+        self.inbox.dropped.get()
     }
 
     /// The worker's address, for peers to connect to.
@@ -391,12 +477,19 @@ impl Worker {
         tag: u64,
     ) -> Result<Request<'_>, UcxError> {
         dst.check_range("ucp_tag_recv_nbx", offset, len)?;
-        let param = empty_param();
+        // Always a request (never completed in place), so the received
+        // length can be read from it.
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FLAG_NO_IMM_CMPL.0,
+            ..empty_param()
+        };
         let dst_ptr = (dst.base + offset) as *mut c_void;
         // SAFETY: dst_ptr..+len lies in a registered region the Request keeps alive until
         // completion (a dropped request is cancelled and waited for).
         let p = unsafe { sys::ucp_tag_recv_nbx(self.h, dst_ptr, len, tag, u64::MAX, &param) };
-        Request::from_status_ptr("ucp_tag_recv_nbx", p, self, Some(Arc::clone(dst)))
+        let mut r = Request::from_status_ptr("ucp_tag_recv_nbx", p, self, Some(Arc::clone(dst)))?;
+        r.tag_recv = true;
+        Ok(r)
     }
 
     /// Connects to a peer worker by its address. With `peer_failure`,
@@ -489,6 +582,25 @@ impl<'w> Endpoint<'w> {
         Request::from_status_ptr("ucp_tag_send_nbx", p, self.worker, Some(Arc::clone(src)))
     }
 
+    /// Sends `data` as active message `id`, eagerly (no rendezvous: the
+    /// receiver's handler gets the bytes in its callback).
+    pub fn am_send(&self, id: u16, data: Vec<u8>) -> Result<Request<'w>, UcxError> {
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
+            flags: sys::ucp_send_am_flags_UCP_AM_SEND_FLAG_EAGER,
+            ..empty_param()
+        };
+        let buf = data.into_boxed_slice();
+        // SAFETY: buf is owned by the returned Request until it completes
+        // (heap memory: moving the box does not move the bytes); no header.
+        let p = unsafe {
+            sys::ucp_am_send_nbx(self.h, id as u32, ptr::null(), 0, buf.as_ptr() as *const c_void, buf.len(), &param)
+        };
+        let mut r = Request::from_status_ptr("ucp_am_send_nbx", p, self.worker, None)?;
+        r._buf = Some(buf);
+        Ok(r)
+    }
+
     /// What UCX chose for this endpoint (transports, lanes), as text.
     pub fn describe(&self) -> String {
         let mut buf: *mut libc::c_char = ptr::null_mut();
@@ -555,6 +667,11 @@ pub struct Request<'w> {
     call: &'static str,
     worker: &'w Worker,
     _region: Option<Arc<MemoryRegion>>,
+    /// The bytes an active message sends, kept until it completes.
+    _buf: Option<Box<[u8]>>,
+    /// A tag receive: completion is read with its received length.
+    tag_recv: bool,
+    received: Option<usize>,
 }
 
 impl<'w> Request<'w> {
@@ -565,7 +682,16 @@ impl<'w> Request<'w> {
         region: Option<Arc<MemoryRegion>>,
     ) -> Result<Request<'w>, UcxError> {
         if p.is_null() {
-            return Ok(Request { ptr: ptr::null_mut(), done: Some(Ok(())), call, worker, _region: region });
+            return Ok(Request {
+                ptr: ptr::null_mut(),
+                done: Some(Ok(())),
+                call,
+                worker,
+                _region: region,
+                _buf: None,
+                tag_recv: false,
+                received: None,
+            });
         }
         if sys::ucs_ptr_is_err(p) {
             return Err(UcxError {
@@ -574,16 +700,26 @@ impl<'w> Request<'w> {
                 message: status_string(sys::ucs_ptr_status(p)),
             });
         }
-        Ok(Request { ptr: p, done: None, call, worker, _region: region })
+        Ok(Request { ptr: p, done: None, call, worker, _region: region, _buf: None, tag_recv: false, received: None })
     }
 
     /// `None` while in flight, then the outcome (repeatable).
     pub fn poll(&mut self) -> Option<Result<(), UcxError>> {
         if self.done.is_none() {
-            // SAFETY: ptr is a live request returned by UCX and not yet freed.
-            let s = unsafe { sys::ucp_request_check_status(self.ptr) };
+            let mut info = sys::ucp_tag_recv_info { sender_tag: 0, length: 0 };
+            let s = if self.tag_recv {
+                // SAFETY: ptr is a live tag-receive request not yet freed;
+                // info is an out-pointer.
+                unsafe { sys::ucp_tag_recv_request_test(self.ptr, &mut info) }
+            } else {
+                // SAFETY: ptr is a live request returned by UCX and not yet freed.
+                unsafe { sys::ucp_request_check_status(self.ptr) }
+            };
             if s == sys::ucs_status_t::UCS_INPROGRESS {
                 return None;
+            }
+            if self.tag_recv && s == sys::ucs_status_t::UCS_OK {
+                self.received = Some(info.length);
             }
             // SAFETY: the request completed; it is freed exactly once.
             unsafe { sys::ucp_request_free(self.ptr) };
@@ -591,6 +727,12 @@ impl<'w> Request<'w> {
             self.done = Some(check(self.call, s));
         }
         self.done.clone()
+    }
+
+    /// Bytes a completed tag receive got (a sender may send fewer than the
+    /// receive allowed); `None` for other requests or before completion.
+    pub fn received(&self) -> Option<usize> {
+        self.received
     }
 
     /// Asks UCX to cancel the operation (it then completes with an error).
@@ -615,9 +757,13 @@ impl Drop for Request<'_> {
             }
             self.worker.progress();
         }
-        // Still running: leak the region Arc so the memory stays valid.
+        // Still running: leak the region Arc and the buffer so the memory
+        // stays valid.
         if let Some(r) = self._region.take() {
             std::mem::forget(r);
+        }
+        if let Some(b) = self._buf.take() {
+            std::mem::forget(b);
         }
     }
 }
@@ -704,6 +850,57 @@ mod tests {
                 assert!(spins < 1_000_000);
             }
             assert!(orphan.poll().unwrap().is_err());
+            drop(ep);
+        }
+    }
+
+    /// Active messages arrive in the receiver's inbox in order; oversized
+    /// ones are dropped and counted. A tag receive reports how many bytes
+    /// the sender sent (zero for an empty message).
+    #[test]
+    fn active_messages_and_received_lengths() {
+        for t in [Transports::SharedMemory, Transports::Tcp] {
+            let ctx = Context::new(&t).unwrap();
+            let (a, b) = (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap());
+            b.accept_am(7, 4096, 16).unwrap();
+            let ep = a.connect(&b.address().unwrap(), t == Transports::Tcp).unwrap();
+            let mut sends: Vec<_> = vec![
+                ep.am_send(7, b"first".to_vec()).unwrap(),
+                ep.am_send(7, vec![1u8; 3000]).unwrap(),
+                ep.am_send(7, vec![2u8; 5000]).unwrap(),
+            ];
+            let mut got = Vec::new();
+            let mut spins = 0u64;
+            while got.len() < 2 || b.am_dropped() < 1 || sends.iter_mut().any(|r| r.poll().is_none()) {
+                a.progress();
+                b.progress();
+                got.extend(b.take_am());
+                spins += 1;
+                assert!(spins < 10_000_000, "active messages never arrived over {t:?}");
+            }
+            assert_eq!(got.len(), 2, "{t:?}");
+            assert_eq!(got[0], b"first");
+            assert_eq!(got[1], vec![1u8; 3000]);
+            assert_eq!(b.am_dropped(), 1, "the 5000-byte message is over the limit");
+
+            let src = Arc::new(MemoryRegion::register(&ctx, pool(1 << 20)).unwrap());
+            let dst = Arc::new(MemoryRegion::register(&ctx, pool(1 << 20)).unwrap());
+            let mut full = b.tag_recv(&dst, 0, 65536, 1).unwrap();
+            let mut empty = b.tag_recv(&dst, 65536, 65536, 2).unwrap();
+            assert_eq!(full.received(), None);
+            let mut s1 = ep.tag_send(&src, 0, 65536, 1).unwrap();
+            let mut s2 = ep.tag_send(&src, 0, 0, 2).unwrap();
+            let mut spins = 0u64;
+            while [&mut full, &mut empty, &mut s1, &mut s2].into_iter().any(|r| r.poll().is_none()) {
+                a.progress();
+                b.progress();
+                spins += 1;
+                assert!(spins < 10_000_000, "tag messages never arrived over {t:?}");
+            }
+            full.poll().unwrap().unwrap();
+            empty.poll().unwrap().unwrap();
+            assert_eq!(full.received(), Some(65536), "{t:?}");
+            assert_eq!(empty.received(), Some(0), "{t:?}");
             drop(ep);
         }
     }
