@@ -791,7 +791,7 @@ impl Cluster {
             }
         }
         let conn = self.peers.conn_info(from).await.filter(|(inc, _, _)| Some(*inc) == member_inc);
-        let Some((inc, pools, client)) = conn else {
+        let Some((inc, pools, _)) = conn else {
             for i in 0..reads.len() {
                 report(i, Err(TransferError::PeerGone), &mut reported);
             }
@@ -844,29 +844,24 @@ impl Cluster {
         if let Some(first) = index.iter().map(|&i| reads[i].started).min() {
             self.remote_metrics.transfer_post_seconds.observe(t_post.saturating_duration_since(first).as_secs_f64());
         }
-        let (batch, mut rx) = dp.transfer_stream(mode, from, inc, items, until);
-        if mode == Mode::Recv {
-            let req = pb::SendRequest {
-                node_id: self.id,
-                incarnation: self.incarnation,
-                holder_incarnation: inc,
-                items: send_items,
-            };
-            let mut c = client;
-            let dp2 = Arc::clone(dp);
-            tokio::spawn(async move {
-                let sent = match c.send(req).await {
-                    Ok(r) => r.into_inner().sent.iter().all(|&b| b),
-                    Err(s) => {
-                        tracing::debug!(peer = from, "send request failed: {}", s.message());
-                        false
-                    }
-                };
-                if !sent {
-                    dp2.cancel(batch);
-                }
-            });
-        }
+        // tcp: the send order goes to the holder as active messages once
+        // the receives are posted (split to stay under the message limit).
+        let orders = if mode == Mode::Recv {
+            send_items
+                .chunks(SEND_ORDER_ITEMS)
+                .map(|chunk| {
+                    prost::Message::encode_to_vec(&pb::SendRequest {
+                        node_id: self.id,
+                        incarnation: self.incarnation,
+                        holder_incarnation: inc,
+                        items: chunk.to_vec(),
+                    })
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        let (_, mut rx) = dp.transfer_ordered(mode, from, inc, items, orders, until);
         let mut failed = false;
         let mut pending = index.len();
         let mut moved = 0u64;
@@ -1635,6 +1630,11 @@ fn from_pb_view(v: &pb::View) -> View {
 
 /// What a slot copy holds, as the core compares it with a grant. An
 /// unreadable header or trailer becomes an image that matches nothing.
+/// Slots named in one send-order message: each item encodes in at most 38
+/// bytes, so 1,024 stay well under the data plane's message limit.
+const SEND_ORDER_ITEMS: usize = 1024;
+const _: () = assert!(SEND_ORDER_ITEMS * 38 + 64 <= crate::dataplane::SEND_ORDER_BYTES_MAX);
+
 fn slot_image(bytes: &[u8], cap: u64, fingerprint: u64) -> SlotImage {
     let none = CoreMeta { key: BlockKey { ns: 0, key: 0 }, version: 0, generation: 0, checksum: 0 };
     let core = |m: &LayoutMeta| {

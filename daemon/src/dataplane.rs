@@ -10,6 +10,14 @@
 //! process allocated itself, UCX emulates gets with active messages that the
 //! target must progress).
 //!
+//! On tcp (no one-sided reads), a getter posts tag receives into its
+//! reserved slots and sends the holder a *send order* as a UCX active
+//! message on the same endpoint; the holder's data-plane thread checks it
+//! (only slots granted to that getter go out: [`DataPlane::serve_orders`])
+//! and posts the tag sends at once, with no gRPC hop and no tokio wake-up
+//! on either side. Slots it refuses are answered with an empty message of
+//! the same tag, so the getter's receive ends at once as a refusal.
+//!
 //! Limits: at most `inflight_requests_max` reads and `inflight_bytes_max`
 //! bytes in flight (later batches wait in a queue); every batch has a
 //! deadline. A read that times out is cancelled; if UCX cannot guarantee it
@@ -90,6 +98,38 @@ pub struct PeerAddr {
     pub pools: Vec<RemotePool>,
 }
 
+/// Active-message id of a send order.
+pub const AM_SEND_ORDER: u16 = 1;
+/// Largest send-order message accepted (bytes); getters split bigger orders.
+pub const SEND_ORDER_BYTES_MAX: usize = 64 << 10;
+/// Send orders waiting for the data-plane thread at most.
+const SEND_ORDERS_QUEUED_MAX: usize = 4096;
+/// How long a holder's sends of one order may take.
+const SEND_ORDER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// What a holder sends for one order: to `node` (that incarnation), each
+/// item from our pool with the getter's tag; `len` 0 for a refused slot.
+#[derive(Clone, Debug)]
+pub struct SendOrder {
+    /// The getter.
+    pub node: u32,
+    /// Its incarnation (the endpoint must be to that one).
+    pub incarnation: u64,
+    /// What to send (`local_*` and `len`, `tag`).
+    pub items: Vec<TransferItem>,
+}
+
+/// Checks a received send-order message and says what to send (`None`:
+/// drop it).
+pub type OrderCheck = Box<dyn Fn(&[u8]) -> Option<SendOrder> + Send + Sync>;
+
+struct OrderServer {
+    check: OrderCheck,
+    /// Orders from getters we have no endpoint to yet: the async side
+    /// connects, then sends.
+    unconnected: tokio::sync::mpsc::UnboundedSender<SendOrder>,
+}
+
 enum Cmd {
     Connect { peer: PeerAddr, reply: oneshot::Sender<Result<String, String>> },
     Transfer(Pending),
@@ -125,6 +165,7 @@ pub struct DataPlane {
     worker_address: Vec<u8>,
     pools: Vec<LocalPool>,
     transports: Transports,
+    orders: Arc<std::sync::OnceLock<OrderServer>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -165,6 +206,8 @@ impl DataPlane {
         let (tx, rx) = bounded::<Cmd>(COMMANDS_MAX);
         let (init_tx, init_rx) = std::sync::mpsc::channel();
         let thread_wake = Arc::clone(&wake);
+        let orders: Arc<std::sync::OnceLock<OrderServer>> = Arc::default();
+        let thread_orders = Arc::clone(&orders);
         let peer_failure = !matches!(transports, Transports::SharedMemory);
         let thread = std::thread::Builder::new()
             .name("kvmesh-dataplane".into())
@@ -176,6 +219,10 @@ impl DataPlane {
                         return;
                     }
                 };
+                if let Err(e) = worker.accept_am(AM_SEND_ORDER, SEND_ORDER_BYTES_MAX, SEND_ORDERS_QUEUED_MAX) {
+                    let _ = init_tx.send(Err(e.to_string()));
+                    return;
+                }
                 match worker.address() {
                     Ok(a) => {
                         let _ = init_tx.send(Ok(a));
@@ -185,7 +232,7 @@ impl DataPlane {
                         return;
                     }
                 }
-                run(&worker, &regions, rx, &thread_wake, limits, peer_failure);
+                run(&worker, &regions, rx, &thread_wake, limits, peer_failure, &thread_orders);
             })
             .map_err(|e| format!("spawn data plane thread: {e}"))?;
         let worker_address = init_rx.recv().map_err(|_| "data plane thread died".to_string())??;
@@ -196,8 +243,18 @@ impl DataPlane {
             worker_address,
             pools: local,
             transports,
+            orders,
             thread: Some(thread),
         })
+    }
+
+    /// Serves peers' send orders from now on: `check` decides what each
+    /// order may send (it runs on the data-plane thread: keep it short);
+    /// orders from getters without an endpoint yet go to `unconnected`.
+    /// Set once; later calls are ignored.
+    pub fn serve_orders(&self, check: OrderCheck, unconnected: tokio::sync::mpsc::UnboundedSender<SendOrder>) {
+        let _ = self.orders.set(OrderServer { check, unconnected });
+        self.wake.notify();
     }
 
     /// Our worker address.
@@ -244,11 +301,30 @@ impl DataPlane {
         items: Vec<TransferItem>,
         deadline: Instant,
     ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
+        self.transfer_ordered(mode, peer, incarnation, items, Vec::new(), deadline)
+    }
+
+    /// As [`DataPlane::transfer_stream`]; with `Mode::Recv`, once the
+    /// receives are posted, `orders` (encoded send orders, each at most
+    /// [`SEND_ORDER_BYTES_MAX`]) go to the peer as active messages. A
+    /// receive that gets fewer bytes than asked (the holder refused the
+    /// slot) fails.
+    pub fn transfer_ordered(
+        &self,
+        mode: Mode,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        orders: Vec<Vec<u8>>,
+        deadline: Instant,
+    ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
         let n = items.len();
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
-        if let Err(e) = self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, deadline, reply })) {
+        if let Err(e) =
+            self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, orders, deadline, reply }))
+        {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
@@ -286,6 +362,10 @@ struct InFlight<'w> {
     id: u64,
     peer: u32,
     reqs: Vec<Option<Request<'w>>>,
+    /// Bytes each receive must get (a short one is a refusal).
+    lens: Vec<u64>,
+    /// The send orders in flight (kept until they complete).
+    orders: Vec<Request<'w>>,
     outcomes: Vec<Option<TransferOutcome>>,
     bytes: u64,
     deadline: Instant,
@@ -305,6 +385,7 @@ struct Pending {
     peer: u32,
     incarnation: u64,
     items: Vec<TransferItem>,
+    orders: Vec<Vec<u8>>,
     deadline: Instant,
     reply: Completions,
 }
@@ -316,7 +397,9 @@ fn run(
     wake: &EventFd,
     limits: Limits,
     peer_failure: bool,
+    orders: &std::sync::OnceLock<OrderServer>,
 ) {
+    let mut dropped_orders = 0u64;
     let mut peers: HashMap<u32, PeerConn<'_>> = HashMap::new();
     let mut inflight: Vec<InFlight<'_>> = Vec::new();
     let mut queue: VecDeque<Pending> = VecDeque::new();
@@ -377,6 +460,41 @@ fn run(
             inflight.push(f);
         }
         while worker.progress() > 0 {}
+        // Peers' send orders: checked, then queued as sends (started on the
+        // next turn, under the same limits as reads).
+        let msgs = worker.take_am();
+        if !msgs.is_empty() {
+            match orders.get() {
+                Some(server) => {
+                    for m in msgs {
+                        let Some(o) = (server.check)(&m) else { continue };
+                        if peers.get(&o.node).is_some_and(|c| c.incarnation == o.incarnation) {
+                            let (reply, _) = tokio::sync::mpsc::unbounded_channel();
+                            queue.push_back(Pending {
+                                id: 0,
+                                mode: Mode::Send,
+                                peer: o.node,
+                                incarnation: o.incarnation,
+                                items: o.items,
+                                orders: Vec::new(),
+                                deadline: Instant::now() + SEND_ORDER_TIMEOUT,
+                                reply,
+                            });
+                        } else {
+                            let _ = server.unconnected.send(o);
+                        }
+                    }
+                }
+                None => tracing::warn!(orders = msgs.len(), "data plane: send orders before serving them; dropped"),
+            }
+        }
+        if worker.am_dropped() != dropped_orders {
+            tracing::warn!(
+                dropped = worker.am_dropped() - dropped_orders,
+                "data plane: send orders dropped (over {SEND_ORDER_BYTES_MAX} bytes, not eager, or over {SEND_ORDERS_QUEUED_MAX} waiting)"
+            );
+            dropped_orders = worker.am_dropped();
+        }
         // Completions and deadlines.
         let now = Instant::now();
         let mut failed_peers = Vec::new();
@@ -385,9 +503,13 @@ fn run(
                 if let Some(r) = slot
                     && let Some(res) = r.poll()
                 {
-                    let o = match res {
-                        Ok(()) => TransferOutcome::Done,
-                        Err(e) => TransferOutcome::Failed(e.to_string()),
+                    let o = match (res, r.received()) {
+                        (Ok(()), Some(n)) if n as u64 != f.lens[i] => TransferOutcome::Failed(format!(
+                            "the holder sent {n} of {} bytes: it refused the slot (grant gone)",
+                            f.lens[i]
+                        )),
+                        (Ok(()), _) => TransferOutcome::Done,
+                        (Err(e), _) => TransferOutcome::Failed(e.to_string()),
                     };
                     let _ = f.reply.send((i, o.clone()));
                     f.outcomes[i] = Some(o);
@@ -424,6 +546,17 @@ fn run(
                     }
                 }
             }
+        }
+        for f in inflight.iter_mut() {
+            f.orders.retain_mut(|r| match r.poll() {
+                None => true,
+                Some(Ok(())) => false,
+                Some(Err(e)) => {
+                    // The receives then end by refusal, failure or deadline.
+                    tracing::debug!(peer = f.peer, "send order failed: {e}");
+                    false
+                }
+            });
         }
         inflight.retain_mut(|f| {
             if f.outcomes.iter().all(|o| o.is_some()) {
@@ -476,12 +609,22 @@ fn start<'w>(
         id: p.id,
         peer: p.peer,
         reqs: (0..n).map(|_| None).collect(),
+        lens: p.items.iter().map(|i| i.len).collect(),
+        orders: Vec::new(),
         outcomes: vec![None; n],
         bytes,
         deadline: p.deadline,
         reply: p.reply,
     };
+    let conn = peers.get(&p.peer).filter(|c| c.incarnation == p.incarnation);
+    let not_connected = || format!("peer {} (incarnation {}) not connected", p.peer, p.incarnation);
     if p.mode == Mode::Recv {
+        if !p.orders.is_empty() && conn.is_none() {
+            for i in 0..n {
+                f.settle(i, TransferOutcome::Failed(not_connected()));
+            }
+            return f;
+        }
         for (i, it) in p.items.iter().enumerate() {
             let Some(dst) = regions.get(it.local_pool as usize) else {
                 f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
@@ -492,14 +635,26 @@ fn start<'w>(
                 Err(e) => f.settle(i, TransferOutcome::Failed(e.to_string())),
             }
         }
+        // The receives are posted: ask the holder to send.
+        if let Some(conn) = conn {
+            for m in p.orders {
+                match conn.ep.am_send(AM_SEND_ORDER, m) {
+                    Ok(r) => f.orders.push(r),
+                    Err(e) => {
+                        tracing::debug!(peer = p.peer, "send order not sent: {e}");
+                        for r in f.reqs.iter_mut().flatten() {
+                            r.cancel();
+                        }
+                        break;
+                    }
+                }
+            }
+        }
         return f;
     }
-    let Some(conn) = peers.get(&p.peer).filter(|c| c.incarnation == p.incarnation) else {
+    let Some(conn) = conn else {
         for i in 0..n {
-            f.settle(
-                i,
-                TransferOutcome::Failed(format!("peer {} (incarnation {}) not connected", p.peer, p.incarnation)),
-            );
+            f.settle(i, TransferOutcome::Failed(not_connected()));
         }
         return f;
     };
@@ -535,3 +690,100 @@ fn start<'w>(
 
 /// How long to wait for a peer's handshake or query answer.
 pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plane(name: &str) -> (DataPlane, Arc<SharedMapping>) {
+        let pool = Arc::new(SharedMapping::create(name, 1 << 20, false).unwrap());
+        let limits = Limits { inflight_requests_max: 64, inflight_bytes_max: 64 << 20 };
+        (DataPlane::start(Transports::Tcp, &[Arc::clone(&pool)], limits).unwrap(), pool)
+    }
+
+    fn addr(id: u32, dp: &DataPlane) -> PeerAddr {
+        PeerAddr {
+            id,
+            incarnation: 1,
+            worker_address: dp.worker_address().to_vec(),
+            pools: dp
+                .pools()
+                .iter()
+                .map(|p| RemotePool { index: p.index, base: p.base, rkey: p.rkey.clone() })
+                .collect(),
+        }
+    }
+
+    /// A getter's send order over tcp: the holder's data-plane thread sends
+    /// what its check allows and answers the rest with an empty message, so
+    /// the refused receive fails at once (not at the deadline) and the
+    /// granted one gets the bytes.
+    #[tokio::test]
+    async fn send_orders_move_granted_slots_and_refuse_the_rest_at_once() {
+        let (getter, gpool) = plane("dp-getter");
+        let (holder, hpool) = plane("dp-holder");
+        holder.connect(addr(1, &getter)).await.unwrap();
+        getter.connect(addr(2, &holder)).await.unwrap();
+        let block: Vec<u8> = (0..65536u32).map(|i| (i % 251) as u8).collect();
+        hpool.copy_in(65536, &block).unwrap();
+        // The order names holder slot 1 (granted) and slot 2 (not).
+        let check: OrderCheck = Box::new(|bytes: &[u8]| {
+            let slots: Vec<u64> = bytes.chunks(16).map(|c| u64::from_le_bytes(c[..8].try_into().unwrap())).collect();
+            let tags: Vec<u64> = bytes.chunks(16).map(|c| u64::from_le_bytes(c[8..].try_into().unwrap())).collect();
+            let items = slots
+                .iter()
+                .zip(&tags)
+                .map(|(&slot, &tag)| {
+                    let len = if slot == 1 { 65536 } else { 0 };
+                    TransferItem {
+                        remote_pool: 0,
+                        remote_offset: 0,
+                        len,
+                        local_pool: 0,
+                        local_offset: slot * 65536,
+                        tag,
+                    }
+                })
+                .collect();
+            let incarnation = if slots.contains(&5) { 9 } else { 1 };
+            Some(SendOrder { node: 1, incarnation, items })
+        });
+        let (unconnected, mut nowhere) = tokio::sync::mpsc::unbounded_channel();
+        holder.serve_orders(check, unconnected);
+        let order: Vec<u8> =
+            [(1u64, 11u64), (2, 12)].iter().flat_map(|(s, t)| [s.to_le_bytes(), t.to_le_bytes()]).flatten().collect();
+        let item = |slot: u64, tag: u64| TransferItem {
+            remote_pool: 0,
+            remote_offset: 0,
+            len: 65536,
+            local_pool: 0,
+            local_offset: slot * 65536,
+            tag,
+        };
+        let t0 = Instant::now();
+        let deadline = t0 + Duration::from_secs(20);
+        let (_, mut rx) =
+            getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(3, 11), item(4, 12)], vec![order], deadline);
+        let mut outcomes = [None, None];
+        for _ in 0..2 {
+            let (i, o) = rx.recv().await.unwrap();
+            outcomes[i] = Some(o);
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "the refusal waited for the deadline");
+        assert_eq!(outcomes[0], Some(TransferOutcome::Done));
+        assert!(matches!(&outcomes[1], Some(TransferOutcome::Failed(e)) if e.contains("refused")), "{:?}", outcomes[1]);
+        let mut got = vec![0u8; 65536];
+        gpool.copy_out(3 * 65536, &mut got).unwrap();
+        assert_eq!(got, block);
+        assert!(nowhere.try_recv().is_err(), "the holder had an endpoint to the getter");
+        // An order whose getter incarnation the holder has no endpoint to
+        // (the check says 9 for slot 5) goes to the async side instead.
+        let order: Vec<u8> = [5u64.to_le_bytes(), 13u64.to_le_bytes()].concat();
+        let soon = Instant::now() + Duration::from_millis(300);
+        let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(6, 13)], vec![order], soon);
+        let o = tokio::time::timeout(Duration::from_secs(5), nowhere.recv()).await.unwrap().unwrap();
+        assert_eq!((o.node, o.incarnation, o.items.len()), (1, 9, 1));
+        let (_, outcome) = rx.recv().await.unwrap();
+        assert_ne!(outcome, TransferOutcome::Done, "nobody sent slot 6");
+    }
+}

@@ -4,7 +4,9 @@
 //! incarnation, UCX worker address, pools with their remote keys — the
 //! data plane connects an endpoint from it) and serves the peer service:
 //! `Handshake`, `Send` (tag-matched sends of slots granted to the asker,
-//! for transports without one-sided reads), and hands `Exchange` (the
+//! for transports without one-sided reads; daemons now send those orders
+//! as UCX active messages, served by [`Peers::serve_send_orders`], and the
+//! RPC stays for tools), and hands `Exchange` (the
 //! coherence stream) and `ListKeys` to [`crate::cluster`], which runs the
 //! protocol: which blocks exist, who may read which slot, and when.
 
@@ -19,7 +21,9 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 
 use crate::config::{PeerConfig, PeerEntry};
-use crate::dataplane::{CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, TransferItem, TransferOutcome};
+use crate::dataplane::{
+    CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, SendOrder, TransferItem, TransferOutcome,
+};
 use crate::store::{PEER_SESSION_BASE, SlotRef, Store};
 
 struct Connected {
@@ -268,6 +272,76 @@ impl Peers {
         self.hook
     }
 
+    /// Serves getters' send orders (tcp): the data-plane thread checks each
+    /// against the grants and sends at once; an order from a getter it has
+    /// no endpoint to yet is handed to a task that shakes hands first.
+    pub fn serve_send_orders(self: &Arc<Self>) {
+        let store = Arc::clone(&self.store);
+        let incarnation = self.incarnation;
+        let ids: Vec<u32> = self.peers.iter().map(|p| p.entry.id).collect();
+        let check = move |bytes: &[u8]| -> Option<SendOrder> {
+            let r = match <pb::SendRequest as prost::Message>::decode(bytes) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!("peer: undecodable send order dropped: {e}");
+                    return None;
+                }
+            };
+            if !ids.contains(&r.node_id) {
+                tracing::warn!(node = r.node_id, "peer: send order from a node not in the peer list dropped");
+                return None;
+            }
+            // An order for an earlier incarnation of this daemon: its
+            // grants died with it; refuse every slot.
+            let stale = r.holder_incarnation != incarnation;
+            Some(order_of(&store.lock(), &r, stale))
+        };
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        self.dp.serve_orders(Box::new(check), tx);
+        // Weak: the data plane (owned by Peers) holds the sender.
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(o) = rx.recv().await {
+                let Some(p) = weak.upgrade() else { break };
+                tokio::spawn(async move {
+                    if let Err(e) = p.send_connecting(o).await {
+                        tracing::debug!("send order not served: {e}");
+                    }
+                });
+            }
+        });
+    }
+
+    /// Sends an order's slots, shaking hands with the getter first if we
+    /// have no endpoint to its incarnation; per item, whether it was sent
+    /// (refused items never are).
+    async fn send_connecting(&self, o: SendOrder) -> Result<Vec<bool>, String> {
+        let Some(ps) = self.peers.iter().find(|s| s.entry.id == o.node) else {
+            return Err(format!("node {} is not in this daemon's peer list", o.node));
+        };
+        let stale = ps.conn.lock().await.as_ref().is_some_and(|c| c.incarnation != o.incarnation);
+        if stale {
+            self.drop_conn(ps).await;
+        }
+        *ps.retry_at.lock() = Instant::now();
+        if !self.ensure(ps).await {
+            return Err(format!("cannot reach node {} to send to it", o.node));
+        }
+        let granted: Vec<bool> = o.items.iter().map(|i| i.len > 0).collect();
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.transfer_timeout_ms);
+        let n = o.items.len();
+        let (_, mut rx) = self.dp.transfer_stream(Mode::Send, o.node, o.incarnation, o.items, deadline);
+        let mut sent = vec![false; n];
+        for _ in 0..n {
+            match rx.recv().await {
+                Some((i, TransferOutcome::Done)) => sent[i] = granted[i],
+                Some(_) => {}
+                None => break,
+            }
+        }
+        Ok(sent)
+    }
+
     /// A fresh tag for a tag-matched transfer.
     pub fn next_tag(&self) -> u64 {
         self.next_tag.fetch_add(1, Ordering::Relaxed)
@@ -297,6 +371,28 @@ async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item =
     })
     .await;
     outs.into_iter().map(|o| o.expect("every future finished")).collect()
+}
+
+/// What a holder sends for a getter's order: only slots granted to that
+/// getter (pinned under its session) go out; the others (and all of them
+/// when `refuse_all`) as empty messages with the getter's tag, so its
+/// receives end at once as refusals.
+fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool) -> SendOrder {
+    let session = PEER_SESSION_BASE + r.node_id as u64;
+    let items = r
+        .items
+        .iter()
+        .map(|it| {
+            let sref = SlotRef { pool: it.pool, slot: it.slot, generation: it.generation };
+            let geometry = st.pool_geometry(it.pool).filter(|_| !refuse_all && st.holds_pin(session, sref));
+            let (local_pool, local_offset, len) = match geometry {
+                Some((stride, _)) => (it.pool, it.slot as u64 * stride, stride),
+                None => (0, 0, 0),
+            };
+            TransferItem { remote_pool: 0, remote_offset: 0, len, local_pool, local_offset, tag: it.tag }
+        })
+        .collect();
+    SendOrder { node: r.node_id, incarnation: r.incarnation, items }
 }
 
 /// Most keys one `ListKeys` answer carries (about 32 MiB on the wire).
@@ -351,54 +447,11 @@ impl pb::peer_server::Peer for PeerService {
         if r.items.len() > 65536 {
             return Err(Status::invalid_argument(format!("send of {} blocks exceeds 65536", r.items.len())));
         }
-        // We send on our own endpoint to the asker: make sure we have one to
-        // its current incarnation (it may have just started or restarted).
-        let Some(ps) = p.peers.iter().find(|s| s.entry.id == r.node_id) else {
+        if !p.peers.iter().any(|s| s.entry.id == r.node_id) {
             return Err(Status::permission_denied(format!("node {} is not in this daemon's peer list", r.node_id)));
-        };
-        let stale = ps.conn.lock().await.as_ref().is_some_and(|c| c.incarnation != r.incarnation);
-        if stale {
-            p.drop_conn(ps).await;
         }
-        *ps.retry_at.lock() = Instant::now();
-        if !p.ensure(ps).await {
-            return Err(Status::unavailable(format!("cannot reach node {} to send to it", r.node_id)));
-        }
-        // Only slots granted to this peer (pinned under its session) go out.
-        let session = PEER_SESSION_BASE + r.node_id as u64;
-        let mut items = Vec::with_capacity(r.items.len());
-        let mut granted = Vec::with_capacity(r.items.len());
-        {
-            let st = p.store.lock();
-            for it in &r.items {
-                let sref = SlotRef { pool: it.pool, slot: it.slot, generation: it.generation };
-                let ok = st.holds_pin(session, sref);
-                granted.push(ok);
-                if let (true, Some((stride, _))) = (ok, st.pool_geometry(it.pool)) {
-                    items.push(TransferItem {
-                        remote_pool: 0,
-                        remote_offset: 0,
-                        len: stride,
-                        local_pool: it.pool,
-                        local_offset: it.slot as u64 * stride,
-                        tag: it.tag,
-                    });
-                }
-            }
-        }
-        let deadline = Instant::now() + Duration::from_millis(p.cfg.transfer_timeout_ms);
-        let n = items.len();
-        let (_, mut rx) = p.dp.transfer_stream(Mode::Send, r.node_id, r.incarnation, items, deadline);
-        let mut ok_sends = vec![false; n];
-        for _ in 0..n {
-            match rx.recv().await {
-                Some((i, TransferOutcome::Done)) => ok_sends[i] = true,
-                Some(_) => {}
-                None => break,
-            }
-        }
-        let mut it = ok_sends.into_iter();
-        let sent = granted.iter().map(|&g| g && it.next().unwrap_or(false)).collect();
+        let order = order_of(&p.store.lock(), &r, false);
+        let sent = p.send_connecting(order).await.map_err(Status::unavailable)?;
         Ok(Response::new(pb::SendResponse { sent }))
     }
 

@@ -661,6 +661,7 @@ pub async fn run_with(
         _ => None,
     };
     if let Some(p) = &peers {
+        p.serve_send_orders();
         let p = Arc::clone(p);
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
