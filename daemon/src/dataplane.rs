@@ -681,7 +681,17 @@ fn start<'w>(
             continue;
         };
         match conn.ep.get(dst, it.local_offset as usize, it.len as usize, base + it.remote_offset, rkey) {
-            Ok(r) => f.reqs[i] = Some(r),
+            Ok(mut r) => {
+                // Shared memory (cma) copies while posting or at the next
+                // progress: report each read as soon as it ended, so the
+                // caller validates it while the next ones copy.
+                worker.progress();
+                match r.poll() {
+                    Some(Ok(())) => f.settle(i, TransferOutcome::Done),
+                    Some(Err(e)) => f.settle(i, TransferOutcome::Failed(e.to_string())),
+                    None => f.reqs[i] = Some(r),
+                }
+            }
             Err(e) => f.settle(i, TransferOutcome::Failed(e.to_string())),
         }
     }
