@@ -11,6 +11,7 @@
 mod bindings;
 mod breakdown;
 mod coherence;
+mod peers;
 mod replay;
 mod scale;
 mod transfer;
@@ -94,6 +95,29 @@ enum Cmd {
         /// Skip ucx_perftest.
         #[arg(long)]
         no_perftest: bool,
+    },
+    /// Remote gets side by side, interleaved rounds in one run: kvmesh over
+    /// tcp and shared memory, Redis (GET/MGET), Mooncake Store over TCP
+    /// (installed into a virtualenv by bench/mooncake/setup.sh when missing).
+    Peers {
+        /// Print only the final JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Systems to measure.
+        #[arg(long, value_delimiter = ',', default_value = "kvmesh-tcp,kvmesh-sm,redis,mooncake-tcp")]
+        systems: Vec<String>,
+        /// Block sizes in KiB.
+        #[arg(long, value_delimiter = ',', default_value = "256,1024")]
+        block_kib: Vec<u64>,
+        /// Blocks per call (1: GET / get_into / a pin of one key).
+        #[arg(long, value_delimiter = ',', default_value = "1,32")]
+        batches: Vec<usize>,
+        /// Timed calls per system and row, over all rounds.
+        #[arg(long, default_value_t = 1000)]
+        samples: usize,
+        /// Interleaved rounds.
+        #[arg(long, default_value_t = 4)]
+        rounds: usize,
     },
     /// Where the time of a remote get goes, hop by hop: the getter daemon's
     /// stage histograms (/metrics) beside the engine's Pin call.
@@ -301,6 +325,9 @@ fn main() -> anyhow::Result<()> {
         }
         Cmd::Transfer { json, pool_mib, block_kib, transports, bytes_mib, no_perftest } => {
             transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest)
+        }
+        Cmd::Peers { json, systems, block_kib, batches, samples, rounds } => {
+            peers::run(peers::Opts { json, systems, block_kib, batches, samples, rounds })
         }
         Cmd::Breakdown { json, transports, block_kib, calls, batch } => {
             breakdown::run(json, &transports, &block_kib, calls, batch)
