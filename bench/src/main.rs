@@ -765,37 +765,65 @@ fn round(x: f64) -> f64 {
 async fn rpc(calls: usize) -> anyhow::Result<()> {
     let (_daemon, socket) =
         start_daemon("[[pools]]\nname = \"p\"\nbytes = \"64MiB\"\nslot_payload_bytes = \"16KiB\"\n")?;
-    let client = Client::connect(&socket).await?;
-    let ns = client.register_namespace("rpc", 16384, "").await?;
+    // The same calls over gRPC and over the fast path, interleaved in
+    // rounds so both see the same moments of this machine.
+    let grpc = Client::connect_with(&socket, false).await?;
+    let fast = Client::connect_with(&socket, true).await?;
+    if !fast.fast_path() {
+        bail!("the daemon did not offer the fast path");
+    }
+    let ns = grpc.register_namespace("rpc", 16384, "").await?;
     let keys: Vec<Key> = (0..1024u128).map(Key).collect();
     let data = vec![5u8; 16384];
     for chunk in keys.chunks(256) {
         let items: Vec<(Key, &[u8])> = chunk.iter().map(|&k| (k, &data[..])).collect();
-        client.put(&ns, &items).await?;
+        grpc.put(&ns, &items).await?;
     }
+    let rounds = 10;
+    let mut rows = Vec::new();
     for n in [1usize, 64, 512] {
-        let mut hl = Histogram::<u64>::new(3)?;
-        let mut hp = Histogram::<u64>::new(3)?;
-        let mut hu = Histogram::<u64>::new(3)?;
-        for i in 0..calls {
-            let ks = &keys[(i * n) % 512..(i * n) % 512 + n];
-            let t = Instant::now();
-            client.lookup(&ns, ks).await?;
-            hl.record(t.elapsed().as_nanos() as u64)?;
-            let t = Instant::now();
-            let p = client.pin(&ns, ks).await?;
-            hp.record(t.elapsed().as_nanos() as u64)?;
-            let t = Instant::now();
-            client.unpin(p.into_iter().flatten().collect()).await?;
-            hu.record(t.elapsed().as_nanos() as u64)?;
+        // [path][lookup, pin, unpin]
+        let mut h: Vec<Vec<Histogram<u64>>> = (0..2)
+            .map(|_| (0..3).map(|_| Histogram::<u64>::new(3)).collect::<Result<_, _>>())
+            .collect::<Result<_, _>>()?;
+        for round in 0..rounds {
+            for (path, client) in [&grpc, &fast].into_iter().enumerate() {
+                for i in round * calls / rounds..(round + 1) * calls / rounds {
+                    let ks = &keys[(i * n) % 512..(i * n) % 512 + n];
+                    let t = Instant::now();
+                    client.lookup(&ns, ks).await?;
+                    h[path][0].record(t.elapsed().as_nanos() as u64)?;
+                    let t = Instant::now();
+                    let p = client.pin(&ns, ks).await?;
+                    h[path][1].record(t.elapsed().as_nanos() as u64)?;
+                    if p.iter().any(|b| b.is_none()) {
+                        bail!("a local pin missed");
+                    }
+                    let t = Instant::now();
+                    client.unpin(p.into_iter().flatten().collect()).await?;
+                    h[path][2].record(t.elapsed().as_nanos() as u64)?;
+                }
+            }
         }
-        for (name, h) in [("lookup", &hl), ("pin", &hp), ("unpin", &hu)] {
+        for (m, name) in ["lookup", "pin", "unpin"].iter().enumerate() {
+            let us = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1e3;
+            let (g, f) = (&h[0][m], &h[1][m]);
             println!(
-                "{name:>6} x{n:<4} p50 {:>7.1} us  p99 {:>7.1} us",
-                h.value_at_quantile(0.5) as f64 / 1e3,
-                h.value_at_quantile(0.99) as f64 / 1e3
+                "{name:>6} x{n:<4} grpc p50 {:>7.1} p99 {:>7.1} us | fast p50 {:>7.1} p99 {:>7.1} us | p99 fast/grpc {:.2} | {} samples each",
+                us(g, 0.5),
+                us(g, 0.99),
+                us(f, 0.5),
+                us(f, 0.99),
+                us(f, 0.99) / us(g, 0.99),
+                f.len()
             );
+            rows.push(serde_json::json!({
+                "call": name, "keys": n, "samples": f.len(),
+                "grpc_p50_us": us(g, 0.5), "grpc_p99_us": us(g, 0.99),
+                "fast_p50_us": us(f, 0.5), "fast_p99_us": us(f, 0.99),
+            }));
         }
     }
+    println!("{}", serde_json::json!({"bench": "rpc", "rows": rows}));
     Ok(())
 }

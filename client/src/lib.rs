@@ -50,6 +50,7 @@ use tonic::transport::{Channel, Endpoint};
 pub use kvmesh_ffi_os::default_socket_path;
 
 pub mod blocking;
+mod fast;
 mod stats_json;
 pub use stats_json::stats_json;
 
@@ -239,6 +240,8 @@ struct PoolMap {
 
 struct Inner {
     rpc: EngineClient<Channel>,
+    /// The fast path for lookup, pin and unpin, when the daemon offers it.
+    fast: Option<Arc<fast::Fast>>,
     pools: Vec<PoolMap>,
     hello: pb::HelloResponse,
     releases: Arc<Releases>,
@@ -480,7 +483,15 @@ impl Client {
     }
 
     /// Connects to the daemon at `path`, receives and maps its pools.
+    /// Lookups, pins and unpins use the fast path when the daemon offers it
+    /// (unless `KVMESH_FAST_PATH=off`).
     pub async fn connect(path: impl AsRef<Path>) -> Result<Client> {
+        Client::connect_with(path, !fast::disabled()).await
+    }
+
+    /// As [`Client::connect`]; `fast_path = false` sends every call over
+    /// gRPC (for comparisons, or a daemon that should see one connection).
+    pub async fn connect_with(path: impl AsRef<Path>, fast_path: bool) -> Result<Client> {
         let path = path.as_ref().to_path_buf();
         if !path.exists() {
             return Err(ClientError::Connect {
@@ -544,10 +555,26 @@ impl Client {
             });
             pools.push(PoolMap { map, info: full.clone() });
         }
+        let fast = if fast_path { fast::Fast::open(&path).await.map(Arc::new) } else { None };
         let (tx, rx) = mpsc::unbounded_channel();
         let releases = Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx });
-        tokio::spawn(release_loop(rpc.clone(), rx, Arc::downgrade(&releases), hello.batch_keys_max.max(1) as usize));
-        Ok(Client { inner: Arc::new(Inner { rpc, pools, hello, releases, path }) })
+        tokio::spawn(release_loop(
+            Calls { rpc: rpc.clone(), fast: fast.clone() },
+            rx,
+            Arc::downgrade(&releases),
+            hello.batch_keys_max.max(1) as usize,
+        ));
+        Ok(Client { inner: Arc::new(Inner { rpc, fast, pools, hello, releases, path }) })
+    }
+
+    /// Whether lookups, pins and unpins use the fast path (a framed Unix
+    /// socket beside gRPC) rather than gRPC.
+    pub fn fast_path(&self) -> bool {
+        self.inner.fast.is_some()
+    }
+
+    fn calls(&self) -> Calls {
+        Calls { rpc: self.rpc(), fast: self.inner.fast.clone() }
     }
 
     fn rpc(&self) -> EngineClient<Channel> {
@@ -589,7 +616,7 @@ impl Client {
     pub async fn lookup(&self, ns: &Namespace, keys: &[Key]) -> Result<LookupResult> {
         self.check_batch(keys.len())?;
         let r = pb::LookupRequest { namespace_id: ns.id, keys: pb_keys(keys) };
-        let resp = self.rpc().lookup(r).await?.into_inner();
+        let resp = self.calls().lookup(r).await?;
         if resp.present.len() != keys.len() {
             return Err(ClientError::Protocol(format!(
                 "lookup answered {} of {} keys",
@@ -614,7 +641,7 @@ impl Client {
         if release.len() > max {
             // More than one request can carry: send the excess on its own.
             let rest = release.split_off(max);
-            self.rpc().unpin(pb::UnpinRequest { slots: rest }).await?;
+            self.calls().unpin(pb::UnpinRequest { slots: rest }).await?;
         }
         let r = pb::PinRequest {
             namespace_id: ns.id,
@@ -623,7 +650,7 @@ impl Client {
             stop_at_first_miss: opts.stop_at_first_miss,
             release,
         };
-        let resp = self.rpc().pin(r).await?.into_inner();
+        let resp = self.calls().pin(r).await?;
         if resp.blocks.len() > keys.len() {
             return Err(ClientError::Protocol("pin answered more blocks than keys".into()));
         }
@@ -677,7 +704,7 @@ impl Client {
         }
         let mut released = 0;
         for chunk in refs.chunks(self.inner.hello.batch_keys_max.max(1) as usize) {
-            released += self.rpc().unpin(pb::UnpinRequest { slots: chunk.to_vec() }).await?.into_inner().released;
+            released += self.calls().unpin(pb::UnpinRequest { slots: chunk.to_vec() }).await?.released;
         }
         Ok(released)
     }
@@ -947,8 +974,37 @@ fn pb_keys(keys: &[Key]) -> Vec<pb::Key> {
     keys.iter().map(|k| pb::Key { hi: k.hi(), lo: k.lo() }).collect()
 }
 
+/// The calls that go over the fast path when there is one (pins taken on
+/// it must be released on it: it is their session).
+#[derive(Clone)]
+struct Calls {
+    rpc: EngineClient<Channel>,
+    fast: Option<Arc<fast::Fast>>,
+}
+
+impl Calls {
+    async fn lookup(&mut self, r: pb::LookupRequest) -> Result<pb::LookupResponse> {
+        match &self.fast {
+            Some(f) => f.call(kvmesh_common::handshake::fast::LOOKUP, &r).await,
+            None => Ok(self.rpc.lookup(r).await?.into_inner()),
+        }
+    }
+    async fn pin(&mut self, r: pb::PinRequest) -> Result<pb::PinResponse> {
+        match &self.fast {
+            Some(f) => f.call(kvmesh_common::handshake::fast::PIN, &r).await,
+            None => Ok(self.rpc.pin(r).await?.into_inner()),
+        }
+    }
+    async fn unpin(&mut self, r: pb::UnpinRequest) -> Result<pb::UnpinResponse> {
+        match &self.fast {
+            Some(f) => f.call(kvmesh_common::handshake::fast::UNPIN, &r).await,
+            None => Ok(self.rpc.unpin(r).await?.into_inner()),
+        }
+    }
+}
+
 async fn release_loop(
-    mut rpc: EngineClient<Channel>,
+    mut calls: Calls,
     mut rx: mpsc::UnboundedReceiver<Release>,
     releases: std::sync::Weak<Releases>,
     batch_max: usize,
@@ -975,12 +1031,12 @@ async fn release_loop(
         }
         let unpins = releases.upgrade().map(|r| r.take_unpins()).unwrap_or_default();
         for chunk in unpins.chunks(batch_max) {
-            if let Err(e) = rpc.unpin(pb::UnpinRequest { slots: chunk.to_vec() }).await {
+            if let Err(e) = calls.unpin(pb::UnpinRequest { slots: chunk.to_vec() }).await {
                 tracing::debug!("background unpin failed (the daemon releases pins of closed connections): {e}");
             }
         }
         for chunk in aborts.chunks(batch_max) {
-            if let Err(e) = rpc.abort(pb::AbortRequest { slots: chunk.to_vec() }).await {
+            if let Err(e) = calls.rpc.abort(pb::AbortRequest { slots: chunk.to_vec() }).await {
                 tracing::debug!("background abort failed: {e}");
             }
         }

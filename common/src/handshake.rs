@@ -89,3 +89,26 @@ mod tests {
         assert!(decode(&b[..5], 2).is_err());
     }
 }
+
+/// First bytes of a fast-path connection on the engine socket (lowercase:
+/// its first byte differs from [`FD_HANDSHAKE_MAGIC`]'s and from HTTP/2's
+/// preface). The daemon answers with the same bytes and the connection's
+/// session id (u64, little endian); then both sides exchange frames:
+/// `u32 len | u64 id | u8 method-or-status | body` (len counts from `id`).
+/// Requests and answers are the engine API's protobuf messages; an answer
+/// with a non-zero status carries the gRPC status code and a UTF-8 message.
+pub const FAST_MAGIC: &[u8; 14] = b"kvmesh-fast/1\n";
+
+/// Methods of the fast path.
+pub mod fast {
+    /// `LookupRequest` -> `LookupResponse`.
+    pub const LOOKUP: u8 = 1;
+    /// `PinRequest` -> `PinResponse`.
+    pub const PIN: u8 = 2;
+    /// `UnpinRequest` -> `UnpinResponse`.
+    pub const UNPIN: u8 = 3;
+    /// Bytes of a frame after its length.
+    pub const HEAD: usize = 9;
+    /// Largest frame body either side accepts.
+    pub const FRAME_MAX: usize = 16 << 20;
+}

@@ -13,6 +13,7 @@ pub mod config;
 pub mod dataplane;
 pub mod error;
 pub mod etcd;
+pub mod fast;
 pub mod metrics;
 pub mod peers;
 pub mod server;

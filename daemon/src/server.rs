@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail};
-use kvmesh_common::handshake::{FD_HANDSHAKE_MAGIC, PoolFd};
+use kvmesh_common::handshake::{FAST_MAGIC, FD_HANDSHAKE_MAGIC, PoolFd};
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
@@ -218,6 +218,7 @@ async fn classify(
     store: Arc<Mutex<Store>>,
     next_session: Arc<AtomicU64>,
     to_grpc: mpsc::Sender<io::Result<TrackedStream>>,
+    fast: Arc<std::sync::OnceLock<Arc<crate::fast::FastPath>>>,
 ) {
     let first = match tokio::time::timeout(FIRST_BYTE_TIMEOUT, peek_first(&stream)).await {
         Ok(Ok(b)) => b,
@@ -238,6 +239,18 @@ async fn classify(
     }
     let session = next_session.fetch_add(1, Ordering::Relaxed);
     let guard = Arc::new(SessionGuard { session, store });
+    if first == FAST_MAGIC[0] {
+        // A fast-path connection: a session of its own, served by a thread.
+        let Some(ctx) = fast.get() else {
+            tracing::debug!("fast-path connection before the service is up; closed (the client uses gRPC)");
+            return;
+        };
+        let spawned = stream.into_std().and_then(|s| crate::fast::spawn(Arc::clone(ctx), s, session, guard));
+        if let Err(e) = spawned {
+            tracing::warn!("fast path: cannot serve a connection: {e}");
+        }
+        return;
+    }
     let _ = to_grpc.send(Ok(TrackedStream { inner: stream, guard })).await;
 }
 
@@ -580,6 +593,8 @@ pub async fn run_with(
 
     let (tx, rx) = mpsc::channel::<io::Result<TrackedStream>>(64);
     let next_session = Arc::new(AtomicU64::new(1));
+    let fast: Arc<std::sync::OnceLock<Arc<crate::fast::FastPath>>> = Arc::default();
+    let accept_fast = Arc::clone(&fast);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
 
     // Accept loop.
@@ -590,7 +605,13 @@ pub async fn run_with(
             tokio::select! {
                 r = listener.accept() => match r {
                     Ok((stream, _)) => {
-                        tokio::spawn(classify(stream, Arc::clone(&accept_store), Arc::clone(&next_session), tx.clone()));
+                        tokio::spawn(classify(
+                            stream,
+                            Arc::clone(&accept_store),
+                            Arc::clone(&next_session),
+                            tx.clone(),
+                            Arc::clone(&accept_fast),
+                        ));
                     }
                     Err(e) => {
                         tracing::warn!("accept failed: {e}");
@@ -693,6 +714,12 @@ pub async fn run_with(
         };
         tokio::spawn(crate::metrics::serve(l, Arc::clone(&metrics), snapshot, stop_rx.clone()));
     }
+    let _ = fast.set(Arc::new(crate::fast::FastPath {
+        service: engine.clone(),
+        metrics: Arc::clone(&metrics),
+        rt: tokio::runtime::Handle::current(),
+        open: Default::default(),
+    }));
     let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(engine)
         .max_decoding_message_size(16 << 20)
         .max_encoding_message_size(16 << 20);

@@ -226,7 +226,8 @@ async fn killed_client_leaves_nothing_behind() {
     assert_eq!(mid.pins_outstanding, 16);
     assert_eq!(mid.allocations_outstanding, 10);
     assert_eq!(mid.pools[0].pending, 10);
-    assert_eq!(mid.sessions, before.sessions + 1);
+    // Its gRPC connection and its fast-path connection.
+    assert_eq!(mid.sessions, before.sessions + 2);
 
     child.kill().unwrap(); // SIGKILL
     child.wait().unwrap();
@@ -467,4 +468,81 @@ fn print_topology_reports_devices_or_their_absence() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.starts_with("RDMA: "), "{text}");
     assert!(text.contains("device") || text.contains("UCX will use"), "{text}");
+}
+
+/// The fast path (a framed Unix-socket connection beside gRPC) serves
+/// lookups, pins and unpins with the same answers and the same errors as
+/// gRPC; a malformed frame ends only that connection, an unknown method is
+/// answered UNIMPLEMENTED, and the daemon keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_path_answers_as_grpc_does_and_survives_bad_frames() {
+    use kvmesh_common::handshake::{FAST_MAGIC, fast};
+    use std::io::{Read, Write};
+    let d = Daemon::start("fast", &pool("p", "16MiB", "4KiB"));
+    let f = d.client().await;
+    assert!(f.fast_path(), "the client did not get the fast path");
+    let g = Client::connect_with(&d.socket, false).await.unwrap();
+    assert!(!g.fast_path());
+    let ns = g.register_namespace("fast", 4096, "").await.unwrap();
+    let keys: Vec<Key> = (0..64u128).map(Key).collect();
+    let data: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 4096)).collect();
+    let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+    g.put(&ns, &items).await.unwrap();
+    let mut probe = keys[..32].to_vec();
+    probe.push(Key(999));
+    assert_eq!(f.lookup(&ns, &probe).await.unwrap(), g.lookup(&ns, &probe).await.unwrap());
+    let pins = f.pin(&ns, &keys).await.unwrap();
+    for (p, want) in pins.iter().zip(&data) {
+        assert_eq!(&p.as_ref().expect("hit")[..], &want[..]);
+    }
+    assert_eq!(g.stats().await.unwrap().pins_outstanding, 64);
+    assert_eq!(f.unpin(pins.into_iter().flatten().collect()).await.unwrap(), 64);
+    // Errors: the same code and message as over gRPC.
+    let mut bogus = ns.clone();
+    bogus.id = 4242;
+    let ef = f.pin(&bogus, &keys[..1]).await.unwrap_err();
+    let eg = g.pin(&bogus, &keys[..1]).await.unwrap_err();
+    assert_eq!((ef.code(), ef.to_string()), (eg.code(), eg.to_string()));
+    let too_many: Vec<Key> = (0..100_000u128).map(Key).collect();
+    assert!(f.pin(&ns, &too_many).await.is_err());
+
+    let open = || {
+        let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        s.write_all(FAST_MAGIC).unwrap();
+        let mut back = [0u8; FAST_MAGIC.len() + 8];
+        s.read_exact(&mut back).unwrap();
+        assert_eq!(&back[..FAST_MAGIC.len()], FAST_MAGIC);
+        s
+    };
+    // An unknown method: UNIMPLEMENTED (12), the connection stays.
+    let mut s = open();
+    let mut frame = ((fast::HEAD) as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&7u64.to_le_bytes());
+    frame.push(99);
+    s.write_all(&frame).unwrap();
+    let mut head = [0u8; 4 + fast::HEAD];
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(u64::from_le_bytes(head[4..12].try_into().unwrap()), 7);
+    assert_eq!(head[12], 12, "UNIMPLEMENTED");
+    let mut msg = vec![0u8; u32::from_le_bytes(head[..4].try_into().unwrap()) as usize - fast::HEAD];
+    s.read_exact(&mut msg).unwrap();
+    // A frame longer than the limit: the daemon closes that connection.
+    s.write_all(&u32::MAX.to_le_bytes()).unwrap();
+    s.write_all(&[0u8; fast::HEAD]).unwrap();
+    let mut rest = Vec::new();
+    assert_eq!(s.read_to_end(&mut rest).unwrap(), 0, "connection closed");
+    // Garbage that does not decode: INVALID_ARGUMENT (3).
+    let mut s = open();
+    let mut frame = ((fast::HEAD + 3) as u32).to_le_bytes().to_vec();
+    frame.extend_from_slice(&8u64.to_le_bytes());
+    frame.push(fast::PIN);
+    frame.extend_from_slice(&[0xff, 0xff, 0xff]);
+    s.write_all(&frame).unwrap();
+    s.read_exact(&mut head).unwrap();
+    assert_eq!(head[12], 3, "INVALID_ARGUMENT");
+    drop(s);
+    // Still serving, and the raw connections left no pins behind.
+    assert_eq!(f.lookup(&ns, &keys).await.unwrap().prefix_len, 64);
+    assert_eq!(g.stats().await.unwrap().pins_outstanding, 0);
 }
