@@ -78,6 +78,8 @@ fn serve<G: Send + Sync + 'static>(
     session: u64,
     guard: &Arc<G>,
 ) -> io::Result<()> {
+    // Handlers polled here use the runtime's timers and spawn tasks.
+    let _rt = ctx.rt.enter();
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(MAGIC_TIMEOUT))?;
     stream.set_write_timeout(Some(WRITE_TIMEOUT))?;
