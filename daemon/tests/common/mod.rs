@@ -48,7 +48,7 @@ impl Daemon {
         let cfg_path = dir.0.join("kvmeshd.toml");
         std::fs::write(&cfg_path, cfg).unwrap();
         let child = spawn(&dir, env, false);
-        let d = Daemon { child, socket, dir };
+        let mut d = Daemon { child, socket, dir };
         d.wait_ready();
         d
     }
@@ -62,11 +62,24 @@ impl Daemon {
         self.wait_ready();
     }
 
-    fn wait_ready(&self) {
+    /// Waits until the daemon answers an fd handshake: its accept loop
+    /// runs, so everything bound before it (the peer port) is bound. (A
+    /// bare connect succeeds as soon as the socket listens, before a
+    /// daemon that cannot bind its peer port exits.)
+    fn wait_ready(&mut self) {
+        use std::io::{Read, Write};
         let t0 = Instant::now();
         while t0.elapsed() < Duration::from_secs(20) {
-            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
-                return;
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("kvmeshd exited ({status}) while starting; log:\n{}", self.log());
+            }
+            if let Ok(mut s) = std::os::unix::net::UnixStream::connect(&self.socket) {
+                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut b = [0u8; 1];
+                if s.write_all(kvmesh_common::handshake::FD_HANDSHAKE_MAGIC).is_ok() && s.read(&mut b).unwrap_or(0) > 0
+                {
+                    return;
+                }
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -166,8 +179,24 @@ pub fn promtool_check_metrics(text: &str) {
     }
 }
 
-/// A TCP port that was free a moment ago on loopback.
+/// A TCP port that was free a moment ago on loopback. Taken below the
+/// kernel's ephemeral range (32768-60999 by default), where UCX's tcp
+/// transport and outgoing connections of the many daemons of a parallel
+/// test run take their ports: a port handed out there could be taken
+/// before the daemon binds it.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
+        ^ ((std::process::id() as u64) << 32);
+    for i in 0..1000u64 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed).wrapping_add(i);
+        let x = (seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        let port = 20_000 + (x >> 33) % 12_000;
+        if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+            return port as u16;
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
