@@ -304,6 +304,11 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the daemon does, before any thread starts: the raw UCX loops and
+    // the daemons (children inherit it) run with the same UCX settings.
+    if let Err(e) = kvmesh_ucx::tune_environment() {
+        eprintln!("kvmesh-bench: {e}");
+    }
     match Args::parse().cmd {
         Cmd::Daemon { config } => {
             tracing_subscriber::fmt()

@@ -29,6 +29,8 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
+    // Before any thread starts (see the function).
+    let tuned = kvmesh_ucx::tune_environment();
     let args = Args::parse();
     if args.print_default_config {
         print!("{}", kvmeshd::config::DEFAULT_CONFIG);
@@ -72,6 +74,11 @@ fn main() -> std::process::ExitCode {
         registry.with(fmt.json().with_ansi(false)).init();
     } else {
         registry.with(fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))).init();
+    }
+    match &tuned {
+        Ok(set) if !set.is_empty() => tracing::debug!(?set, "UCX settings tuned (docs/DATAPLANE.md)"),
+        Ok(_) => {}
+        Err(e) => tracing::warn!("UCX settings not tuned: {e}"),
     }
     let reload = args.config.clone().map(|path| kvmeshd::server::Reload {
         path,
