@@ -24,13 +24,29 @@ use tokio::sync::oneshot;
 use crate::{ClientError, Result};
 
 type Answer = std::result::Result<Vec<u8>, tonic::Status>;
+
+/// What a call says once the connection is gone.
+const CLOSED: &str =
+    "the fast-path connection to kvmeshd closed (the pins taken over it were released; create a new client)";
+
+/// Writes whole frames in order until the client or the connection goes.
+async fn write_frames(mut w: OwnedWriteHalf, mut frames: tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>) {
+    while let Some(f) = frames.recv().await {
+        if let Err(e) = w.write_all(&f).await {
+            tracing::debug!("kvmesh fast path: write failed: {e}");
+            return;
+        }
+    }
+}
 type Waiting = Arc<std::sync::Mutex<Option<HashMap<u64, oneshot::Sender<Answer>>>>>;
 
 /// How long the daemon may take to answer the fast-path magic.
 const OPEN_TIMEOUT: Duration = Duration::from_secs(2);
 
 pub(crate) struct Fast {
-    writer: tokio::sync::Mutex<OwnedWriteHalf>,
+    /// Whole frames to the writer task: a caller that gives up mid-call
+    /// can never leave half a frame on the connection.
+    writer: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
     /// Callers waiting for an answer; `None` once the connection is gone.
     waiting: Waiting,
     next: AtomicU64,
@@ -42,15 +58,21 @@ pub(crate) fn disabled() -> bool {
 }
 
 impl Fast {
-    /// Opens the fast path; `None` when the daemon does not offer it.
-    pub(crate) async fn open(path: &Path) -> Option<Fast> {
+    /// Opens the fast path to daemon instance `instance` (from `Hello`);
+    /// `None` when the daemon does not offer it (or is another instance:
+    /// it restarted since the handshake).
+    pub(crate) async fn open(path: &Path, instance: u64) -> Option<Fast> {
         let attempt = async {
             let mut s = UnixStream::connect(path).await?;
             s.write_all(FAST_MAGIC).await?;
-            let mut back = [0u8; FAST_MAGIC.len() + 8];
+            let mut back = [0u8; FAST_MAGIC.len() + 16];
             s.read_exact(&mut back).await?;
             if &back[..FAST_MAGIC.len()] != FAST_MAGIC {
                 return Err(std::io::Error::other("the daemon does not speak the fast path"));
+            }
+            let theirs = u64::from_le_bytes(back[FAST_MAGIC.len() + 8..].try_into().expect("8 bytes"));
+            if theirs != instance {
+                return Err(std::io::Error::other("another daemon instance answered (it restarted)"));
             }
             Ok::<_, std::io::Error>(s)
         };
@@ -66,13 +88,15 @@ impl Fast {
             }
         };
         let (mut reader, writer) = s.into_split();
+        let (to_writer, frames) = tokio::sync::mpsc::unbounded_channel::<Vec<u8>>();
+        tokio::spawn(write_frames(writer, frames));
         let waiting: Waiting = Arc::new(std::sync::Mutex::new(Some(HashMap::new())));
         let w = Arc::clone(&waiting);
         tokio::spawn(async move {
             let end = loop {
                 let mut head = [0u8; 4 + fast::HEAD];
                 if let Err(e) = reader.read_exact(&mut head).await {
-                    break format!("the fast-path connection to kvmeshd closed: {e}");
+                    break format!("{CLOSED}: {e}");
                 }
                 let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
                 let id = u64::from_le_bytes(head[4..12].try_into().expect("8 bytes"));
@@ -81,7 +105,7 @@ impl Fast {
                 }
                 let mut body = vec![0u8; len - fast::HEAD];
                 if let Err(e) = reader.read_exact(&mut body).await {
-                    break format!("the fast-path connection to kvmeshd closed: {e}");
+                    break format!("{CLOSED}: {e}");
                 }
                 let answer = match head[12] {
                     0 => Ok(body),
@@ -101,7 +125,7 @@ impl Fast {
                 let _ = tx.send(Err(tonic::Status::unavailable(end.clone())));
             }
         });
-        Some(Fast { writer: tokio::sync::Mutex::new(writer), waiting, next: AtomicU64::new(1) })
+        Some(Fast { writer: to_writer, waiting, next: AtomicU64::new(1) })
     }
 
     /// One call: `req` encoded, the answer decoded.
@@ -114,20 +138,20 @@ impl Fast {
         let (tx, rx) = oneshot::channel();
         match self.waiting.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
             Some(m) => m.insert(id, tx),
-            None => return Err(tonic::Status::unavailable("the fast-path connection to kvmeshd closed").into()),
+            None => return Err(tonic::Status::unavailable(CLOSED).into()),
         };
         let mut frame = Vec::with_capacity(4 + fast::HEAD + body.len());
         frame.extend_from_slice(&((fast::HEAD + body.len()) as u32).to_le_bytes());
         frame.extend_from_slice(&id.to_le_bytes());
         frame.push(method);
         frame.extend_from_slice(&body);
-        if let Err(e) = self.writer.lock().await.write_all(&frame).await {
+        if self.writer.send(frame).is_err() {
             if let Some(m) = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
                 m.remove(&id);
             }
-            return Err(tonic::Status::unavailable(format!("fast-path write to kvmeshd failed: {e}")).into());
+            return Err(tonic::Status::unavailable(CLOSED).into());
         }
-        let body = rx.await.map_err(|_| tonic::Status::unavailable("the fast-path connection to kvmeshd closed"))??;
+        let body = rx.await.map_err(|_| tonic::Status::unavailable(CLOSED))??;
         Resp::decode(&body[..]).map_err(|e| ClientError::Protocol(format!("undecodable fast-path answer: {e}")))
     }
 }

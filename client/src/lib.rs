@@ -555,7 +555,7 @@ impl Client {
             });
             pools.push(PoolMap { map, info: full.clone() });
         }
-        let fast = if fast_path { fast::Fast::open(&path).await.map(Arc::new) } else { None };
+        let fast = if fast_path { fast::Fast::open(&path, hello.instance_id).await.map(Arc::new) } else { None };
         let (tx, rx) = mpsc::unbounded_channel();
         let releases = Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx });
         tokio::spawn(release_loop(

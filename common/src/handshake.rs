@@ -92,8 +92,10 @@ mod tests {
 
 /// First bytes of a fast-path connection on the engine socket (lowercase:
 /// its first byte differs from [`FD_HANDSHAKE_MAGIC`]'s and from HTTP/2's
-/// preface). The daemon answers with the same bytes and the connection's
-/// session id (u64, little endian); then both sides exchange frames:
+/// preface). The daemon answers with the same bytes, the connection's
+/// session id and the daemon's instance id (u64s, little endian; the
+/// client checks the instance against `Hello`'s); then both sides exchange
+/// frames:
 /// `u32 len | u64 id | u8 method-or-status | body` (len counts from `id`).
 /// Requests and answers are the engine API's protobuf messages; an answer
 /// with a non-zero status carries the gRPC status code and a UTF-8 message.

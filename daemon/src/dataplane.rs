@@ -104,8 +104,9 @@ pub const AM_SEND_ORDER: u16 = 1;
 pub const SEND_ORDER_BYTES_MAX: usize = 64 << 10;
 /// Send orders waiting for the data-plane thread at most.
 const SEND_ORDERS_QUEUED_MAX: usize = 4096;
-/// How long a holder's sends of one order may take.
-const SEND_ORDER_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a cancelled receive may take to end before its endpoint is
+/// dropped (a rendezvous already under way finishes first).
+const RECV_CANCEL_GRACE: Duration = Duration::from_secs(1);
 
 /// What a holder sends for one order: to `node` (that incarnation), each
 /// item from our pool with the getter's tag; `len` 0 for a refused slot.
@@ -128,7 +129,13 @@ struct OrderServer {
     /// Orders from getters we have no endpoint to yet: the async side
     /// connects, then sends.
     unconnected: tokio::sync::mpsc::UnboundedSender<SendOrder>,
+    /// How long one order's sends may take.
+    send_timeout: Duration,
 }
+
+/// Endpoints the data plane dropped (a peer let a deadline pass): `(node,
+/// incarnation)`, for the peer manager to shake hands again.
+pub type DroppedEndpoints = tokio::sync::mpsc::UnboundedSender<(u32, u64)>;
 
 enum Cmd {
     Connect { peer: PeerAddr, reply: oneshot::Sender<Result<String, String>> },
@@ -165,8 +172,15 @@ pub struct DataPlane {
     worker_address: Vec<u8>,
     pools: Vec<LocalPool>,
     transports: Transports,
-    orders: Arc<std::sync::OnceLock<OrderServer>>,
+    hooks: Arc<Hooks>,
     thread: Option<std::thread::JoinHandle<()>>,
+}
+
+/// What the peer manager installs once it runs (read by the thread).
+#[derive(Default)]
+struct Hooks {
+    orders: std::sync::OnceLock<OrderServer>,
+    dropped: std::sync::OnceLock<DroppedEndpoints>,
 }
 
 /// Queue depth of the command channel.
@@ -206,8 +220,8 @@ impl DataPlane {
         let (tx, rx) = bounded::<Cmd>(COMMANDS_MAX);
         let (init_tx, init_rx) = std::sync::mpsc::channel();
         let thread_wake = Arc::clone(&wake);
-        let orders: Arc<std::sync::OnceLock<OrderServer>> = Arc::default();
-        let thread_orders = Arc::clone(&orders);
+        let hooks: Arc<Hooks> = Arc::default();
+        let thread_hooks = Arc::clone(&hooks);
         let peer_failure = !matches!(transports, Transports::SharedMemory);
         let thread = std::thread::Builder::new()
             .name("kvmesh-dataplane".into())
@@ -232,7 +246,7 @@ impl DataPlane {
                         return;
                     }
                 }
-                run(&worker, &regions, rx, &thread_wake, limits, peer_failure, &thread_orders);
+                run(&worker, &regions, rx, &thread_wake, limits, peer_failure, &thread_hooks);
             })
             .map_err(|e| format!("spawn data plane thread: {e}"))?;
         let worker_address = init_rx.recv().map_err(|_| "data plane thread died".to_string())??;
@@ -243,18 +257,29 @@ impl DataPlane {
             worker_address,
             pools: local,
             transports,
-            orders,
+            hooks,
             thread: Some(thread),
         })
     }
 
     /// Serves peers' send orders from now on: `check` decides what each
     /// order may send (it runs on the data-plane thread: keep it short);
-    /// orders from getters without an endpoint yet go to `unconnected`.
-    /// Set once; later calls are ignored.
-    pub fn serve_orders(&self, check: OrderCheck, unconnected: tokio::sync::mpsc::UnboundedSender<SendOrder>) {
-        let _ = self.orders.set(OrderServer { check, unconnected });
+    /// orders from getters without an endpoint yet go to `unconnected`;
+    /// one order's sends may take `send_timeout`. Set once; later calls
+    /// are ignored.
+    pub fn serve_orders(
+        &self,
+        check: OrderCheck,
+        unconnected: tokio::sync::mpsc::UnboundedSender<SendOrder>,
+        send_timeout: Duration,
+    ) {
+        let _ = self.hooks.orders.set(OrderServer { check, unconnected, send_timeout });
         self.wake.notify();
+    }
+
+    /// Reports every endpoint the data plane drops from now on (set once).
+    pub fn report_dropped(&self, to: DroppedEndpoints) {
+        let _ = self.hooks.dropped.set(to);
     }
 
     /// Our worker address.
@@ -361,6 +386,9 @@ struct PeerConn<'w> {
 struct InFlight<'w> {
     id: u64,
     peer: u32,
+    mode: Mode,
+    /// When its receives were cancelled at the deadline (receives only).
+    cancelled_at: Option<Instant>,
     reqs: Vec<Option<Request<'w>>>,
     /// Bytes each receive must get (a short one is a refusal).
     lens: Vec<u64>,
@@ -397,7 +425,7 @@ fn run(
     wake: &EventFd,
     limits: Limits,
     peer_failure: bool,
-    orders: &std::sync::OnceLock<OrderServer>,
+    hooks: &Hooks,
 ) {
     let mut dropped_orders = 0u64;
     let mut peers: HashMap<u32, PeerConn<'_>> = HashMap::new();
@@ -418,6 +446,12 @@ fn run(
             match rx.try_recv() {
                 Ok(Cmd::Shutdown) => return,
                 Ok(Cmd::Connect { peer, reply }) => {
+                    // Already connected to that incarnation (two handshakes
+                    // raced): keep the endpoint, transfers may be using it.
+                    if let Some(c) = peers.get(&peer.id).filter(|c| c.incarnation == peer.incarnation) {
+                        let _ = reply.send(Ok(c.ep.describe()));
+                        continue;
+                    }
                     peers.remove(&peer.id);
                     let r = connect(worker, &peer, peer_failure).map(|conn| {
                         let d = conn.ep.describe();
@@ -444,12 +478,15 @@ fn run(
             }
         }
         // Start queued batches while under the limits (a batch larger than
-        // the limits runs alone).
+        // the limits runs alone). Sends for peers' orders do not wait for
+        // our own reads: two daemons reading from each other at their
+        // limits would otherwise each wait for the other's sends.
         while let Some(p) = queue.front() {
             let bytes: u64 = p.items.iter().map(|i| i.len).sum();
             let fits = (reqs_in_flight + p.items.len() <= limits.inflight_requests_max
                 && bytes_in_flight + bytes <= limits.inflight_bytes_max)
-                || reqs_in_flight == 0;
+                || reqs_in_flight == 0
+                || p.mode == Mode::Send;
             if !fits {
                 break;
             }
@@ -464,7 +501,7 @@ fn run(
         // next turn, under the same limits as reads).
         let msgs = worker.take_am();
         if !msgs.is_empty() {
-            match orders.get() {
+            match hooks.orders.get() {
                 Some(server) => {
                     for m in msgs {
                         let Some(o) = (server.check)(&m) else { continue };
@@ -477,7 +514,7 @@ fn run(
                                 incarnation: o.incarnation,
                                 items: o.items,
                                 orders: Vec::new(),
-                                deadline: Instant::now() + SEND_ORDER_TIMEOUT,
+                                deadline: Instant::now() + server.send_timeout,
                                 reply,
                             });
                         } else {
@@ -509,7 +546,14 @@ fn run(
                             f.lens[i]
                         )),
                         (Ok(()), _) => TransferOutcome::Done,
-                        (Err(e), _) => TransferOutcome::Failed(e.to_string()),
+                        (Err(e), _) => {
+                            // Not cancelled by us: the connection broke. Drop
+                            // the endpoint (the peer manager reconnects).
+                            if !e.is_cancelled() && !failed_peers.contains(&f.peer) {
+                                failed_peers.push(f.peer);
+                            }
+                            TransferOutcome::Failed(e.to_string())
+                        }
                     };
                     let _ = f.reply.send((i, o.clone()));
                     f.outcomes[i] = Some(o);
@@ -518,17 +562,37 @@ fn run(
                 }
             }
             if now >= f.deadline && f.reqs.iter().any(|r| r.is_some()) {
-                for r in f.reqs.iter_mut().flatten() {
-                    r.cancel();
+                match (f.mode, f.cancelled_at) {
+                    // Receives are this worker's own: cancelling them is
+                    // enough (they end as cancelled on a later poll), unless
+                    // one does not end within the grace.
+                    (Mode::Recv, None) => {
+                        for r in f.reqs.iter_mut().flatten() {
+                            r.cancel();
+                        }
+                        f.cancelled_at = Some(now);
+                    }
+                    (Mode::Recv, Some(t)) if now < t + RECV_CANCEL_GRACE => {}
+                    _ => {
+                        for r in f.reqs.iter_mut().flatten() {
+                            r.cancel();
+                        }
+                        failed_peers.push(f.peer);
+                    }
                 }
-                failed_peers.push(f.peer);
             }
         }
         // A peer that let a deadline pass is dropped (a forced close fails
         // its requests where UCX supports it); the peer manager reconnects.
         for id in failed_peers {
             if peer_failure {
-                peers.remove(&id);
+                if let Some(conn) = peers.remove(&id) {
+                    // The peer manager shakes hands again (which connects a
+                    // new endpoint); until then reads from it fail at once.
+                    if let Some(tx) = hooks.dropped.get() {
+                        let _ = tx.send((id, conn.incarnation));
+                    }
+                }
                 while worker.progress() > 0 {}
             }
             for f in inflight.iter_mut().filter(|f| f.peer == id) {
@@ -561,6 +625,9 @@ fn run(
         inflight.retain_mut(|f| {
             if f.outcomes.iter().all(|o| o.is_some()) {
                 bytes_in_flight -= f.bytes;
+                // Send orders still in flight must not be dropped here (a
+                // dropped request waits for itself).
+                zombies.append(&mut f.orders);
                 false
             } else {
                 true
@@ -570,7 +637,7 @@ fn run(
         // While reads are in flight, keep progressing: emulated gets move a
         // fragment per round trip, and sleeping between fragments would
         // cost a wakeup each. Sleep only when idle.
-        if !rx.is_empty() || (!queue.is_empty() && reqs_in_flight == 0) || reqs_in_flight > 0 {
+        if !rx.is_empty() || !queue.is_empty() || reqs_in_flight > 0 || worker.am_pending() {
             continue;
         }
         match worker.arm() {
@@ -608,6 +675,8 @@ fn start<'w>(
     let mut f = InFlight {
         id: p.id,
         peer: p.peer,
+        mode: p.mode,
+        cancelled_at: None,
         reqs: (0..n).map(|_| None).collect(),
         lens: p.items.iter().map(|i| i.len).collect(),
         orders: Vec::new(),
@@ -755,11 +824,14 @@ mod tests {
                     }
                 })
                 .collect();
+            if slots.contains(&7) {
+                return None; // dropped, as an undecodable order would be
+            }
             let incarnation = if slots.contains(&5) { 9 } else { 1 };
             Some(SendOrder { node: 1, incarnation, items })
         });
         let (unconnected, mut nowhere) = tokio::sync::mpsc::unbounded_channel();
-        holder.serve_orders(check, unconnected);
+        holder.serve_orders(check, unconnected, Duration::from_secs(10));
         let order: Vec<u8> =
             [(1u64, 11u64), (2, 12)].iter().flat_map(|(s, t)| [s.to_le_bytes(), t.to_le_bytes()]).flatten().collect();
         let item = |slot: u64, tag: u64| TransferItem {
@@ -795,5 +867,18 @@ mod tests {
         assert_eq!((o.node, o.incarnation, o.items.len()), (1, 9, 1));
         let (_, outcome) = rx.recv().await.unwrap();
         assert_ne!(outcome, TransferOutcome::Done, "nobody sent slot 6");
+        // An order the holder drops: the receive passes its deadline and is
+        // cancelled — and the getter's endpoint to the holder survives it
+        // (receives are the getter's own), so the next read works.
+        let order: Vec<u8> = [7u64.to_le_bytes(), 14u64.to_le_bytes()].concat();
+        let soon = Instant::now() + Duration::from_millis(200);
+        let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(7, 14)], vec![order], soon);
+        let (_, outcome) = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+        assert!(matches!(outcome, TransferOutcome::Failed(_)), "{outcome:?}");
+        let order: Vec<u8> = [1u64.to_le_bytes(), 15u64.to_le_bytes()].concat();
+        let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(8, 15)], vec![order], deadline);
+        assert_eq!(rx.recv().await.unwrap().1, TransferOutcome::Done, "the endpoint survived the timeout");
+        gpool.copy_out(8 * 65536, &mut got).unwrap();
+        assert_eq!(got, block);
     }
 }

@@ -35,8 +35,10 @@ pub const CONNECTIONS_MAX: usize = 256;
 /// How long the client may take to send its magic.
 const MAGIC_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long writing an answer may block (a client that stops reading)
-/// before the connection is dropped.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(2);
+/// before the connection is dropped — with its session, so its pins: as
+/// long as the default pin lease, which a client that stalls this long
+/// outlives anyway.
+const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What a fast-path connection needs, set once the service exists.
 pub struct FastPath {
@@ -48,6 +50,18 @@ pub struct FastPath {
     pub rt: tokio::runtime::Handle,
     /// Connections being served.
     pub open: AtomicUsize,
+    /// This daemon instance (the client checks it against `Hello`'s, so it
+    /// never pairs pools of one daemon with pins of another).
+    pub instance_id: u64,
+}
+
+/// Counts a served connection until dropped (also when its thread panics).
+struct Open(Arc<FastPath>);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Serves one fast-path connection on a thread of its own; `guard` is its
@@ -58,16 +72,17 @@ pub fn spawn<G: Send + Sync + 'static>(
     session: u64,
     guard: Arc<G>,
 ) -> io::Result<()> {
-    if ctx.open.fetch_add(1, Ordering::SeqCst) >= CONNECTIONS_MAX {
-        ctx.open.fetch_sub(1, Ordering::SeqCst);
+    let counted = ctx.open.fetch_add(1, Ordering::SeqCst);
+    let open = Open(Arc::clone(&ctx));
+    if counted >= CONNECTIONS_MAX {
         tracing::warn!("fast path: {CONNECTIONS_MAX} connections already served; refused (the client uses gRPC)");
         return Ok(());
     }
     std::thread::Builder::new().name(format!("kvmesh-fast-{session}")).spawn(move || {
+        let _open = open;
         if let Err(e) = serve(&ctx, stream, session, &guard) {
             tracing::debug!(session, "fast path connection ended: {e}");
         }
-        ctx.open.fetch_sub(1, Ordering::SeqCst);
     })?;
     Ok(())
 }
@@ -94,8 +109,23 @@ fn serve<G: Send + Sync + 'static>(
         let mut w = writer.lock();
         w.write_all(FAST_MAGIC)?;
         w.write_all(&session.to_le_bytes())?;
+        w.write_all(&ctx.instance_id.to_le_bytes())?;
     }
     reader.set_read_timeout(None)?;
+    let r = read_calls(ctx, &mut reader, &writer, session, guard);
+    // Whatever ended the connection, the client sees it end now (answers
+    // still running hold the writer).
+    let _ = writer.lock().shutdown(std::net::Shutdown::Both);
+    r
+}
+
+fn read_calls<G: Send + Sync + 'static>(
+    ctx: &Arc<FastPath>,
+    reader: &mut UnixStream,
+    writer: &Arc<Mutex<UnixStream>>,
+    session: u64,
+    guard: &Arc<G>,
+) -> io::Result<()> {
     let mut head = [0u8; 4 + fast::HEAD];
     loop {
         match reader.read_exact(&mut head) {
@@ -123,16 +153,21 @@ fn serve<G: Send + Sync + 'static>(
         // Run it here; a call that has to wait finishes on the runtime.
         let mut cx = Context::from_waker(std::task::Waker::noop());
         match call.as_mut().poll(&mut cx) {
-            Poll::Ready(r) => answer(&writer, &ctx.metrics, label, id, r, started)?,
+            Poll::Ready(r) => answer(writer, &ctx.metrics, label, id, r, started)?,
             Poll::Pending => {
-                let (w, m, g) = (Arc::clone(&writer), Arc::clone(&ctx.metrics), Arc::clone(guard));
+                let (w, m, g) = (Arc::clone(writer), Arc::clone(&ctx.metrics), Arc::clone(guard));
                 ctx.rt.spawn(async move {
                     let r = call.await;
-                    if let Err(e) = answer(&w, &m, label, id, r, started) {
-                        tracing::debug!("fast path: answer not written: {e}");
-                        let _ = w.lock().shutdown(std::net::Shutdown::Both);
-                    }
-                    drop(g);
+                    // The write may block (a client slow to read): not on a
+                    // runtime worker.
+                    let _ = tokio::task::spawn_blocking(move || {
+                        if let Err(e) = answer(&w, &m, label, id, r, started) {
+                            tracing::warn!("fast path: answer not written ({e}); connection closed, its pins released");
+                            let _ = w.lock().shutdown(std::net::Shutdown::Both);
+                        }
+                        drop(g);
+                    })
+                    .await;
                 });
             }
         }

@@ -291,40 +291,70 @@ impl Peers {
                 tracing::warn!(node = r.node_id, "peer: send order from a node not in the peer list dropped");
                 return None;
             }
+            if r.items.len() > SEND_ORDER_ITEMS_MAX {
+                tracing::warn!(
+                    node = r.node_id,
+                    items = r.items.len(),
+                    "peer: send order over {SEND_ORDER_ITEMS_MAX} slots dropped"
+                );
+                return None;
+            }
             // An order for an earlier incarnation of this daemon: its
             // grants died with it; refuse every slot.
             let stale = r.holder_incarnation != incarnation;
             Some(order_of(&store.lock(), &r, stale))
         };
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        self.dp.serve_orders(Box::new(check), tx);
-        // Weak: the data plane (owned by Peers) holds the sender.
+        let send_timeout = Duration::from_millis(self.cfg.transfer_timeout_ms);
+        self.dp.serve_orders(Box::new(check), tx, send_timeout);
+        // Weak: the data plane (owned by Peers) holds the senders.
         let weak = Arc::downgrade(self);
         tokio::spawn(async move {
             while let Some(o) = rx.recv().await {
                 let Some(p) = weak.upgrade() else { break };
                 tokio::spawn(async move {
-                    if let Err(e) = p.send_connecting(o).await {
+                    if let Err(e) = p.send_connecting(o, true).await {
                         tracing::debug!("send order not served: {e}");
                     }
                 });
             }
         });
+        // An endpoint the data plane dropped: shake hands again (the
+        // background task does, within a second), so a new one is made.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        self.dp.report_dropped(tx);
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some((id, inc)) = rx.recv().await {
+                let Some(p) = weak.upgrade() else { break };
+                tracing::info!(
+                    peer = id,
+                    incarnation = inc,
+                    "data plane dropped its endpoint to the peer; reconnecting"
+                );
+                p.reset_if(id, inc).await;
+            }
+        });
     }
 
     /// Sends an order's slots, shaking hands with the getter first if we
-    /// have no endpoint to its incarnation; per item, whether it was sent
-    /// (refused items never are).
-    async fn send_connecting(&self, o: SendOrder) -> Result<Vec<bool>, String> {
+    /// have no endpoint to its incarnation (`unconnected`: the data plane
+    /// said so, whatever the handshake record says); per item, whether it
+    /// was sent (refused items never are).
+    async fn send_connecting(&self, o: SendOrder, unconnected: bool) -> Result<Vec<bool>, String> {
         let Some(ps) = self.peers.iter().find(|s| s.entry.id == o.node) else {
             return Err(format!("node {} is not in this daemon's peer list", o.node));
         };
-        let stale = ps.conn.lock().await.as_ref().is_some_and(|c| c.incarnation != o.incarnation);
-        if stale {
-            self.drop_conn(ps).await;
+        let handshake = ps.conn.lock().await.as_ref().map(|c| c.incarnation);
+        match handshake {
+            // A handshake with another incarnation of the getter, or the
+            // data plane has no endpoint to this one: shake hands again.
+            Some(inc) if inc != o.incarnation || unconnected => self.reset_if(o.node, inc).await,
+            _ => {}
         }
-        *ps.retry_at.lock() = Instant::now();
-        if !self.ensure(ps).await {
+        // One handshake at a time per peer (waits for one in flight); the
+        // data plane keeps an endpoint it already has to that incarnation.
+        if !self.connect_to(o.node).await {
             return Err(format!("cannot reach node {} to send to it", o.node));
         }
         let granted: Vec<bool> = o.items.iter().map(|i| i.len > 0).collect();
@@ -395,6 +425,10 @@ fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool) -> SendOrder {
     SendOrder { node: r.node_id, incarnation: r.incarnation, items }
 }
 
+/// Most slots one send-order message may name (getters send at most
+/// 1,024; a 64 KiB message could otherwise name ~30,000 tiny items).
+const SEND_ORDER_ITEMS_MAX: usize = 4096;
+
 /// Most keys one `ListKeys` answer carries (about 32 MiB on the wire).
 pub const LIST_KEYS_MAX: usize = 1 << 20;
 
@@ -451,7 +485,7 @@ impl pb::peer_server::Peer for PeerService {
             return Err(Status::permission_denied(format!("node {} is not in this daemon's peer list", r.node_id)));
         }
         let order = order_of(&p.store.lock(), &r, false);
-        let sent = p.send_connecting(order).await.map_err(Status::unavailable)?;
+        let sent = p.send_connecting(order, false).await.map_err(Status::unavailable)?;
         Ok(Response::new(pb::SendResponse { sent }))
     }
 

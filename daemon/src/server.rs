@@ -719,6 +719,7 @@ pub async fn run_with(
         metrics: Arc::clone(&metrics),
         rt: tokio::runtime::Handle::current(),
         open: Default::default(),
+        instance_id: store.lock().instance_id,
     }));
     let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(engine)
         .max_decoding_message_size(16 << 20)

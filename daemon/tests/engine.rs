@@ -510,7 +510,7 @@ async fn fast_path_answers_as_grpc_does_and_survives_bad_frames() {
         let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         s.write_all(FAST_MAGIC).unwrap();
-        let mut back = [0u8; FAST_MAGIC.len() + 8];
+        let mut back = [0u8; FAST_MAGIC.len() + 16];
         s.read_exact(&mut back).unwrap();
         assert_eq!(&back[..FAST_MAGIC.len()], FAST_MAGIC);
         s

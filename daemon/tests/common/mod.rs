@@ -186,13 +186,18 @@ pub fn promtool_check_metrics(text: &str) {
 /// before the daemon binds it.
 pub fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU64, Ordering};
+    // A per-process starting point, then a walk that visits every port of
+    // the range once (7,919 is prime and does not divide 12,000), so one
+    // test process never hands out the same port twice.
+    static SEED: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
     static NEXT: AtomicU64 = AtomicU64::new(0);
-    let seed = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64
-        ^ ((std::process::id() as u64) << 32);
-    for i in 0..1000u64 {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed).wrapping_add(i);
-        let x = (seed ^ n.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        let port = 20_000 + (x >> 33) % 12_000;
+    let seed = *SEED.get_or_init(|| {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        (t ^ ((std::process::id() as u64) << 17)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40
+    });
+    for _ in 0..12_000 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (seed + n * 7_919) % 12_000;
         if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
             return port as u16;
         }

@@ -37,6 +37,14 @@ pub struct UcxError {
     pub message: String,
 }
 
+impl UcxError {
+    /// Whether the operation ended because it was cancelled (by us), as
+    /// opposed to failing (a broken connection, say).
+    pub fn is_cancelled(&self) -> bool {
+        self.code == sys::ucs_status_t::UCS_ERR_CANCELED.0
+    }
+}
+
 fn status_string(s: sys::ucs_status_t) -> String {
     // SAFETY: ucs_status_string returns a pointer to a static NUL-terminated
     // string for every status value.
@@ -82,15 +90,18 @@ pub fn tune_environment() -> Result<Vec<&'static str>, String> {
     if threads.as_deref() != Some("1") {
         return Err(format!("{} threads already run; UCX settings left as they are", threads.unwrap_or_default()));
     }
+    // Both or neither: UCX needs the receive segment at least as large as
+    // the send segment, so a value set by hand is never paired with ours.
+    if TUNED_ENV.iter().any(|(k, _)| std::env::var_os(k).is_some()) {
+        return Ok(Vec::new());
+    }
     let mut set = Vec::new();
     for (k, v) in TUNED_ENV {
-        if std::env::var_os(k).is_none() {
-            // SAFETY: this process has exactly one thread (checked just
-            // above; only this thread could start another), so nothing
-            // reads the environment concurrently.
-            unsafe { std::env::set_var(k, v) };
-            set.push(k);
-        }
+        // SAFETY: this process has exactly one thread (checked just above;
+        // only this thread could start another), so nothing reads the
+        // environment concurrently.
+        unsafe { std::env::set_var(k, v) };
+        set.push(k);
     }
     Ok(set)
 }
@@ -445,6 +456,11 @@ impl Worker {
         // the worker's registration (it is dropped after the worker is
         // destroyed); `am_recv` matches ucp_am_recv_callback_t.
         check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.h, &param) })
+    }
+
+    /// Whether active messages wait to be taken.
+    pub fn am_pending(&self) -> bool {
+        !self.inbox.msgs.borrow().is_empty()
     }
 
     /// Takes the active messages received so far, oldest first.
