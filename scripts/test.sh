@@ -83,6 +83,15 @@ for field in locate_mean_us read_mean_us register_mean_us move_mean_us_per_batch
         exit 1
     fi
 done
+echo "== peers benchmark smoke run (kvmesh tcp and sm, Redis; 64 KiB; fails on any wrong byte, ignores timing)" >&2
+out=$(cargo run --locked -q -p kvmesh-bench -- peers --json --systems kvmesh-tcp,kvmesh-sm,redis --block-kib 64 --batches 1,4 --samples 20 --rounds 2 | tail -1)
+echo "$out" | cut -c1-300 >&2
+if [[ $(grep -o '"wrong_bytes":0' <<<"$out" | wc -l) -ne 6 ]]; then
+    echo "peers bench: a row missing or with wrong bytes" >&2
+    exit 1
+fi
+echo "== rpc benchmark smoke run (gRPC and the fast path on one daemon; fails if the fast path is not offered)" >&2
+cargo run --locked -q -p kvmesh-bench -- rpc --calls 20 | tail -1 | cut -c1-200 >&2
 echo "== Debian package: build, install (dpkg -i), run as the kvmesh user, drain, purge" >&2
 bash scripts/test-deb.sh
 echo "== all tests passed" >&2
