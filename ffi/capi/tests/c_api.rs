@@ -86,7 +86,11 @@ fn cc(src: &Path, out: &Path, extra: &[&str]) {
 }
 
 fn run(bin: &Path, socket: &Path, env: &[(&str, &str)]) -> String {
-    let out = Command::new(bin).arg(socket).envs(env.iter().copied()).output().unwrap();
+    // The library built for this run: cargo's LD_LIBRARY_PATH (searched
+    // before the binary's RUNPATH) may name target/debug, where an older
+    // libkvmesh.so from a `cargo build` can lie.
+    let out =
+        Command::new(bin).arg(socket).env("LD_LIBRARY_PATH", lib_dir()).envs(env.iter().copied()).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{} failed ({}):\n{stdout}\n{stderr}", bin.display(), out.status);
