@@ -366,7 +366,7 @@ impl Default for LimitsConfig {
     fn default() -> Self {
         LimitsConfig {
             batch_keys_max: 4096,
-            sessions_max: 256,
+            sessions_max: 512,
             pins_per_session_max: 1 << 20,
             allocations_per_session_max: 1 << 16,
             namespaces_max: 1024,
