@@ -304,12 +304,23 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
-    // As the daemon does, before any thread starts: the raw UCX loops and
-    // the daemons (children inherit it) run with the same UCX settings.
-    if let Err(e) = kvmesh_ucx::tune_environment() {
+    let args = Args::parse();
+    // As the daemon does, before any thread starts, where tcp may be used:
+    // the raw UCX loops and the daemons (children inherit it) run with the
+    // same UCX settings.
+    let tcp = match &args.cmd {
+        Cmd::Transfer { transports, .. } | Cmd::Breakdown { transports, .. } => transports.iter().any(|t| t != "sm"),
+        Cmd::Peers { systems, .. } => systems.iter().any(|s| s == "kvmesh-tcp"),
+        Cmd::Daemon { config } => std::fs::read_to_string(config)
+            .ok()
+            .and_then(|t| kvmeshd::Config::parse(&t, "").ok())
+            .is_some_and(|c| c.peer.transports != "sm"),
+        _ => false,
+    };
+    if tcp && let Err(e) = kvmesh_ucx::tune_environment() {
         eprintln!("kvmesh-bench: {e}");
     }
-    match Args::parse().cmd {
+    match args.cmd {
         Cmd::Daemon { config } => {
             tracing_subscriber::fmt()
                 .with_env_filter(
@@ -474,7 +485,14 @@ pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(Dae
     );
     let cfg_path = dir.join("kvmeshd.toml");
     std::fs::write(&cfg_path, cfg)?;
-    let child = Command::new(std::env::current_exe()?)
+    let mut cmd = Command::new(std::env::current_exe()?);
+    if !extra.contains("transports = \"tcp\"") && !extra.contains("transports = \"all\"") {
+        // No tcp here: without UCX's tcp settings (it warns of unused ones).
+        for (k, _) in kvmesh_ucx::TUNED_ENV {
+            cmd.env_remove(k);
+        }
+    }
+    let child = cmd
         .args(["daemon", "--config"])
         .arg(&cfg_path)
         .env("KVMESH_LOG", std::env::var("KVMESH_BENCH_DAEMON_LOG").unwrap_or_else(|_| "warn".into()))

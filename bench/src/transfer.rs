@@ -240,6 +240,8 @@ struct Row {
     memcpy: f64,
     p50: u64,
     p99: u64,
+    /// Timed calls behind p50/p99 (with fewer than 100, p99 is the maximum).
+    samples: u64,
     perf_get: Option<f64>,
     perf_am: Option<f64>,
 }
@@ -270,7 +272,7 @@ pub(crate) fn run(
                 (None, None)
             };
             for (bi, &batch) in batches.iter().enumerate() {
-                let (gbps, p50, p99) = daemon[si * batches.len() + bi];
+                let (gbps, p50, p99, samples) = daemon[si * batches.len() + bi];
                 let row = Row {
                     transport: t.clone(),
                     block: size,
@@ -280,12 +282,13 @@ pub(crate) fn run(
                     memcpy: memcpy[si],
                     p50,
                     p99,
+                    samples,
                     perf_get: pg,
                     perf_am: pa,
                 };
                 eprintln!(
                     "{:>3} {:>5} KiB x{:<2} daemon {:6.2} GB/s  raw UCX {:6.2}  memcpy {:6.2}  ratio_raw {:.2}  \
-                     ratio_memcpy {:.2}  batch p50 {:>6} us p99 {:>6} us  perftest get {:?} am {:?}",
+                     ratio_memcpy {:.2}  batch p50 {:>6} us p99 {:>6} us ({} samples)  perftest get {:?} am {:?}",
                     row.transport,
                     size >> 10,
                     batch,
@@ -296,6 +299,7 @@ pub(crate) fn run(
                     row.gbps / row.memcpy,
                     row.p50,
                     row.p99,
+                    row.samples,
                     row.perf_get.map(|x| (x * 100.0).round() / 100.0),
                     row.perf_am.map(|x| (x * 100.0).round() / 100.0),
                 );
@@ -311,7 +315,7 @@ pub(crate) fn run(
                 "transport": r.transport, "block_bytes": r.block, "batch": r.batch,
                 "gbps": r3(r.gbps), "raw_ucx_gbps": r3(r.raw), "memcpy_gbps": r3(r.memcpy),
                 "ratio_raw": r3(r.gbps / r.raw), "ratio_memcpy": r3(r.gbps / r.memcpy),
-                "batch_p50_us": r.p50, "batch_p99_us": r.p99,
+                "batch_p50_us": r.p50, "batch_p99_us": r.p99, "samples": r.samples,
                 "perftest_get_gbps": r.perf_get.map(r3), "perftest_am_bw_gbps": r.perf_am.map(r3),
             })
         })
@@ -323,7 +327,8 @@ pub(crate) fn run(
     Ok(())
 }
 
-/// Remote gets through two daemons: returns (GB/s, p50 us, p99 us) per
+/// Remote gets through two daemons: returns (GB/s, p50 us, p99 us,
+/// samples) per
 /// Waits until two daemons serve as one cluster of two (30 s at most).
 pub(crate) async fn wait_pair(ca: &Client, cb: &Client, transport: &str) -> anyhow::Result<()> {
     let t0 = Instant::now();
@@ -351,7 +356,7 @@ fn daemon_gets(
     sizes: &[u64],
     batches: &[usize],
     bytes_target: u64,
-) -> anyhow::Result<Vec<(f64, u64, u64)>> {
+) -> anyhow::Result<Vec<(f64, u64, u64, u64)>> {
     let port = |_: ()| -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
     let (pa, pb) = (port(())?, port(())?);
     let mut pools = String::new();
@@ -424,6 +429,7 @@ fn daemon_gets(
                     moved as f64 / total.as_secs_f64() / 1e9,
                     hist.value_at_quantile(0.5),
                     hist.value_at_quantile(0.99),
+                    hist.len(),
                 ));
             }
         }

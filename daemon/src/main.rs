@@ -29,8 +29,6 @@ struct Args {
 }
 
 fn main() -> std::process::ExitCode {
-    // Before any thread starts (see the function).
-    let tuned = kvmesh_ucx::tune_environment();
     let args = Args::parse();
     if args.print_default_config {
         print!("{}", kvmeshd::config::DEFAULT_CONFIG);
@@ -63,6 +61,9 @@ fn main() -> std::process::ExitCode {
         println!("configuration ok");
         return std::process::ExitCode::SUCCESS;
     }
+    // UCX's tcp settings, before any thread starts (see the function);
+    // only where tcp may be used (UCX warns of unused variables).
+    let tuned = if cfg.peer.transports == "sm" { Ok(Vec::new()) } else { kvmesh_ucx::tune_environment() };
     // Logs: KVMESH_LOG overrides [log] filter; the filter is reloadable.
     use tracing_subscriber::prelude::*;
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")

@@ -83,7 +83,9 @@ pub const TUNED_ENV: [(&str, &str); 2] = [("UCX_TCP_RX_SEG_SIZE", "512k"), ("UCX
 /// Sets [`TUNED_ENV`] where the environment does not already say
 /// otherwise, if this process has a single thread (changing the
 /// environment while another thread may read it is undefined behaviour):
-/// call it first thing in `main`. Returns what it set, or why it did not.
+/// call it in `main` before anything starts a thread, and only where tcp
+/// may be used (UCX warns of variables no transport reads). Returns what
+/// it set, or why it did not.
 pub fn tune_environment() -> Result<Vec<&'static str>, String> {
     let status = std::fs::read_to_string("/proc/self/status").map_err(|e| format!("/proc/self/status: {e}"))?;
     let threads = status.lines().find_map(|l| l.strip_prefix("Threads:")).map(|v| v.trim().to_string());
