@@ -373,21 +373,18 @@ class Child:
                     p.wait(timeout=grace)
                 except subprocess.TimeoutExpired:
                     pass
-            if p.poll() is None:
+            # Then SIGTERM, then SIGKILL, to the whole process group.
+            for sig, fallback, wait in ((signal.SIGTERM, p.terminate, grace), (signal.SIGKILL, p.kill, 10)):
+                if p.poll() is not None:
+                    break
                 try:
-                    os.killpg(p.pid, signal.SIGTERM)
+                    os.killpg(p.pid, sig)
                 except (ProcessLookupError, PermissionError):
-                    p.terminate()
+                    fallback()
                 try:
-                    p.wait(timeout=grace)
+                    p.wait(timeout=wait)
                 except subprocess.TimeoutExpired:
                     pass
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    p.kill()
-                p.wait(timeout=10)
         # A process group may outlive its leader; sweep it.
         try:
             os.killpg(p.pid, signal.SIGKILL)

@@ -147,26 +147,15 @@ pub(crate) fn run(
 }
 
 fn measure(transport: &str, size: u64, batch: usize, calls: usize) -> anyhow::Result<Row> {
-    let port = || -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
-    let (pa, pb, mport) = (port()?, port()?, port()?);
+    let mport = crate::transfer::free_port()?;
     let pools = format!(
         "[[pools]]\nname = \"p\"\nbytes = \"{}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n",
         ((size * 512) >> 20).max(64),
         size >> 10
     );
-    let cfg = |id: u32, me: u16, other: u16, metrics: &str| {
-        format!(
-            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{me}\"\ntransports = \"{transport}\"\ntransfer_timeout_ms = 10000\n\
-             grant_lease_ms = 20000\n[[peers]]\nid = {}\naddr = \"127.0.0.1:{other}\"\n{pools}{metrics}",
-            3 - id
-        )
-    };
     let tag = format!("bd-{transport}-{}-{batch}", size >> 10);
-    let (_a, sock_a) = crate::start_daemon_tagged(&format!("{tag}-a"), &cfg(1, pa, pb, ""))?;
-    let (_b, sock_b) = crate::start_daemon_tagged(
-        &format!("{tag}-b"),
-        &cfg(2, pb, pa, &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n")),
-    )?;
+    let metrics = format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n");
+    let (_a, sock_a, _b, sock_b) = crate::transfer::start_pair(&tag, transport, &pools, &metrics)?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let ca = Client::connect(&sock_a).await?;

@@ -62,6 +62,16 @@ fn wrong_bytes(i: u64, got: &[u8], expect_len: usize, scratch: &mut Vec<u8>) -> 
     if got == &scratch[..] { 0 } else { got.iter().zip(scratch.iter()).filter(|(a, b)| a != b).count() as u64 }
 }
 
+/// The next `batch` block indices of `n`, cycling (so reads stay cold).
+fn next_indices(next: &mut u64, n: u64, batch: usize) -> Vec<u64> {
+    (0..batch)
+        .map(|_| {
+            *next = (*next + 1) % n;
+            *next
+        })
+        .collect()
+}
+
 /// Bytes each system holds per block size.
 const DATA_BYTES: u64 = 320 << 20;
 
@@ -82,24 +92,14 @@ struct KvPair {
 
 impl KvPair {
     async fn start(transport: &str, size: u64, batch: usize) -> anyhow::Result<KvPair> {
-        let port = || -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
-        let (pa, pb) = (port()?, port()?);
         let pool_bytes = DATA_BYTES.max(size * batch as u64 * 4) + (16 << 20);
         let pools = format!(
             "[[pools]]\nname = \"p\"\nbytes = \"{}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n",
             pool_bytes >> 20,
             size >> 10
         );
-        let cfg = |id: u32, me: u16, other: u16| {
-            format!(
-                "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{me}\"\ntransports = \"{transport}\"\ntransfer_timeout_ms = 10000\n\
-                 grant_lease_ms = 20000\n[[peers]]\nid = {}\naddr = \"127.0.0.1:{other}\"\n{pools}",
-                3 - id
-            )
-        };
         let tag = format!("peers-{transport}-{}", size >> 10);
-        let (a, sock_a) = crate::start_daemon_tagged(&format!("{tag}-a"), &cfg(1, pa, pb))?;
-        let (b, sock_b) = crate::start_daemon_tagged(&format!("{tag}-b"), &cfg(2, pb, pa))?;
+        let (a, sock_a, b, sock_b) = crate::transfer::start_pair(&tag, transport, &pools, "")?;
         let ca = Client::connect(&sock_a).await?;
         let cb = Client::connect(&sock_b).await?;
         crate::transfer::wait_pair(&ca, &cb, transport).await?;
@@ -130,12 +130,7 @@ impl KvPair {
     async fn run(&mut self, size: u64, batch: usize, samples: usize, acc: &mut Acc) -> anyhow::Result<()> {
         let mut scratch = Vec::new();
         for _ in 0..samples {
-            let idx: Vec<u64> = (0..batch)
-                .map(|_| {
-                    self.next = (self.next + 1) % self.keys;
-                    self.next
-                })
-                .collect();
+            let idx = next_indices(&mut self.next, self.keys, batch);
             let ks: Vec<Key> = idx.iter().map(|&i| Key(i as u128)).collect();
             let t = Instant::now();
             let got = self.cb.pin(&self.nb, &ks).await?;
@@ -202,12 +197,7 @@ impl Redis {
         let n = self.keys_for(size, batch).await?;
         let mut scratch = Vec::new();
         for _ in 0..samples {
-            let idx: Vec<u64> = (0..batch)
-                .map(|_| {
-                    self.next = (self.next + 1) % n;
-                    self.next
-                })
-                .collect();
+            let idx = next_indices(&mut self.next, n, batch);
             let names: Vec<String> = idx.iter().map(|i| format!("b{size}:{i}")).collect();
             let t = Instant::now();
             let got: Vec<Option<Vec<u8>>> = if batch == 1 {

@@ -330,6 +330,33 @@ pub(crate) fn run(
 /// Remote gets through two daemons: returns (GB/s, p50 us, p99 us,
 /// samples) per
 /// Waits until two daemons serve as one cluster of two (30 s at most).
+/// A loopback TCP port that was free a moment ago.
+pub(crate) fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Two daemons (nodes 1 and 2) peered over `transport` on loopback, each
+/// with `pools`; `b_extra` is added to B's config. Returns A and B with
+/// their sockets.
+pub(crate) fn start_pair(
+    tag: &str,
+    transport: &str,
+    pools: &str,
+    b_extra: &str,
+) -> anyhow::Result<(crate::DaemonProc, std::path::PathBuf, crate::DaemonProc, std::path::PathBuf)> {
+    let (pa, pb) = (free_port()?, free_port()?);
+    let cfg = |id: u32, me: u16, other: u16, extra: &str| {
+        format!(
+            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{me}\"\ntransports = \"{transport}\"\ntransfer_timeout_ms = 10000\n\
+             grant_lease_ms = 20000\n[[peers]]\nid = {}\naddr = \"127.0.0.1:{other}\"\n{pools}{extra}",
+            3 - id
+        )
+    };
+    let (a, sock_a) = crate::start_daemon_tagged(&format!("{tag}-a"), &cfg(1, pa, pb, ""))?;
+    let (b, sock_b) = crate::start_daemon_tagged(&format!("{tag}-b"), &cfg(2, pb, pa, b_extra))?;
+    Ok((a, sock_a, b, sock_b))
+}
+
 pub(crate) async fn wait_pair(ca: &Client, cb: &Client, transport: &str) -> anyhow::Result<()> {
     let t0 = Instant::now();
     loop {
@@ -357,8 +384,6 @@ fn daemon_gets(
     batches: &[usize],
     bytes_target: u64,
 ) -> anyhow::Result<Vec<(f64, u64, u64, u64)>> {
-    let port = |_: ()| -> anyhow::Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
-    let (pa, pb) = (port(())?, port(())?);
     let mut pools = String::new();
     for s in sizes {
         pools.push_str(&format!(
@@ -367,15 +392,7 @@ fn daemon_gets(
             s >> 10
         ));
     }
-    let cfg = |id: u32, me: u16, other: u16| {
-        format!(
-            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{me}\"\ntransports = \"{transport}\"\ntransfer_timeout_ms = 10000\n\
-             grant_lease_ms = 20000\n[[peers]]\nid = {}\naddr = \"127.0.0.1:{other}\"\n{pools}",
-            3 - id
-        )
-    };
-    let (_a, sock_a) = crate::start_daemon_tagged(&format!("{transport}-a"), &cfg(1, pa, pb))?;
-    let (_b, sock_b) = crate::start_daemon_tagged(&format!("{transport}-b"), &cfg(2, pb, pa))?;
+    let (_a, sock_a, _b, sock_b) = start_pair(transport, transport, &pools, "")?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let ca = Client::connect(&sock_a).await?;

@@ -130,9 +130,9 @@ impl Fast {
 
     /// One call: `req` encoded, the answer decoded.
     pub(crate) async fn call<Req: Message, Resp: Message + Default>(&self, method: u8, req: &Req) -> Result<Resp> {
-        let body = req.encode_to_vec();
-        if body.len() > fast::FRAME_MAX {
-            return Err(ClientError::InvalidArgument(format!("request of {} bytes is too large", body.len())));
+        let len = req.encoded_len();
+        if len > fast::FRAME_MAX {
+            return Err(ClientError::InvalidArgument(format!("request of {len} bytes is too large")));
         }
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -140,11 +140,7 @@ impl Fast {
             Some(m) => m.insert(id, tx),
             None => return Err(tonic::Status::unavailable(CLOSED).into()),
         };
-        let mut frame = Vec::with_capacity(4 + fast::HEAD + body.len());
-        frame.extend_from_slice(&((fast::HEAD + body.len()) as u32).to_le_bytes());
-        frame.extend_from_slice(&id.to_le_bytes());
-        frame.push(method);
-        frame.extend_from_slice(&body);
+        let frame = fast::frame(id, method, len, |v| req.encode(v).expect("a Vec grows"));
         if self.writer.send(frame).is_err() {
             if let Some(m) = self.waiting.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
                 m.remove(&id);

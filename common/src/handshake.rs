@@ -113,4 +113,16 @@ pub mod fast {
     pub const HEAD: usize = 9;
     /// Largest frame body either side accepts.
     pub const FRAME_MAX: usize = 16 << 20;
+
+    /// One frame: `id`, `tag` (method or status), and a body of `body_len`
+    /// bytes that `write` appends (encoded in place: no second copy).
+    pub fn frame(id: u64, tag: u8, body_len: usize, write: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+        let mut f = Vec::with_capacity(4 + HEAD + body_len);
+        f.extend_from_slice(&((HEAD + body_len) as u32).to_le_bytes());
+        f.extend_from_slice(&id.to_le_bytes());
+        f.push(tag);
+        write(&mut f);
+        debug_assert_eq!(f.len(), 4 + HEAD + body_len, "frame body length");
+        f
+    }
 }

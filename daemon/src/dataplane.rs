@@ -754,7 +754,9 @@ fn start<'w>(
                 // Shared memory (cma) copies while posting or at the next
                 // progress: report each read as soon as it ended, so the
                 // caller validates it while the next ones copy.
-                worker.progress();
+                if r.poll().is_none() {
+                    worker.progress();
+                }
                 match r.poll() {
                     Some(Ok(())) => f.settle(i, TransferOutcome::Done),
                     Some(Err(e)) => f.settle(i, TransferOutcome::Failed(e.to_string())),

@@ -148,7 +148,7 @@ fn read_calls<G: Send + Sync + 'static>(
             fast::UNPIN => "unpin",
             _ => "unknown",
         };
-        let call = call(ctx.service.clone(), session, method, body);
+        let call = call(ctx.service.clone(), session, id, method, body);
         let mut call = Box::pin(call);
         // Run it here; a call that has to wait finishes on the runtime.
         let mut cx = Context::from_waker(std::task::Waker::noop());
@@ -174,8 +174,14 @@ fn read_calls<G: Send + Sync + 'static>(
     }
 }
 
-/// Runs one call through the service's handler, as gRPC would.
-async fn call(svc: EngineService, session: u64, method: u8, body: Vec<u8>) -> Result<Vec<u8>, Status> {
+/// The answer frame of a call that succeeded: the message encoded in place.
+fn ok_frame<M: Message>(id: u64, m: &M) -> Vec<u8> {
+    fast::frame(id, 0, m.encoded_len(), |v| m.encode(v).expect("a Vec grows"))
+}
+
+/// Runs one call through the service's handler, as gRPC would; the
+/// answer comes back as a whole frame.
+async fn call(svc: EngineService, session: u64, id: u64, method: u8, body: Vec<u8>) -> Result<Vec<u8>, Status> {
     fn req<T>(m: T, session: u64) -> tonic::Request<T> {
         let mut r = tonic::Request::new(m);
         r.extensions_mut().insert(ConnInfo { session });
@@ -185,15 +191,15 @@ async fn call(svc: EngineService, session: u64, method: u8, body: Vec<u8>) -> Re
     Ok(match method {
         fast::LOOKUP => {
             let m = pb::LookupRequest::decode(&body[..]).map_err(bad)?;
-            svc.lookup(req(m, session)).await?.into_inner().encode_to_vec()
+            ok_frame(id, &svc.lookup(req(m, session)).await?.into_inner())
         }
         fast::PIN => {
             let m = pb::PinRequest::decode(&body[..]).map_err(bad)?;
-            svc.pin(req(m, session)).await?.into_inner().encode_to_vec()
+            ok_frame(id, &svc.pin(req(m, session)).await?.into_inner())
         }
         fast::UNPIN => {
             let m = pb::UnpinRequest::decode(&body[..]).map_err(bad)?;
-            svc.unpin(req(m, session)).await?.into_inner().encode_to_vec()
+            ok_frame(id, &svc.unpin(req(m, session)).await?.into_inner())
         }
         other => return Err(Status::unimplemented(format!("fast-path method {other}"))),
     })
@@ -208,14 +214,9 @@ fn answer(
     started: Instant,
 ) -> io::Result<()> {
     metrics.observe_call(label, r.is_ok(), started);
-    let (status, body) = match r {
-        Ok(b) => (0u8, b),
-        Err(s) => (s.code() as i32 as u8, s.message().as_bytes().to_vec()),
-    };
-    let mut frame = Vec::with_capacity(4 + fast::HEAD + body.len());
-    frame.extend_from_slice(&((fast::HEAD + body.len()) as u32).to_le_bytes());
-    frame.extend_from_slice(&id.to_le_bytes());
-    frame.push(status);
-    frame.extend_from_slice(&body);
+    let frame = r.unwrap_or_else(|s| {
+        let msg = s.message().as_bytes();
+        fast::frame(id, s.code() as i32 as u8, msg.len(), |v| v.extend_from_slice(msg))
+    });
     writer.lock().write_all(&frame)
 }

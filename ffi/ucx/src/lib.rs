@@ -384,7 +384,11 @@ struct AmInbox {
 }
 
 /// The active-message handler: copies an eager message into the inbox.
-/// Called by UCX from `ucp_worker_progress` on the worker's thread.
+/// Called by UCX from `ucp_worker_progress` on the worker's thread, with
+/// `arg` = the worker's boxed inbox (the box lives until after
+/// `ucp_worker_destroy`; outside progress it is only borrowed briefly).
+// SAFETY: unsafe to call: only UCX calls it, with the argument registered
+// in `Worker::accept_am` and the pointers of one received message.
 unsafe extern "C" fn am_recv(
     arg: *mut c_void,
     _header: *const c_void,
@@ -393,10 +397,7 @@ unsafe extern "C" fn am_recv(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    // SAFETY: `arg` is the worker's boxed inbox, registered with this
-    // handler; the box lives until after ucp_worker_destroy, and the
-    // handler runs on the worker's own thread (no other reference is live:
-    // the inbox is only borrowed briefly outside progress).
+    // SAFETY: `arg` is the live boxed inbox registered with this handler.
     let inbox = unsafe { &*(arg as *const AmInbox) };
     // SAFETY: UCX passes a valid parameter struct for the callback's span.
     let attr = unsafe { (*param).recv_attr };
