@@ -62,18 +62,14 @@ fn spawn_own_log(
     socket: &std::path::Path,
 ) -> (std::process::Child, std::path::PathBuf) {
     let log_path = dir.0.join("kvmeshd.log");
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
         .arg("--config")
         .arg(cfg)
         .env_remove("KVMESH_LOG")
         .stderr(std::fs::File::create(&log_path).unwrap())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while std::os::unix::net::UnixStream::connect(socket).is_err() {
-        assert!(t0.elapsed() < Duration::from_secs(20), "kvmeshd did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    common::wait_serving(&mut child, socket, &log_path);
     (child, log_path)
 }
 

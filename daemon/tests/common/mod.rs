@@ -62,28 +62,9 @@ impl Daemon {
         self.wait_ready();
     }
 
-    /// Waits until the daemon answers an fd handshake: its accept loop
-    /// runs, so everything bound before it (the peer port) is bound. (A
-    /// bare connect succeeds as soon as the socket listens, before a
-    /// daemon that cannot bind its peer port exits.)
     fn wait_ready(&mut self) {
-        use std::io::{Read, Write};
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(20) {
-            if let Ok(Some(status)) = self.child.try_wait() {
-                panic!("kvmeshd exited ({status}) while starting; log:\n{}", self.log());
-            }
-            if let Ok(mut s) = std::os::unix::net::UnixStream::connect(&self.socket) {
-                let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-                let mut b = [0u8; 1];
-                if s.write_all(kvmesh_common::handshake::FD_HANDSHAKE_MAGIC).is_ok() && s.read(&mut b).unwrap_or(0) > 0
-                {
-                    return;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("kvmeshd did not come up; log:\n{}", self.log());
+        let log = self.dir.0.join("kvmeshd.log");
+        wait_serving(&mut self.child, &self.socket, &log);
     }
 
     pub fn log(&self) -> String {
@@ -119,6 +100,31 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Waits until the daemon `child` answers an fd handshake on `socket`:
+/// its accept loop runs, so everything done before it (the peer port
+/// bound, the start logged) is done. (A bare connect succeeds as soon as
+/// the socket listens, before that.) Panics with the log at `log` if it
+/// exits or does not come up.
+pub fn wait_serving(child: &mut Child, socket: &Path, log: &Path) {
+    use std::io::{Read, Write};
+    let read_log = || std::fs::read_to_string(log).unwrap_or_default();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(20) {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("kvmeshd exited ({status}) while starting; log:\n{}", read_log());
+        }
+        if let Ok(mut s) = std::os::unix::net::UnixStream::connect(socket) {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+            let mut b = [0u8; 1];
+            if s.write_all(kvmesh_common::handshake::FD_HANDSHAKE_MAGIC).is_ok() && s.read(&mut b).unwrap_or(0) > 0 {
+                return;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    panic!("kvmeshd did not come up; log:\n{}", read_log());
 }
 
 pub fn pool(name: &str, bytes: &str, slot: &str) -> String {
