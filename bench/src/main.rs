@@ -520,7 +520,7 @@ pub(crate) fn start_sm_cluster(tag: &str, nodes: u32, node_extra: &str) -> anyho
     let mut out = Vec::new();
     for id in 1..=nodes {
         let mut cfg = format!(
-            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\n{node_extra}\n",
+            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\ntls = {{ mode = \"off\" }}\n{node_extra}\n",
             ports[id as usize - 1]
         );
         for (i, p) in ports.iter().enumerate() {

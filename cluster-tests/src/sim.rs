@@ -1463,6 +1463,19 @@ impl World {
         if let Some((inv, detail)) = self.pending_fail.take() {
             return Err(self.violation(inv, detail));
         }
+        // H1: every node here is honest, so none refuses a peer's value as
+        // impossible (the checks for hostile peers never bite honest ones).
+        for (i, sn) in self.nodes.iter().enumerate() {
+            if let Some(c) = sn.core.as_ref()
+                && c.metrics().peer_refusals + c.metrics().versions_exhausted != 0
+            {
+                let m = c.metrics();
+                return Err(self.violation(
+                    "H1",
+                    format!("node {i} refused {} peer values, {} changes", m.peer_refusals, m.versions_exhausted),
+                ));
+            }
+        }
         // S1: the servable copies of a key all have one version. Every
         // copy is compared every `check_every` events; the keys the
         // workload touched (and those of changes that just completed)

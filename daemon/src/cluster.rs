@@ -813,9 +813,22 @@ impl Cluster {
                 report(i, Err(TransferError::NoSpace), &mut reported);
                 continue;
             };
-            if !pools.iter().any(|p| p.index == rs.pool && p.slot_stride_bytes == stride && p.slot_payload_bytes == cap)
-            {
+            let Some(rp) = pools.iter().find(|p| p.index == rs.pool) else {
+                // A grant naming a pool the holder never advertised.
+                self.peers.refusals.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = from, pool = rs.pool, "peer granted a slot of a pool it has not advertised");
+                report(i, Err(TransferError::PeerGone), &mut reported);
+                continue;
+            };
+            if rp.slot_stride_bytes != stride || rp.slot_payload_bytes != cap {
                 tracing::warn!(peer = from, pool = rs.pool, "peer pool layout differs from ours; cannot read its slot");
+                report(i, Err(TransferError::PeerGone), &mut reported);
+                continue;
+            }
+            if u64::from(rs.slot) >= rp.bytes / stride {
+                // Past the end of the pool the holder advertised.
+                self.peers.refusals.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = from, pool = rs.pool, slot = rs.slot, "peer granted a slot outside its pool");
                 report(i, Err(TransferError::PeerGone), &mut reported);
                 continue;
             }
@@ -934,8 +947,9 @@ impl Cluster {
         rx: &mut mpsc::Receiver<pb::Frame>,
         heartbeat: Duration,
     ) -> Result<(), String> {
-        let ep = tonic::transport::Endpoint::from_shared(format!("http://{}", entry.addr))
-            .map_err(|e| e.to_string())?
+        let ep = self
+            .peers
+            .endpoint(entry.id, &entry.addr)?
             .connect_timeout(crate::dataplane::CONTROL_TIMEOUT)
             .tcp_nodelay(true);
         let channel = ep.connect().await.map_err(|e| format!("connect: {e}"))?;
@@ -995,6 +1009,7 @@ impl Cluster {
     pub async fn serve_stream(
         self: Arc<Self>,
         mut inbound: tonic::Streaming<pb::Frame>,
+        authenticate: impl FnOnce(u32) -> Result<(), Status>,
     ) -> Result<FrameStream, Status> {
         let first = tokio::time::timeout(crate::dataplane::CONTROL_TIMEOUT, inbound.message())
             .await
@@ -1003,6 +1018,7 @@ impl Cluster {
             return Err(Status::invalid_argument("the first frame of a coherence stream must be a hello"));
         };
         let from = hello.node_id;
+        authenticate(from)?;
         if !self.links.contains_key(&from) {
             return Err(Status::permission_denied(format!("node {from} is not in this daemon's peer list")));
         }
@@ -1117,6 +1133,14 @@ impl Cluster {
     }
 
     fn on_view(self: &Arc<Self>, view: View) {
+        if let Err(why) = self.check_view(&view) {
+            // Never from an honest coordinator or etcd (every daemon of a
+            // cluster lists the same nodes): kept out of the core and of
+            // the epoch this daemon reports.
+            self.peers.refusals.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(epoch = view.epoch, "membership: view refused: {why}");
+            return;
+        }
         let newer = {
             let mut g = self.inner.lock();
             let newer = view.epoch > g.node.view().epoch;
@@ -1537,6 +1561,9 @@ impl Cluster {
             etcd_keepalives_dropped: etcd.map_or(0, |s| s.keepalives_dropped.load(Ordering::Relaxed)),
             copies: g.node.copy_count() as u64,
             directory_entries: g.node.directory_len() as u64,
+            peer_refusals: m.peer_refusals + self.peers.refusals.load(Ordering::Relaxed),
+            versions_exhausted: m.versions_exhausted,
+            peer_auth_refusals: self.peers.auth_refusals(),
         }
     }
 
@@ -1614,6 +1641,26 @@ fn pb_view(v: &View) -> pb::View {
             .iter()
             .map(|m| pb::Member { id: m.id, incarnation: m.incarnation, capacity: m.capacity })
             .collect(),
+    }
+}
+
+impl Cluster {
+    /// A view may only list this node and its configured peers, each once,
+    /// under an epoch that leaves room for versions.
+    fn check_view(&self, v: &View) -> Result<(), String> {
+        if v.epoch > kvmesh_coherence::EPOCH_MAX {
+            return Err(format!("epoch {} is above the most a view may have", v.epoch));
+        }
+        let mut seen = std::collections::HashSet::new();
+        for m in &v.members {
+            if m.id != self.id && !self.links.contains_key(&m.id) {
+                return Err(format!("member {} is neither this node nor a configured peer", m.id));
+            }
+            if !seen.insert(m.id) {
+                return Err(format!("member {} listed twice", m.id));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -203,6 +203,33 @@ pub struct PeerConfig {
     /// Most bytes in flight.
     #[serde(deserialize_with = "de_bytes")]
     pub inflight_bytes_max: u64,
+    /// Mutual TLS between daemons.
+    pub tls: PeerTlsConfig,
+}
+
+/// `[peer.tls]`: mutual TLS on the peer service. A clustered daemon must
+/// say which: `mode = "required"` (with `ca`, `cert`, `key`) or
+/// `mode = "off"` (any process that reaches the peer port is trusted as a
+/// daemon; logged as a warning at start).
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerTlsConfig {
+    /// `required` or `off`; no default for a clustered daemon.
+    pub mode: Option<String>,
+    /// PEM file of the CA that signs every daemon's certificate.
+    pub ca: Option<PathBuf>,
+    /// PEM file of this daemon's certificate: its subject alternative
+    /// names must include `node-<node.id>.kvmesh`.
+    pub cert: Option<PathBuf>,
+    /// PEM file of this daemon's private key.
+    pub key: Option<PathBuf>,
+}
+
+impl PeerTlsConfig {
+    /// Whether TLS is on (`mode = "required"`).
+    pub fn required(&self) -> bool {
+        self.mode.as_deref() == Some("required")
+    }
 }
 
 impl Default for PeerConfig {
@@ -216,6 +243,7 @@ impl Default for PeerConfig {
             grant_lease_ms: 5_000,
             inflight_requests_max: 4096,
             inflight_bytes_max: 1 << 30,
+            tls: PeerTlsConfig::default(),
         }
     }
 }
@@ -583,6 +611,10 @@ impl Config {
                 return Err(format!("coherence.{name}: must be greater than 0"));
             }
         }
+        // What peers' decoders take (kvmesh_coherence::DECODE_ENTRIES_MAX,
+        // ANNOUNCE_ENTRIES_MAX): a batch above it would be refused.
+        const _: () = assert!(kvmesh_coherence::DECODE_ENTRIES_MAX == 65_536);
+        const _: () = assert!(kvmesh_coherence::ANNOUNCE_ENTRIES_MAX == 262_144);
         if c.batch_entries_max > 65_536 {
             return Err(format!("coherence.batch_entries_max: {} exceeds 65536", c.batch_entries_max));
         }
@@ -669,6 +701,24 @@ impl Config {
         }
         if self.peers.len() > 256 {
             return Err(format!("peers: {} peers configured, at most 256", self.peers.len()));
+        }
+        let t = &self.peer.tls;
+        match t.mode.as_deref() {
+            None if clustered => {
+                return Err("peer.tls.mode: a clustered daemon must set it: \"required\" (with ca, cert and key: \
+                            `kvmesh certs` makes them) or \"off\" (any process that reaches the peer port is \
+                            trusted as a daemon)"
+                    .into());
+            }
+            None | Some("off") => {}
+            Some("required") => {
+                for (name, v) in [("ca", &t.ca), ("cert", &t.cert), ("key", &t.key)] {
+                    if v.is_none() {
+                        return Err(format!("peer.tls.{name}: mode = \"required\" needs a PEM file path"));
+                    }
+                }
+            }
+            Some(other) => return Err(format!("peer.tls.mode: expected \"required\" or \"off\", found {other:?}")),
         }
         if self.server.drain_timeout_ms > DRAIN_TIMEOUT_MS_MAX {
             return Err(format!(
@@ -761,6 +811,9 @@ mod tests {
             (&format!("[peer]\ngrant_lease_ms = 100\ntransfer_timeout_ms = 200\n{pool}"), "peer.grant_lease_ms"),
             (&format!("[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n{pool}"), "this node's own id"),
             (&format!("[[peers]]\nid = 2\naddr = \"nowhere\"\n{pool}"), "peers[0].addr"),
+            (&format!("[peer]\nlisten = \"127.0.0.1:1\"\n{pool}"), "peer.tls.mode: a clustered daemon must set it"),
+            (&format!("[peer.tls]\nmode = \"maybe\"\n{pool}"), "peer.tls.mode: expected"),
+            (&format!("[peer.tls]\nmode = \"required\"\nca = \"/c\"\ncert = \"/d\"\n{pool}"), "peer.tls.key"),
             (
                 &format!(
                     "[[peers]]\nid = 2\naddr = \"127.0.0.1:1\"\n[[peers]]\nid = 2\naddr = \"127.0.0.1:2\"\n{pool}"
@@ -774,7 +827,8 @@ mod tests {
             (&format!("[coherence]\nflush_delay = 9\n{pool}"), "flush_delay"),
             (
                 &format!(
-                    "[limits]\nlease_ms_max = 5000\nlease_ms_default = 100\n[peer]\nlisten = \"127.0.0.1:1\"\n{pool}"
+                    "[limits]\nlease_ms_max = 5000\nlease_ms_default = 100\n[peer]\nlisten = \"127.0.0.1:1\"\n\
+                     tls = {{ mode = \"off\" }}\n{pool}"
                 ),
                 "limits.lease_ms_max",
             ),

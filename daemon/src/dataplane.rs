@@ -81,6 +81,8 @@ pub struct RemotePool {
     pub index: u32,
     /// Base address in the peer's address space.
     pub base: u64,
+    /// Bytes from `base` the peer lets us read: no read reaches past them.
+    pub bytes: u64,
     /// Packed remote key.
     pub rkey: Vec<u8>,
 }
@@ -160,6 +162,8 @@ pub struct LocalPool {
     pub index: u32,
     /// Base address.
     pub base: u64,
+    /// Bytes registered.
+    pub bytes: u64,
     /// Packed remote key.
     pub rkey: Vec<u8>,
 }
@@ -213,6 +217,7 @@ impl DataPlane {
             local.push(LocalPool {
                 index: i as u32,
                 base: mr.base(),
+                bytes: mr.len() as u64,
                 rkey: mr.pack_rkey().map_err(|e| e.to_string())?,
             });
         }
@@ -378,7 +383,8 @@ type Completions = tokio::sync::mpsc::UnboundedSender<(usize, TransferOutcome)>;
 
 struct PeerConn<'w> {
     // Field order matters: remote keys are dropped before the endpoint.
-    rkeys: HashMap<u32, (RemoteKey<'w>, u64)>,
+    /// Per pool: remote key, base, bytes.
+    rkeys: HashMap<u32, (RemoteKey<'w>, u64, u64)>,
     ep: Endpoint<'w>,
     incarnation: u64,
 }
@@ -659,7 +665,7 @@ fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Resul
     let mut rkeys = HashMap::new();
     for p in &peer.pools {
         let rk = ep.unpack_rkey(&p.rkey).map_err(|e| format!("pool {}: {e}", p.index))?;
-        rkeys.insert(p.index, (rk, p.base));
+        rkeys.insert(p.index, (rk, p.base, p.bytes));
     }
     Ok(PeerConn { rkeys, ep, incarnation: peer.incarnation })
 }
@@ -741,15 +747,32 @@ fn start<'w>(
         return f;
     }
     for (i, it) in p.items.iter().enumerate() {
-        let Some((rkey, base)) = conn.rkeys.get(&it.remote_pool) else {
+        let Some((rkey, base, bytes)) = conn.rkeys.get(&it.remote_pool) else {
             f.settle(i, TransferOutcome::Failed(format!("peer has no pool {}", it.remote_pool)));
+            continue;
+        };
+        // Within what the peer advertised (its handshake checked that
+        // base + bytes does not overflow).
+        let Some(remote_addr) = it
+            .remote_offset
+            .checked_add(it.len)
+            .filter(|end| end <= bytes)
+            .and_then(|_| base.checked_add(it.remote_offset))
+        else {
+            f.settle(
+                i,
+                TransferOutcome::Failed(format!(
+                    "read of {} bytes at {} outside the peer's pool {} of {bytes} bytes",
+                    it.len, it.remote_offset, it.remote_pool
+                )),
+            );
             continue;
         };
         let Some(dst) = regions.get(it.local_pool as usize) else {
             f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
             continue;
         };
-        match conn.ep.get(dst, it.local_offset as usize, it.len as usize, base + it.remote_offset, rkey) {
+        match conn.ep.get(dst, it.local_offset as usize, it.len as usize, remote_addr, rkey) {
             Ok(mut r) => {
                 // Shared memory (cma) copies while posting or at the next
                 // progress: report each read as soon as it ended, so the
@@ -790,7 +813,7 @@ mod tests {
             pools: dp
                 .pools()
                 .iter()
-                .map(|p| RemotePool { index: p.index, base: p.base, rkey: p.rkey.clone() })
+                .map(|p| RemotePool { index: p.index, base: p.base, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
         }
     }

@@ -19,6 +19,7 @@ pub mod peers;
 pub mod server;
 pub mod service;
 pub mod store;
+pub mod tls;
 
 pub use config::Config;
 pub use error::Error;

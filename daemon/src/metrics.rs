@@ -374,6 +374,21 @@ impl prometheus_client::collector::Collector for Snapshot {
                 ("coherence_changes_completed", "Overwrites and invalidations completed.", c.changes_completed),
                 ("coherence_peer_queue_drops", "Messages dropped on full peer queues.", c.peer_queue_drops),
                 ("coherence_decode_errors", "Peer messages that failed to decode.", c.decode_errors),
+                (
+                    "coherence_peer_refusals",
+                    "Peer values refused as impossible for an honest daemon (versions, epochs, views, slots, pools).",
+                    c.peer_refusals,
+                ),
+                (
+                    "coherence_versions_exhausted",
+                    "Changes refused: the epoch had no version left.",
+                    c.versions_exhausted,
+                ),
+                (
+                    "coherence_peer_auth_refusals",
+                    "Peer calls refused for who made them (not a configured peer, or a TLS certificate for another node).",
+                    c.peer_auth_refusals,
+                ),
                 ("etcd_errors", "etcd calls that failed.", c.etcd_errors),
             ] {
                 counter(e, name, help, v)?;

@@ -25,6 +25,7 @@ use crate::dataplane::{
     CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, SendOrder, TransferItem, TransferOutcome,
 };
 use crate::store::{PEER_SESSION_BASE, SlotRef, Store};
+use crate::tls::PeerTls;
 
 struct Connected {
     client: PeerClient<Channel>,
@@ -57,6 +58,12 @@ pub struct Peers {
     peers: Vec<Arc<PeerState>>,
     hook: Option<TestHook>,
     next_tag: AtomicU64,
+    tls: Option<Arc<PeerTls>>,
+    /// Calls refused because the caller is not a configured peer.
+    unknown_refusals: AtomicU64,
+    /// Peer values refused outside the core (a granted slot outside the
+    /// holder's advertised pool, a send order naming no such slot...).
+    pub refusals: AtomicU64,
 }
 
 impl Peers {
@@ -68,6 +75,7 @@ impl Peers {
         entries: Vec<PeerEntry>,
         dp: Arc<DataPlane>,
         store: Arc<Mutex<Store>>,
+        tls: Option<Arc<PeerTls>>,
     ) -> Peers {
         let hook = match std::env::var("KVMESH_TEST_HOOK").as_deref() {
             Ok("corrupt-granted-slots") => {
@@ -82,7 +90,55 @@ impl Peers {
                 Arc::new(PeerState { entry, conn: tokio::sync::Mutex::new(None), retry_at: Mutex::new(Instant::now()) })
             })
             .collect();
-        Peers { node_id, incarnation, cfg, dp, store, peers, hook, next_tag: AtomicU64::new(1) }
+        Peers {
+            node_id,
+            incarnation,
+            cfg,
+            dp,
+            store,
+            peers,
+            hook,
+            next_tag: AtomicU64::new(1),
+            tls,
+            unknown_refusals: AtomicU64::new(0),
+            refusals: AtomicU64::new(0),
+        }
+    }
+
+    /// TLS material (`None`: `peer.tls.mode = "off"`).
+    pub fn tls(&self) -> Option<&PeerTls> {
+        self.tls.as_deref()
+    }
+
+    /// The endpoint of peer `id` at `addr`, over TLS when it is on (the
+    /// server must then prove it is node `id`).
+    pub fn endpoint(&self, id: u32, addr: &str) -> Result<Endpoint, String> {
+        let ep = Endpoint::from_shared(format!("{}://{addr}", crate::tls::scheme(self.tls())))
+            .map_err(|err| err.to_string())?;
+        match self.tls() {
+            Some(t) => ep.tls_config(t.client_config(id)).map_err(|e| format!("TLS: {e}")),
+            None => Ok(ep),
+        }
+    }
+
+    /// Calls and streams refused for who made them: not a configured
+    /// peer, or a TLS certificate that does not name the node claimed.
+    pub fn auth_refusals(&self) -> u64 {
+        self.unknown_refusals.load(Ordering::Relaxed) + self.tls().map_or(0, |t| t.refusals.load(Ordering::Relaxed))
+    }
+
+    /// Refuses a caller claiming to be node `id` that is not a configured
+    /// peer, or whose certificate names another node.
+    pub fn authenticate(
+        &self,
+        certs: Option<&[rustls_pki_types::CertificateDer<'static>]>,
+        id: u32,
+    ) -> Result<(), Status> {
+        if !self.peers.iter().any(|s| s.entry.id == id) {
+            self.unknown_refusals.fetch_add(1, Ordering::Relaxed);
+            return Err(Status::permission_denied(format!("node {id} is not in this daemon's peer list")));
+        }
+        crate::tls::check_certs(self.tls(), certs, id)
     }
 
     /// How this node moves blocks it fetches.
@@ -153,10 +209,7 @@ impl Peers {
     }
 
     async fn handshake(&self, e: &PeerEntry) -> Result<Connected, String> {
-        let ep = Endpoint::from_shared(format!("http://{}", e.addr))
-            .map_err(|err| err.to_string())?
-            .connect_timeout(CONTROL_TIMEOUT)
-            .timeout(CONTROL_TIMEOUT);
+        let ep = self.endpoint(e.id, &e.addr)?.connect_timeout(CONTROL_TIMEOUT).timeout(CONTROL_TIMEOUT);
         let channel = ep.connect().await.map_err(|err| format!("connect: {err}"))?;
         let mut client = PeerClient::new(channel).max_decoding_message_size(16 << 20);
         let req = pb::HandshakeRequest {
@@ -171,6 +224,10 @@ impl Peers {
         if resp.transports != self.cfg.transports {
             return Err(format!("peer uses transports {:?}, this node {:?}", resp.transports, self.cfg.transports));
         }
+        if let Err(why) = check_pools(&resp) {
+            self.refusals.fetch_add(1, Ordering::Relaxed);
+            return Err(format!("peer at {} refused: {why}", e.addr));
+        }
         let addr = PeerAddr {
             id: e.id,
             incarnation: resp.incarnation,
@@ -178,7 +235,7 @@ impl Peers {
             pools: resp
                 .pools
                 .iter()
-                .map(|p| RemotePool { index: p.index, base: p.base_address, rkey: p.rkey.clone() })
+                .map(|p| RemotePool { index: p.index, base: p.base_address, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
         };
         let desc = self.dp.connect(addr).await?;
@@ -380,6 +437,42 @@ impl Peers {
 
 /// Runs futures concurrently on the current task and collects their outputs
 /// in order (a small `join_all`).
+/// Most pools a peer may advertise (a pool index has 8 bits in a slot
+/// reference).
+pub const PEER_POOLS_MAX: usize = 256;
+
+/// What a peer's handshake answer must be before anything of it is used:
+/// pools with distinct indices below [`PEER_POOLS_MAX`], whole slots, an
+/// address range that does not wrap, bounded UCX buffers.
+fn check_pools(r: &pb::HandshakeResponse) -> Result<(), String> {
+    if r.worker_address.is_empty() || r.worker_address.len() > kvmesh_ucx::WORKER_ADDRESS_MAX {
+        return Err(format!("worker address of {} bytes", r.worker_address.len()));
+    }
+    if r.pools.len() > PEER_POOLS_MAX {
+        return Err(format!("{} pools (at most {PEER_POOLS_MAX})", r.pools.len()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for p in &r.pools {
+        if p.index as usize >= PEER_POOLS_MAX || !seen.insert(p.index) {
+            return Err(format!("pool index {} out of range or repeated", p.index));
+        }
+        if p.slot_stride_bytes == 0 || p.bytes % p.slot_stride_bytes != 0 || p.slot_payload_bytes > p.slot_stride_bytes
+        {
+            return Err(format!(
+                "pool {}: {} bytes in slots of {} ({} payload)",
+                p.index, p.bytes, p.slot_stride_bytes, p.slot_payload_bytes
+            ));
+        }
+        if p.base_address.checked_add(p.bytes).is_none() {
+            return Err(format!("pool {}: {} bytes at {:#x} wrap the address space", p.index, p.bytes, p.base_address));
+        }
+        if p.rkey.is_empty() || p.rkey.len() > kvmesh_ucx::RKEY_MAX {
+            return Err(format!("pool {}: remote key of {} bytes", p.index, p.rkey.len()));
+        }
+    }
+    Ok(())
+}
+
 async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let handles: Vec<_> = futs.into_iter().map(Box::pin).collect();
     let mut outs: Vec<Option<F::Output>> = (0..handles.len()).map(|_| None).collect();
@@ -443,11 +536,11 @@ pub struct PeerService {
 #[tonic::async_trait]
 impl pb::peer_server::Peer for PeerService {
     async fn handshake(&self, req: Request<pb::HandshakeRequest>) -> Result<Response<pb::HandshakeResponse>, Status> {
+        let certs = req.peer_certs();
         let r = req.into_inner();
         let p = &self.peers;
-        if !p.peers.iter().any(|s| s.entry.id == r.node_id) {
-            return Err(Status::permission_denied(format!("node {} is not in this daemon's peer list", r.node_id)));
-        }
+        // The pools' remote keys go only to an authenticated peer.
+        p.authenticate(certs.as_deref().map(Vec::as_slice), r.node_id)?;
         let st = p.store.lock();
         let pools = st
             .pools()
@@ -473,16 +566,15 @@ impl pb::peer_server::Peer for PeerService {
     }
 
     async fn send(&self, req: Request<pb::SendRequest>) -> Result<Response<pb::SendResponse>, Status> {
+        let certs = req.peer_certs();
         let r = req.into_inner();
         let p = &self.peers;
+        p.authenticate(certs.as_deref().map(Vec::as_slice), r.node_id)?;
         if r.holder_incarnation != p.incarnation {
             return Err(Status::failed_precondition("this daemon restarted; handshake again"));
         }
         if r.items.len() > 65536 {
             return Err(Status::invalid_argument(format!("send of {} blocks exceeds 65536", r.items.len())));
-        }
-        if !p.peers.iter().any(|s| s.entry.id == r.node_id) {
-            return Err(Status::permission_denied(format!("node {} is not in this daemon's peer list", r.node_id)));
         }
         let order = order_of(&p.store.lock(), &r, false);
         let sent = p.send_connecting(order, false).await.map_err(Status::unavailable)?;
@@ -496,7 +588,10 @@ impl pb::peer_server::Peer for PeerService {
         req: Request<tonic::Streaming<pb::Frame>>,
     ) -> Result<Response<Self::ExchangeStream>, Status> {
         let cluster = self.cluster.clone().ok_or_else(|| Status::unavailable("coherence is not running"))?;
-        Ok(Response::new(cluster.serve_stream(req.into_inner()).await?))
+        let certs = req.peer_certs();
+        let peers = Arc::clone(&self.peers);
+        let auth = move |id: u32| peers.authenticate(certs.as_deref().map(Vec::as_slice), id);
+        Ok(Response::new(cluster.serve_stream(req.into_inner(), auth).await?))
     }
 
     async fn list_keys(&self, req: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {

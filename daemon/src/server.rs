@@ -551,6 +551,16 @@ pub async fn run_with(
     // Data plane and peers, when this daemon is part of a cluster.
     let mut peer_listener = None;
     let peers = if let Some(ctx) = ctx {
+        let tls = crate::tls::PeerTls::load(&peer_cfg.tls, node_id).map_err(|e| anyhow!("{e}"))?.map(Arc::new);
+        match &tls {
+            Some(_) => {
+                tracing::info!(node = node_id, "peer TLS required: peers must present a certificate naming them")
+            }
+            None => tracing::warn!(
+                "peer.tls.mode = \"off\": any process that reaches the peer port is trusted as a daemon \
+                 (it can read every cached block); see docs/SECURITY.md"
+            ),
+        }
         let (mappings, incarnation) = {
             let st = store.lock();
             (st.pools().iter().map(|p| Arc::clone(&p.mapping)).collect::<Vec<_>>(), st.instance_id)
@@ -586,6 +596,7 @@ pub async fn run_with(
             peer_entries,
             Arc::new(dp),
             Arc::clone(&store),
+            tls,
         )))
     } else {
         None
@@ -666,7 +677,11 @@ pub async fn run_with(
             .max_decoding_message_size(64 << 20)
             .max_encoding_message_size(64 << 20);
             let mut stop = stop_rx.clone();
-            Some(tokio::spawn(tonic::transport::Server::builder().add_service(svc).serve_with_incoming_shutdown(
+            let mut builder = tonic::transport::Server::builder();
+            if let Some(t) = p.tls() {
+                builder = builder.tls_config(t.server_config()).map_err(|e| anyhow!("peer TLS: {e}"))?;
+            }
+            Some(tokio::spawn(builder.add_service(svc).serve_with_incoming_shutdown(
                 // Small control messages: no Nagle delay (it costs 40 ms
                 // against delayed ACKs when an answer spans several writes).
                 tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |r| {

@@ -126,7 +126,7 @@ async fn the_dashboard_and_alerts_use_only_served_metrics() {
     let d = Daemon::start(
         "metrics-names",
         &format!(
-            "[metrics]\nlisten = \"127.0.0.1:{port}\"\n[node]\nid = 1\n[peer]\nlisten = \"127.0.0.1:{}\"\n{}\
+            "[metrics]\nlisten = \"127.0.0.1:{port}\"\n[node]\nid = 1\n[peer]\nlisten = \"127.0.0.1:{}\"\ntls = {{ mode = \"off\" }}\n{}\
              [[peers]]\nid = 2\naddr = \"127.0.0.1:{}\"\n",
             free_port(),
             pool("p", "4MiB", "4KiB"),

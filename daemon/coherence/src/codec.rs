@@ -7,8 +7,12 @@ use crate::{BlockKey, SlotMeta, SlotRef};
 
 /// Version of the encoding (first byte of every encoded batch).
 pub const CODEC_VERSION: u8 = 2;
-/// Most messages one decoded batch (or one announce) may hold.
-pub const DECODE_ENTRIES_MAX: usize = 1 << 20;
+/// Most messages one decoded batch may hold (a daemon's batches hold at
+/// most `coherence.batch_entries_max`, itself at most this).
+pub const DECODE_ENTRIES_MAX: usize = 1 << 16;
+/// Most copies one decoded announce may hold (`coherence.
+/// announce_entries_max` is at most this).
+pub const ANNOUNCE_ENTRIES_MAX: usize = 1 << 18;
 
 /// Why bytes are not a batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -107,9 +111,9 @@ impl R<'_> {
         Ok(SlotMeta { key: self.key()?, version: self.u64()?, generation: self.u64()?, checksum: self.u64()? })
     }
     /// A count of entries of at least `min_entry` bytes each.
-    fn count(&mut self, min_entry: usize) -> Result<usize, DecodeError> {
+    fn count(&mut self, min_entry: usize, max: usize) -> Result<usize, DecodeError> {
         let n = self.u32()? as usize;
-        if n > DECODE_ENTRIES_MAX || n.saturating_mul(min_entry) > self.0.len() {
+        if n > max || n.saturating_mul(min_entry) > self.0.len() {
             return Err(DecodeError::Count(n as u64));
         }
         Ok(n)
@@ -139,8 +143,10 @@ impl Batch {
         }
         let epoch = r.u64()?;
         let incarnation = r.u64()?;
-        let n = r.count(1)?;
-        let mut msgs = Vec::with_capacity(n);
+        let n = r.count(1, DECODE_ENTRIES_MAX)?;
+        // Grown as messages decode: a count is a claim, and a message in
+        // memory is ~100 times its smallest encoding.
+        let mut msgs = Vec::with_capacity(n.min(1024));
         for _ in 0..n {
             msgs.push(decode_msg(&mut r)?);
         }
@@ -329,7 +335,7 @@ fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
             if parts == 0 || part >= parts {
                 return Err(DecodeError::Count(parts as u64));
             }
-            let n = r.count(40)?;
+            let n = r.count(40, ANNOUNCE_ENTRIES_MAX)?;
             let mut entries = Vec::with_capacity(n);
             for _ in 0..n {
                 entries.push((r.key()?, r.u64()?, r.u64()?));

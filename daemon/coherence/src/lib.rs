@@ -18,7 +18,12 @@ mod metrics;
 mod msg;
 mod node;
 
-pub use codec::{CODEC_VERSION, DECODE_ENTRIES_MAX, DecodeError};
+pub use codec::{ANNOUNCE_ENTRIES_MAX, CODEC_VERSION, DECODE_ENTRIES_MAX, DecodeError};
+
+/// Highest epoch a view may have: a version is `epoch << 32 | counter`,
+/// so epochs live in 32 bits. Epochs from peers or etcd above it are
+/// refused; a coordinator that reached it publishes no further view.
+pub const EPOCH_MAX: u64 = (1 << 32) - 2;
 pub use metrics::{
     HISTOGRAM_BUCKETS, HISTOGRAM_SUB_BUCKETS, Histogram, Metrics, histogram_bucket, histogram_bucket_end,
     quantile_of_buckets,

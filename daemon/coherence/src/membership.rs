@@ -229,6 +229,11 @@ impl Coordinator {
     }
 
     fn publish(&mut self, out: &mut Vec<MembershipAction>) {
+        if self.epoch >= crate::EPOCH_MAX {
+            // Unreachable for an honest cluster (4 billion views); never
+            // wrap: the view stays as it is.
+            return;
+        }
         self.epoch += 1;
         out.push(MembershipAction::Persist(self.epoch));
         out.push(MembershipAction::Publish(self.view()));
@@ -255,9 +260,11 @@ impl Coordinator {
         }
         let capacity = ka.capacity.max(1);
         let mut changed = self.members.get(&ka.node).is_none_or(|m| m.0 != ka.incarnation || m.1 != capacity);
-        if ka.epoch_seen > self.epoch {
-            // A member saw a later epoch than this coordinator knows:
-            // continue above it.
+        if ka.epoch_seen > self.epoch && ka.epoch_seen <= EPOCH_SEEN_MAX {
+            // A member saw a later epoch than this coordinator knows (it
+            // restarted without its persisted epoch): continue above it.
+            // Only up to half the epoch space: an honest cluster never gets
+            // there, and a lie cannot use up the epochs (no further view).
             self.epoch = ka.epoch_seen;
             changed = true;
         }
@@ -391,10 +398,14 @@ pub fn format_etcd_view(epoch: u64, m: &EtcdMembers) -> String {
     format!("{epoch} {}", members.join(","))
 }
 
+/// Highest epoch a member's report moves a coordinator to (half of
+/// [`crate::EPOCH_MAX`]; a report above it is ignored, the keepalive kept).
+pub const EPOCH_SEEN_MAX: u64 = crate::EPOCH_MAX / 2;
+
 /// Parses the view key's value.
 pub fn parse_etcd_view(s: &str) -> Option<(u64, EtcdMembers)> {
     let mut it = s.splitn(2, ' ');
-    let epoch = it.next()?.parse().ok()?;
+    let epoch = it.next()?.parse().ok().filter(|&e| e <= crate::EPOCH_MAX)?;
     let mut m = BTreeMap::new();
     for e in it.next().unwrap_or("").split(',').filter(|e| !e.is_empty()) {
         let f: Vec<&str> = e.split(':').collect();
@@ -484,7 +495,8 @@ impl EtcdMember {
             Some((rev, epoch, _)) => (*rev, *epoch),
             None => (0, 0),
         };
-        Some((rev, epoch + 1, format_etcd_view(epoch + 1, &self.members)))
+        let next = epoch.checked_add(1).filter(|&e| e <= crate::EPOCH_MAX)?;
+        Some((rev, next, format_etcd_view(next, &self.members)))
     }
 
     /// Whether etcd's answer to a lease keepalive may become the core's

@@ -108,6 +108,11 @@ pub struct Metrics {
     /// Keepalive acknowledgements dropped because this node never sent a
     /// keepalive at the echoed time (forged, or from a previous life).
     pub unsolicited_keepalive_acks: u64,
+    /// Peer message values refused as impossible for an honest node (a
+    /// version of a later epoch, an announce part beyond its count...).
+    pub peer_refusals: u64,
+    /// Changes refused because the epoch had no version left.
+    pub versions_exhausted: u64,
 }
 
 impl Metrics {

@@ -16,6 +16,11 @@ use crate::{
 /// would grant no lease anyway).
 const KEEPALIVES_REMEMBERED: usize = 64;
 
+/// Most parts of one announce round taken from a peer: a round's parts
+/// are remembered until it completes. Honest rounds have copies /
+/// `announce_entries_max` parts (a pool of 2^32 slots at 1,024 per part).
+const ANNOUNCE_PARTS_MAX: u32 = 1 << 22;
+
 /// One copy in an announce: key, version, copy id.
 type AnnounceEntry = (BlockKey, u64, u64);
 
@@ -593,8 +598,9 @@ impl Node {
             }
             Event::KeepAliveAck { sent_at } => {
                 let lease = self.cfg.membership_lease_us;
-                let shrink = lease * 2 * self.cfg.drift_ppm / 1_000_000 + self.cfg.drift_margin_us;
-                let until = sent_at + lease.saturating_sub(shrink);
+                let shrink = (lease.saturating_mul(2).saturating_mul(self.cfg.drift_ppm) / 1_000_000)
+                    .saturating_add(self.cfg.drift_margin_us);
+                let until = sent_at.saturating_add(lease.saturating_sub(shrink));
                 self.lease_until = Some(self.lease_until.map_or(until, |u| u.max(until)));
             }
             Event::Tick => self.tick(),
@@ -1121,6 +1127,10 @@ impl Node {
         if v.epoch <= self.view.epoch || self.left {
             return;
         }
+        if v.epoch > crate::EPOCH_MAX {
+            self.metrics.peer_refusals += 1;
+            return;
+        }
         self.view = v;
         // Queued messages were meant for the old epoch: drop them; whatever
         // matters is retransmitted.
@@ -1218,7 +1228,7 @@ impl Node {
                 }
             }
             Msg::LocateReq { op, key } => self.on_locate_req(from, op, key),
-            Msg::LocateResp { op, key, result } => self.on_locate_resp(op, key, result),
+            Msg::LocateResp { op, key, result } => self.on_locate_resp(from, op, key, result),
             Msg::GrantReq { op, key, version } => self.on_grant_req(from, op, key, version),
             Msg::GrantResp { op, result } => self.on_grant_resp(from, op, result),
             Msg::GrantRelease { slot, grant } => {
@@ -1269,11 +1279,14 @@ impl Node {
     /// The version a change of `key` (now at `old`) assigns: above `old`,
     /// in this epoch, and above every version of the key's bucket whose
     /// entry was dropped in it.
-    fn next_version(&self, key: &BlockKey, old: u64) -> u64 {
-        let base = self.view.epoch << 32;
-        let next = (old + 1).max(base | 1).max(self.version_floor[version_bucket(key)] + 1);
-        assert!(next >> 32 == self.view.epoch, "version counter exhausted in one epoch");
-        next
+    ///
+    /// `None` when the epoch's 2^32 versions are used up (or a version
+    /// above the epoch got in): the change is abandoned, never wrapped.
+    fn next_version(&self, key: &BlockKey, old: u64) -> Option<u64> {
+        let base = self.view.epoch.checked_shl(32).filter(|b| b >> 32 == self.view.epoch)?;
+        let floor = self.version_floor[version_bucket(key)].checked_add(1)?;
+        let next = old.checked_add(1)?.max(base | 1).max(floor);
+        (next >> 32 == self.view.epoch).then_some(next)
     }
 
     /// Drops a directory entry with no holders and no change in progress
@@ -1370,6 +1383,24 @@ impl Node {
             self.next_version(&key, e.version)
         };
         let e = self.dir.get_mut(&key).expect("entry of a change");
+        let Some(next) = next else {
+            // No version left in this epoch: the change is refused (its
+            // holders were invalidated, which is always safe); the writer
+            // or requester is told, and the next epoch has versions again.
+            self.metrics.versions_exhausted += 1;
+            let Some(c) = e.change.take() else { return };
+            self.timers.changes.remove(&(c.resend_at, key));
+            match c.kind {
+                ChangeKind::Overwrite { writer, op, copy, .. } => {
+                    self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Busy, copy })
+                }
+                ChangeKind::Invalidate { requester, op } => {
+                    self.send(requester, Msg::InvalidateResp { op, key, ok: false })
+                }
+            }
+            self.gc_entry(&key);
+            return;
+        };
         let Some(c) = e.change.take() else { return };
         self.timers.changes.remove(&(c.resend_at, key));
         self.metrics.changes_completed += 1;
@@ -1416,6 +1447,15 @@ impl Node {
         self.remove_op(op);
         self.writes.remove(&key);
         match result {
+            PublishResult::Stored(version) if version >> 32 != self.view.epoch => {
+                // A home of this epoch assigns versions of this epoch (the
+                // batch carried it): anything else is refused, never
+                // committed or announced onwards.
+                self.metrics.peer_refusals += 1;
+                self.send(home, Msg::RemoveHolder { key, version, copy });
+                self.unreference(slot);
+                self.done(op, Outcome::Error(ErrorKind::Busy));
+            }
             PublishResult::Stored(_) if !self.serving() => {
                 // This node may no longer serve: the copy must not become
                 // Valid, and whether the put survives the membership
@@ -1562,15 +1602,24 @@ impl Node {
         self.send(r, Msg::LocateResp { op, key, result });
     }
 
-    fn on_locate_resp(&mut self, op: OpId, key: BlockKey, result: LocateResult) {
+    fn on_locate_resp(&mut self, from: NodeId, op: OpId, key: BlockKey, result: LocateResult) {
         let now = self.now;
         let me = self.id;
         let Some((stage, k, _)) = self.get_stage(op) else { return };
-        if k != key || !matches!(stage, GetStage::Locating { .. }) {
-            return;
+        if k != key || !matches!(stage, GetStage::Locating { home, .. } if *home == from) {
+            return; // not the answer of the home asked
         }
+        let member = |h: NodeId| self.view.member(h).is_some();
+        let known = match result {
+            LocateResult::Found { holder, .. } => member(holder),
+            _ => true,
+        };
+        if !known {
+            self.metrics.peer_refusals += 1; // a holder outside the view
+        }
+        let Some((stage, _, _)) = self.get_stage(op) else { return };
         match result {
-            LocateResult::Found { version, holder } if holder != me => {
+            LocateResult::Found { version, holder } if holder != me && known => {
                 *stage = GetStage::Granting { holder, version, sent_at: now };
                 self.send(holder, Msg::GrantReq { op, key, version });
             }
@@ -1598,6 +1647,7 @@ impl Node {
         let now = self.now;
         let drift = self.cfg.drift_ppm;
         let margin = self.cfg.drift_margin_us;
+        let lease_max = self.cfg.grant_lease_us;
         let staged = match self.get_stage(op) {
             Some((stage, key, _)) => match *stage {
                 GetStage::Granting { holder: h, version, sent_at } if h == holder => {
@@ -1635,8 +1685,12 @@ impl Node {
             GrantResult::Granted { slot, meta, lease_us, grant } => {
                 // Trust the grant for its lease measured from when we asked,
                 // shortened by the worst clock drift and the margin.
-                let usable = lease_us.saturating_sub(lease_us * 2 * drift / 1_000_000 + margin);
-                let read_deadline = sent_at + usable;
+                // The holder's lease is taken at most as long as ours
+                // (a peer's value, never trusted beyond what we grant).
+                let lease_us = lease_us.min(lease_max);
+                let shrink = lease_us.saturating_mul(2).saturating_mul(drift) / 1_000_000;
+                let usable = lease_us.saturating_sub(shrink.saturating_add(margin));
+                let read_deadline = sent_at.saturating_add(usable);
                 if meta.key != key || meta.version != version || now >= read_deadline {
                     self.send(holder, Msg::GrantRelease { slot, grant });
                     return self.finish_get(op, Outcome::Miss);
@@ -1685,6 +1739,12 @@ impl Node {
     }
 
     fn on_announce(&mut self, h: NodeId, round: u64, part: u32, parts: u32, entries: Vec<AnnounceEntry>) {
+        if part >= parts || parts > ANNOUNCE_PARTS_MAX {
+            // Not a part of anything an honest node sends (a part count
+            // bounds what is remembered of a round).
+            self.metrics.peer_refusals += 1;
+            return;
+        }
         // Parts of a round older than one under way are ignored; a newer
         // round starts over (its parts may split the copies differently).
         if !self.announced.contains(&h) {
@@ -1699,6 +1759,14 @@ impl Node {
         }
         for (key, version, copy) in entries {
             if !self.is_home(&key) {
+                continue;
+            }
+            if version >> 32 >= self.view.epoch {
+                // No home assigned it: copies announced into this epoch
+                // were made in earlier ones (no home of this epoch is ready
+                // before every member announced), and the batch's epoch is
+                // ours. Taken, it could end the key's version space.
+                self.metrics.peer_refusals += 1;
                 continue;
             }
             let e = self.dir.entry(key).or_default();

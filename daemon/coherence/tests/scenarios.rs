@@ -19,6 +19,8 @@ struct Net {
     freed: Vec<(NodeId, SlotRef)>,
     /// Keepalives sent: node, send time.
     keepalives: Vec<(NodeId, u64)>,
+    /// Read deadlines of the reads started, in order.
+    read_deadlines: Vec<u64>,
 }
 
 fn key(k: u128) -> BlockKey {
@@ -37,6 +39,7 @@ impl Net {
             next_slot: 0,
             freed: Vec::new(),
             keepalives: Vec::new(),
+            read_deadlines: Vec::new(),
         };
         let view =
             View { epoch: 1, members: (0..n as NodeId).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
@@ -58,7 +61,10 @@ impl Net {
                 Action::ClientDone { op, outcome } => {
                     self.done.insert((n, op), outcome);
                 }
-                Action::StartRead { op, from, remote, expect, .. } => self.reads.push((n, op, from, remote, expect)),
+                Action::StartRead { op, from, remote, expect, deadline } => {
+                    self.reads.push((n, op, from, remote, expect));
+                    self.read_deadlines.push(deadline);
+                }
                 Action::CommitSlot { slot, meta } => {
                     self.mem.insert((n, slot), meta);
                 }
@@ -524,4 +530,110 @@ fn a_node_that_leaves_tells_the_homes_and_serves_nothing_more() {
     net.now += 10_000_000;
     net.drive(2, Event::Tick);
     assert_eq!(net.keepalives.iter().filter(|x| x.0 == 2).count(), before, "no keepalive after leaving");
+}
+
+#[test]
+fn impossible_peer_values_are_refused_and_never_crash_a_home() {
+    let mut net = Net::new(2, Config::default());
+    let homed: Vec<BlockKey> = (0..).map(key).filter(|k| net.nodes[0].view().home_of(k) == Some(0)).take(3).collect();
+    let (last_of_epoch, later_epoch) = (homed[0], homed[1]);
+    let before = net.nodes[0].metrics().peer_refusals;
+    // Node 1 announces a copy at the last version of epoch 1 (copies
+    // announced into an epoch were made in earlier ones; taken, it would
+    // leave the key no version), one of an epoch no view has reached, and
+    // parts that belong to no round.
+    let forged = Batch {
+        epoch: 1,
+        incarnation: 1,
+        msgs: vec![
+            Msg::Announce { round: 1, part: 0, parts: 1, entries: vec![(last_of_epoch, (1 << 32) | 0xffff_ffff, 1)] },
+            Msg::Announce { round: 2, part: 0, parts: 1, entries: vec![(later_epoch, 7 << 32, 1)] },
+            Msg::Announce { round: 3, part: 5, parts: 2, entries: vec![] },
+            Msg::Announce { round: 4, part: 0, parts: u32::MAX, entries: vec![] },
+        ],
+    };
+    net.drive(0, Event::Receive { from: 1, batch: forged });
+    assert_eq!(net.nodes[0].metrics().peer_refusals, before + 4, "two versions and two bad parts refused");
+    for k in [last_of_epoch, later_epoch] {
+        assert!(!net.nodes[0].directory().any(|(dk, _)| dk == k), "a version of this or a later epoch is not taken");
+    }
+    // Puts of those keys get versions of this epoch (before the fix, the
+    // first panicked the home: its next version left the epoch).
+    for (op, k) in [(1, last_of_epoch), (2, later_epoch), (3, homed[2])] {
+        net.put(0, op, k, 9);
+        net.settle();
+        let Some(Outcome::Stored { version }) = net.outcome(0, op) else { panic!("{:?}", net.outcome(0, op)) };
+        assert_eq!(version >> 32, 1, "version {version:#x} of epoch 1");
+    }
+    assert_eq!(net.nodes[0].metrics().versions_exhausted, 0);
+    net.nodes[0].check_incremental().unwrap();
+}
+
+#[test]
+fn a_home_answer_from_another_epoch_or_node_is_refused() {
+    let mut net = Net::new(3, Config::default());
+    let k = (0..).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(1)).unwrap();
+    net.put(0, 1, k, 9);
+    // The home's answer carries a version of a later epoch: refused, the
+    // put fails (Busy), nothing is committed, the home is told.
+    for _ in 0..20 {
+        net.flush();
+        while let Some((from, to, mut batch)) = net.wire.pop_front() {
+            for m in &mut batch.msgs {
+                if let Msg::PublishResp { result: kvmesh_coherence::PublishResult::Stored(v), .. } = m {
+                    *v = 5 << 32;
+                }
+            }
+            net.drive(to, Event::Receive { from, batch });
+        }
+    }
+    assert!(matches!(net.outcome(0, 1), Some(Outcome::Error(_))), "{:?}", net.outcome(0, 1));
+    assert_eq!(net.nodes[0].copy_count(), 0);
+    assert_eq!(net.nodes[0].metrics().peer_refusals, 1);
+    // A locate answer naming a holder outside the view is a miss.
+    net.put(0, 2, k, 9);
+    net.settle();
+    net.drive(2, Event::ClientGet { op: 3, key: k });
+    for _ in 0..20 {
+        net.flush();
+        while let Some((from, to, mut batch)) = net.wire.pop_front() {
+            for m in &mut batch.msgs {
+                if let Msg::LocateResp { result: kvmesh_coherence::LocateResult::Found { holder, .. }, .. } = m {
+                    *holder = 77;
+                }
+            }
+            net.drive(to, Event::Receive { from, batch });
+        }
+    }
+    assert_eq!(net.outcome(2, 3), Some(Outcome::Miss));
+    assert_eq!(net.nodes[2].metrics().peer_refusals, 1);
+}
+
+#[test]
+fn a_grant_lease_from_a_peer_is_trusted_no_longer_than_our_own() {
+    let cfg = Config::default();
+    let mut net = Net::new(2, cfg.clone());
+    net.put(0, 1, key(3), 4);
+    net.settle();
+    net.drive(1, Event::ClientGet { op: 2, key: key(3) });
+    // Deliver everything, stretching the lease of every grant to the most
+    // a u64 holds (overflowed `lease * 2 * drift` before).
+    for _ in 0..20 {
+        net.flush();
+        while let Some((from, to, mut batch)) = net.wire.pop_front() {
+            for m in &mut batch.msgs {
+                if let Msg::GrantResp { result: kvmesh_coherence::GrantResult::Granted { lease_us, .. }, .. } = m {
+                    *lease_us = u64::MAX;
+                }
+            }
+            net.drive(to, Event::Receive { from, batch });
+        }
+    }
+    assert_eq!(net.read_deadlines.len(), 1, "the read started");
+    assert!(
+        net.read_deadlines[0] <= net.now + cfg.grant_lease_us,
+        "deadline {} now {}",
+        net.read_deadlines[0],
+        net.now
+    );
 }

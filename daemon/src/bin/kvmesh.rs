@@ -133,6 +133,20 @@ enum Cmd {
         /// Keys (32 hex digits each); none: the whole namespace.
         keys: Vec<String>,
     },
+    /// Make a cluster CA (or reuse the one in --dir) and a certificate and
+    /// key per node for `[peer.tls]`: ca.pem, ca.key, node-<id>.pem,
+    /// node-<id>.key (keys mode 0600). No daemon needed.
+    Certs {
+        /// Directory to write to (created if missing).
+        #[arg(long)]
+        dir: std::path::PathBuf,
+        /// Node ids, comma-separated (e.g. 1,2,3).
+        #[arg(long, value_delimiter = ',', required = true)]
+        nodes: Vec<u32>,
+        /// Validity in days.
+        #[arg(long, default_value_t = 365)]
+        days: u32,
+    },
 }
 
 enum Failure {
@@ -334,6 +348,12 @@ async fn run(args: Args) -> Result<(), Failure> {
                 if let Some(e) = epoch {
                     println!("view epoch {e}");
                 }
+            }
+        }
+        Cmd::Certs { dir, nodes, days } => {
+            let written = kvmeshd::tls::make_certs(&dir, &nodes, days).map_err(Failure::Error)?;
+            for p in written {
+                println!("{}", p.display());
             }
         }
         Cmd::Config { json } => {
@@ -678,6 +698,13 @@ fn print_stats(s: &kvmesh_client::Stats) {
             c.grants_outstanding,
             c.peer_queue_drops
         );
+        if c.peer_refusals + c.peer_auth_refusals + c.versions_exhausted > 0 {
+            println!(
+                "peer refusals: {} impossible values, {} calls from an unauthenticated or unknown node, {} changes \
+                 without a version",
+                c.peer_refusals, c.peer_auth_refusals, c.versions_exhausted
+            );
+        }
     }
 }
 

@@ -211,11 +211,16 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// Config of one member of a cluster of daemons on loopback.
+/// Config of one member of a cluster of daemons on loopback (peer TLS off).
 pub fn peer_config(id: u32, ports: &[u16], transports: &str, pools: &str) -> String {
+    peer_config_tls(id, ports, transports, pools, "{ mode = \"off\" }")
+}
+
+/// [`peer_config`] with `peer.tls` set to the inline table `tls`.
+pub fn peer_config_tls(id: u32, ports: &[u16], transports: &str, pools: &str, tls: &str) -> String {
     let mut s = format!(
         "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"{transports}\"\n\
-         transfer_timeout_ms = 10000\ngrant_lease_ms = 30000\n{pools}",
+         transfer_timeout_ms = 10000\ngrant_lease_ms = 30000\ntls = {tls}\n{pools}",
         ports[id as usize - 1]
     );
     for (i, p) in ports.iter().enumerate() {

@@ -51,6 +51,32 @@ fn status_string(s: sys::ucs_status_t) -> String {
     unsafe { CStr::from_ptr(sys::ucs_status_string(s)) }.to_string_lossy().into_owned()
 }
 
+/// Largest worker address taken from a peer (UCX's are a few hundred
+/// bytes).
+pub const WORKER_ADDRESS_MAX: usize = 64 << 10;
+/// Largest packed remote key taken from a peer.
+pub const RKEY_MAX: usize = 16 << 10;
+/// Zero bytes after a peer's buffer handed to a UCX parser that takes no
+/// length: a packed key's memory-domain entries have one-byte sizes, so
+/// 64 domains of 255 bytes end within it.
+const PEER_BUFFER_PAD: usize = 32 << 10;
+
+/// A copy of peer bytes for a length-less UCX parser: non-empty, at most
+/// `max`, followed by [`PEER_BUFFER_PAD`] zero bytes.
+fn padded(call: &'static str, b: &[u8], max: usize) -> Result<Vec<u8>, UcxError> {
+    if b.is_empty() || b.len() > max {
+        return Err(UcxError {
+            call,
+            code: sys::ucs_status_t::UCS_ERR_INVALID_PARAM.0,
+            message: format!("peer buffer of {} bytes (expected 1 to {max})", b.len()),
+        });
+    }
+    let mut v = Vec::with_capacity(b.len() + PEER_BUFFER_PAD);
+    v.extend_from_slice(b);
+    v.resize(b.len() + PEER_BUFFER_PAD, 0);
+    Ok(v)
+}
+
 fn check(call: &'static str, s: sys::ucs_status_t) -> Result<(), UcxError> {
     if s == sys::ucs_status_t::UCS_OK { Ok(()) } else { Err(UcxError { call, code: s.0, message: status_string(s) }) }
 }
@@ -547,6 +573,7 @@ impl Worker {
     /// that on tcp and RDMA transports but not on shared memory (posix,
     /// sysv), where connecting that way is refused.
     pub fn connect(&self, remote: &[u8], peer_failure: bool) -> Result<Endpoint<'_>, UcxError> {
+        let remote = padded("ucp_ep_create", remote, WORKER_ADDRESS_MAX)?;
         let params = sys::ucp_ep_params_t {
             field_mask: (sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_REMOTE_ADDRESS
                 | sys::ucp_ep_params_field::UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE)
@@ -560,8 +587,13 @@ impl Worker {
             ..Default::default()
         };
         let mut h: sys::ucp_ep_h = ptr::null_mut();
-        // SAFETY: `remote` is a worker address produced by ucp_worker_get_address
-        // on the peer (UCX validates its contents); it is read during the call.
+        // SAFETY: `remote` is a peer's claim of its worker address, read
+        // during the call. UCX parses it without a length: `padded` bounds
+        // its size and follows it with PEER_BUFFER_PAD zero bytes, so a
+        // short or truncated address is read inside our allocation (zero
+        // lengths end UCX's walk); one crafted to declare longer fields is
+        // parsed as UCX parses any peer's (peers are authenticated first,
+        // docs/SECURITY.md). `h` is an out-pointer.
         check("ucp_ep_create", unsafe { sys::ucp_ep_create(self.h, &params, &mut h) })?;
         Ok(Endpoint { worker: self, h, peer_failure })
     }
@@ -587,8 +619,12 @@ impl<'w> Endpoint<'w> {
     /// remote keys before their endpoint (declare them first in a struct
     /// that holds both).
     pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey<'w>, UcxError> {
+        let packed = padded("ucp_ep_rkey_unpack", packed, RKEY_MAX)?;
         let mut h: sys::ucp_rkey_h = ptr::null_mut();
-        // SAFETY: `packed` is read during the call; h is an out-pointer.
+        // SAFETY: `packed` (a peer's claim) is read during the call, which
+        // takes no length: `padded` bounds it and appends PEER_BUFFER_PAD
+        // zero bytes, more than a packed key's fields (one-byte sizes per
+        // memory domain) can reach past its end. `h` is an out-pointer.
         check("ucp_ep_rkey_unpack", unsafe {
             sys::ucp_ep_rkey_unpack(self.h, packed.as_ptr() as *const c_void, &mut h)
         })?;

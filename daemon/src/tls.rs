@@ -1,0 +1,217 @@
+//! Mutual TLS between daemons: who a peer is.
+//!
+//! Every daemon has a certificate signed by the cluster's CA whose subject
+//! alternative names include `node-<id>.kvmesh` ([`node_name`]). A daemon
+//! that connects checks the server names the node id its config lists at
+//! that address (rustls, through tonic); a daemon that serves requires a
+//! client certificate from the same CA and checks, on every call that
+//! names a node id (handshake, coherence stream hello, send orders over
+//! gRPC), that the certificate names that id ([`check_peer`]). So a
+//! process without a certificate of the CA gets no connection, and one with
+//! the certificate of node 5 cannot speak as node 2 (PERMISSION_DENIED,
+//! counted in `coherence_peer_auth_refusals`).
+//!
+//! [`make_certs`] is `kvmesh certs`: a CA and node certificates for tests
+//! and small clusters.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, ServerName};
+use tonic::transport::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+use tonic::{Request, Status};
+
+use crate::config::PeerTlsConfig;
+
+/// The DNS name a daemon's certificate carries for node `id`.
+pub fn node_name(id: u32) -> String {
+    format!("node-{id}.kvmesh")
+}
+
+/// Whether DER certificate `der` is valid for node `id`'s name (the chain
+/// to the CA is rustls's job, done before any call arrives).
+pub fn cert_names_node(der: &[u8], id: u32) -> bool {
+    let der = CertificateDer::from(der);
+    let Ok(cert) = webpki::EndEntityCert::try_from(&der) else { return false };
+    let Ok(name) = ServerName::try_from(node_name(id)) else { return false };
+    cert.verify_is_valid_for_subject_name(&name).is_ok()
+}
+
+/// This daemon's TLS material, loaded once at start.
+pub struct PeerTls {
+    ca: Certificate,
+    identity: Identity,
+    /// Calls refused because the certificate did not name the node.
+    pub refusals: AtomicU64,
+}
+
+impl PeerTls {
+    /// Loads `cfg` for node `id`: `None` when TLS is off. Checks that the
+    /// certificate names this node (a daemon started with another node's
+    /// certificate would be refused by every peer).
+    pub fn load(cfg: &PeerTlsConfig, id: u32) -> Result<Option<PeerTls>, String> {
+        if !cfg.required() {
+            return Ok(None);
+        }
+        let read = |name: &str, p: &Option<PathBuf>| -> Result<Vec<u8>, String> {
+            let p = p.as_ref().ok_or_else(|| format!("peer.tls.{name}: not set"))?;
+            std::fs::read(p).map_err(|e| format!("peer.tls.{name}: {}: {e}", p.display()))
+        };
+        let (ca, cert, key) = (read("ca", &cfg.ca)?, read("cert", &cfg.cert)?, read("key", &cfg.key)?);
+        let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert)
+            .collect::<Result<_, _>>()
+            .map_err(|e| format!("peer.tls.cert: not PEM certificates: {e}"))?;
+        let Some(leaf) = certs.first() else { return Err("peer.tls.cert: no certificate in the file".into()) };
+        if !cert_names_node(leaf, id) {
+            return Err(format!(
+                "peer.tls.cert: the certificate does not name this node ({}): peers would refuse it",
+                node_name(id)
+            ));
+        }
+        if CertificateDer::pem_slice_iter(&ca).next().is_none() {
+            return Err("peer.tls.ca: no PEM certificate in the file".into());
+        }
+        if rustls_pki_types::PrivateKeyDer::from_pem_slice(&key).is_err() {
+            return Err("peer.tls.key: no PEM private key in the file".into());
+        }
+        Ok(Some(PeerTls {
+            ca: Certificate::from_pem(ca),
+            identity: Identity::from_pem(cert, key),
+            refusals: AtomicU64::new(0),
+        }))
+    }
+
+    /// The peer service's side: this daemon's certificate, and a client
+    /// certificate of the CA required of every caller.
+    pub fn server_config(&self) -> ServerTlsConfig {
+        ServerTlsConfig::new().identity(self.identity.clone()).client_ca_root(self.ca.clone())
+    }
+
+    /// The side that connects to node `peer`: the server must be that node.
+    pub fn client_config(&self, peer: u32) -> ClientTlsConfig {
+        ClientTlsConfig::new()
+            .ca_certificate(self.ca.clone())
+            .identity(self.identity.clone())
+            .domain_name(node_name(peer))
+    }
+}
+
+/// The URL scheme of a peer address.
+pub fn scheme(tls: Option<&PeerTls>) -> &'static str {
+    if tls.is_some() { "https" } else { "http" }
+}
+
+/// Refuses a call that claims to come from node `id` unless its TLS
+/// client certificate names that node (nothing to check with TLS off).
+pub fn check_peer<T>(tls: Option<&PeerTls>, req: &Request<T>, id: u32) -> Result<(), Status> {
+    check_certs(tls, req.peer_certs().as_deref().map(Vec::as_slice), id)
+}
+
+/// [`check_peer`] on certificates taken from a request earlier (a stream
+/// names its node in its first frame).
+pub fn check_certs(tls: Option<&PeerTls>, certs: Option<&[CertificateDer<'static>]>, id: u32) -> Result<(), Status> {
+    let Some(t) = tls else { return Ok(()) };
+    let ok = certs.is_some_and(|c| c.first().is_some_and(|leaf| cert_names_node(leaf, id)));
+    if ok {
+        return Ok(());
+    }
+    t.refusals.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(claimed = id, "peer: a call claiming node {id} refused: its TLS certificate does not name it");
+    Err(Status::permission_denied(format!("the TLS client certificate does not name node {id} ({})", node_name(id))))
+}
+
+/// Makes a CA (or reuses the one in `dir`) and a certificate and key for
+/// each of `nodes`, valid for `days`: `ca.pem`, `ca.key`, `node-<id>.pem`,
+/// `node-<id>.key`. Keys are written with mode 0600. Returns the files
+/// written.
+pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, String> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
+    let err = |e: rcgen::Error| e.to_string();
+    std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let now = time::OffsetDateTime::now_utc();
+    let mut written = Vec::new();
+    let ca_params = || {
+        let mut p = CertificateParams::new(Vec::<String>::new()).map_err(err)?;
+        p.distinguished_name.push(DnType::CommonName, "kvmesh cluster CA");
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+        p.not_before = now - time::Duration::hours(1);
+        p.not_after = now + time::Duration::days(i64::from(days));
+        Ok::<_, String>(p)
+    };
+    let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    let ca_key_pair = if ca_pem.exists() && ca_key.exists() {
+        // Reuse the CA: node certificates chain to it through its name
+        // and key, which are all an issuer needs.
+        let pem = std::fs::read_to_string(&ca_key).map_err(|e| format!("{}: {e}", ca_key.display()))?;
+        KeyPair::from_pem(&pem).map_err(|e| format!("{}: {e}", ca_key.display()))?
+    } else {
+        let k = KeyPair::generate().map_err(err)?;
+        let cert = ca_params()?.self_signed(&k).map_err(err)?;
+        write(&ca_pem, cert.pem().as_bytes(), false)?;
+        write(&ca_key, k.serialize_pem().as_bytes(), true)?;
+        written.extend([ca_pem, ca_key]);
+        k
+    };
+    let issuer = Issuer::new(ca_params()?, ca_key_pair);
+    for &id in nodes {
+        let mut p = CertificateParams::new(vec![node_name(id)]).map_err(err)?;
+        p.distinguished_name.push(DnType::CommonName, node_name(id));
+        p.not_before = now - time::Duration::hours(1);
+        p.not_after = now + time::Duration::days(i64::from(days));
+        let k = KeyPair::generate().map_err(err)?;
+        let cert = p.signed_by(&k, &issuer).map_err(err)?;
+        let (c, kf) = (dir.join(format!("node-{id}.pem")), dir.join(format!("node-{id}.key")));
+        write(&c, cert.pem().as_bytes(), false)?;
+        write(&kf, k.serialize_pem().as_bytes(), true)?;
+        written.extend([c, kf]);
+    }
+    Ok(written)
+}
+
+fn write(p: &Path, data: &[u8], secret: bool) -> Result<(), String> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(if secret { 0o600 } else { 0o644 })
+        .open(p)
+        .map_err(|e| format!("{}: {e}", p.display()))?;
+    f.write_all(data).map_err(|e| format!("{}: {e}", p.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn made_certificates_name_their_node_only() {
+        let dir = std::env::temp_dir().join(format!("kvmesh-tls-unit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        make_certs(&dir, &[1, 2], 1).unwrap();
+        // A second call reuses the CA.
+        let w = make_certs(&dir, &[3], 1).unwrap();
+        assert!(!w.iter().any(|p| p.ends_with("ca.pem")), "CA reused: {w:?}");
+        for id in [1u32, 3] {
+            let pem = std::fs::read(dir.join(format!("node-{id}.pem"))).unwrap();
+            let der = CertificateDer::from_pem_slice(&pem).unwrap();
+            assert!(cert_names_node(&der, id));
+            assert!(!cert_names_node(&der, id + 1));
+            let cfg = PeerTlsConfig {
+                mode: Some("required".into()),
+                ca: Some(dir.join("ca.pem")),
+                cert: Some(dir.join(format!("node-{id}.pem"))),
+                key: Some(dir.join(format!("node-{id}.key"))),
+            };
+            assert!(PeerTls::load(&cfg, id).unwrap().is_some());
+            let e = PeerTls::load(&cfg, 9).err().expect("another node's certificate");
+            assert!(e.contains("node-9.kvmesh"), "{e}");
+        }
+        let mode = std::fs::metadata(dir.join("node-1.key")).unwrap().permissions();
+        assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
