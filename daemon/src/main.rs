@@ -76,6 +76,16 @@ fn main() -> std::process::ExitCode {
     } else {
         registry.with(fmt.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))).init();
     }
+    // A panic anywhere (a tokio task included, whose panic would otherwise
+    // end only that task) aborts the process: state half-changed by the
+    // panicking code is never served. systemd restarts the daemon; peers
+    // see a new incarnation and drop what they knew of the old one.
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        default_hook(info);
+        tracing::error!("panic: {info}; aborting (no half-applied state is served; a restart is safe)");
+        std::process::abort();
+    }));
     match &tuned {
         Ok(set) if !set.is_empty() => tracing::debug!(?set, "UCX settings tuned (docs/DATAPLANE.md)"),
         Ok(_) => {}

@@ -547,6 +547,14 @@ pub async fn run_with(
     }
     let store = Arc::new(Mutex::new(Store::with_mappings(cfg, premade).map_err(|e| anyhow!("{e}"))?));
     tracing::info!(socket = %path.display(), "kvmeshd listening");
+    if std::env::var("KVMESH_TEST_HOOK").as_deref() == Ok("panic-in-task") {
+        // Test-only: what a bug in a background task does to the process.
+        tracing::warn!("TEST HOOK ACTIVE: a task panics in a second");
+        tokio::spawn(async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            panic!("test hook: a background task panicked");
+        });
+    }
 
     // Data plane and peers, when this daemon is part of a cluster.
     let mut peer_listener = None;

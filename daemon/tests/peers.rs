@@ -511,3 +511,119 @@ async fn copies_are_announced_in_parts_after_a_restart() {
         }
     }
 }
+
+/// A hostile process that reaches the peer ports of a cluster without TLS
+/// (so it can claim any node id) speaks the protocol with values no honest
+/// daemon sends: a view from "the coordinator" with an epoch at the end of
+/// the epoch space and one naming unknown nodes, a keepalive reporting the
+/// last epoch, announces of versions of this and later epochs, parts beyond
+/// their count. Before the peer values were checked, these panicked or
+/// wedged the daemons (the view ended B's version space, the keepalive
+/// overflowed A's epoch). Now each is refused and counted, and the cluster
+/// keeps serving correct data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_peer_cannot_crash_or_mislead_the_cluster() {
+    use kvmesh_coherence::{Batch, BlockKey, Msg};
+    use kvmesh_proto::peer::v1 as pb;
+    let (a, b) = pair("hostile", "sm", &[]);
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let port_of = |d: &Daemon| {
+        let cfg = std::fs::read_to_string(d.dir.0.join("kvmeshd.toml")).unwrap();
+        let line = cfg.lines().find(|l| l.starts_with("listen = ") && l.contains("127.0.0.1")).unwrap().to_string();
+        line.trim_start_matches("listen = ").trim_matches('"').to_string()
+    };
+    let open = |addr: String, frames: Vec<pb::Frame>| async move {
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+        pb::peer_client::PeerClient::new(ch).exchange(tokio_stream::iter(frames)).await
+    };
+    let frame = |body| pb::Frame { body: Some(body) };
+    let hello = |id| frame(pb::frame::Body::Hello(pb::StreamHello { node_id: id, incarnation: 1 }));
+    let (ca, cb) = (a.client().await, b.client().await);
+    let (sa, sb) = (ca.stats().await.unwrap(), cb.stats().await.unwrap());
+    let epoch = sa.coherence.as_ref().unwrap().epoch;
+    let refusals = |s: &kvmesh_proto::engine::v1::StatsResponse| s.coherence.as_ref().unwrap().peer_refusals;
+    let (ra, rb) = (refusals(&sa), refusals(&sb));
+    let decode_errors = |s: &kvmesh_proto::engine::v1::StatsResponse| s.coherence.as_ref().unwrap().decode_errors;
+    let da = decode_errors(&sa);
+
+    // To B, as node 1 (the coordinator): views B must refuse.
+    let members = |ids: &[u32]| ids.iter().map(|&id| pb::Member { id, incarnation: 1, capacity: 1 }).collect();
+    let frames = vec![
+        hello(1),
+        frame(pb::frame::Body::View(pb::View { epoch: u64::MAX, members: members(&[1, 2]) })),
+        frame(pb::frame::Body::View(pb::View { epoch: epoch + 1, members: members(&[1, 2, 99]) })),
+        frame(pb::frame::Body::View(pb::View { epoch: epoch + 1, members: members(&[1, 2, 2]) })),
+        frame(pb::frame::Body::Ping(1)),
+    ];
+    let mut r = open(port_of(&b), frames).await.unwrap().into_inner();
+    assert_eq!(r.message().await.unwrap().unwrap().body, Some(pb::frame::Body::Pong(1)));
+    // To A (the coordinator), as node 2 with B's incarnation: a keepalive
+    // reporting the last epoch, announces of impossible versions.
+    let inc_b = sa.peers.iter().find(|p| p.id == 2).map(|p| p.view_incarnation).unwrap();
+    let keys: Vec<BlockKey> = (0..64u128).map(|k| BlockKey { ns: 7, key: k }).collect();
+    let announce = |round, version: u64| Msg::Announce {
+        round,
+        part: 0,
+        parts: 1,
+        entries: keys.iter().map(|&k| (k, version, 1)).collect(),
+    };
+    let batch = Batch {
+        epoch,
+        incarnation: inc_b,
+        msgs: vec![announce(1_000, (epoch << 32) | 0xffff_ffff), announce(1_001, (epoch + 5) << 32)],
+    };
+    // A part beyond its count does not even decode (the batch is dropped).
+    let bad_part = Batch {
+        epoch,
+        incarnation: inc_b,
+        msgs: vec![Msg::Announce { round: 1_002, part: 3, parts: 2, entries: vec![] }],
+    };
+    let frames = vec![
+        hello(2),
+        frame(pb::frame::Body::Keepalive(pb::KeepAlive {
+            sent_at_us: 1,
+            incarnation: inc_b,
+            epoch_seen: u64::MAX,
+            capacity: 1,
+        })),
+        frame(pb::frame::Body::Batch(batch.encode())),
+        frame(pb::frame::Body::Batch(bad_part.encode())),
+        frame(pb::frame::Body::Ping(2)),
+    ];
+    let mut r = open(port_of(&a), frames).await.unwrap().into_inner();
+    assert_eq!(r.message().await.unwrap().unwrap().body, Some(pb::frame::Body::Pong(2)));
+
+    // Refused and counted on both; both daemons alive, in the same epoch.
+    let t0 = Instant::now();
+    loop {
+        let (sa, sb) = (ca.stats().await.unwrap(), cb.stats().await.unwrap());
+        // B: three views. A: the copies of the 2 x 64 announced that it
+        // homes (about half), and the bad part as a decode error.
+        if refusals(&sb) >= rb + 3 && refusals(&sa) > ra + 16 && decode_errors(&sa) > da {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "refusals not counted: A {:?} B {:?}",
+            sa.coherence,
+            sb.coherence
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The cluster still serves correct data both ways (puts need versions
+    // of the current epoch at every home).
+    for (i, (w, r)) in [(&a, &b), (&b, &a)].into_iter().enumerate() {
+        for k in 0..16u128 {
+            let key = Key(0xbad0_0000_0000_0000_0000_0000_0000_0000 | (i as u128) << 64 | k);
+            let fill = b'a' + k as u8;
+            common::fill::put_until_stored(w, key, fill, Duration::from_secs(10)).await;
+            assert_eq!(common::fill::get(r, key).await, Some(fill), "{key:?}");
+        }
+    }
+    let (sa, sb) = (ca.stats().await.unwrap(), cb.stats().await.unwrap());
+    let (ka, kb) = (sa.coherence.unwrap(), sb.coherence.unwrap());
+    assert_eq!(ka.epoch, kb.epoch, "one view");
+    assert!(ka.epoch < 1 << 20, "the epoch did not jump: {}", ka.epoch);
+    assert!(ka.serving && kb.serving);
+}

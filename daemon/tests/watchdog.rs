@@ -69,3 +69,27 @@ fn no_watchdog_without_watchdog_usec_and_none_for_another_pid() {
     assert!(msgs.iter().any(|m| m == "READY=1"), "{msgs:?}");
     assert!(!msgs.iter().any(|m| m == "WATCHDOG=1"), "WATCHDOG_PID names another process: {msgs:?}");
 }
+
+/// A panic in a background task (which tokio would otherwise contain,
+/// leaving the daemon running with whatever that task half-changed) aborts
+/// the whole process with the panic in the log: systemd restarts it.
+#[test]
+fn a_panic_in_any_task_aborts_the_daemon() {
+    use std::os::unix::process::ExitStatusExt;
+    let mut d = Daemon::start_with("panic-abort", &pool("p", "1MiB", "4KiB"), &[("KVMESH_TEST_HOOK", "panic-in-task")]);
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = d.child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "the daemon survived its panic; log:\n{}", d.log());
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(status.signal(), Some(libc_sigabrt()), "{status:?}; log:\n{}", d.log());
+    let log = d.log();
+    assert!(log.contains("a background task panicked") && log.contains("aborting"), "{log}");
+}
+
+fn libc_sigabrt() -> i32 {
+    6 // SIGABRT on Linux
+}
