@@ -10,6 +10,11 @@
 /// First bytes a client sends to ask for the pool fds.
 pub const FD_HANDSHAKE_MAGIC: &[u8; 12] = b"KVMESH-FD/1\n";
 
+/// First bytes of the daemon's answer to a client it refuses (another uid
+/// not in `server.allow_uids`, say), followed by the reason in UTF-8; no
+/// fds are attached.
+pub const REFUSED_MAGIC: &[u8; 15] = b"KVMESH-REFUSED\n";
+
 /// Most pools one daemon exposes (and so most fds in one handshake).
 pub const POOLS_MAX: usize = 16;
 
@@ -46,6 +51,9 @@ pub fn encode(instance: u64, pools: &[PoolFd]) -> Vec<u8> {
 /// Decodes the handshake table, checking it against the number of fds.
 /// Returns the daemon instance id and the table.
 pub fn decode(buf: &[u8], fds: usize) -> Result<(u64, Vec<PoolFd>), String> {
+    if let Some(why) = buf.strip_prefix(REFUSED_MAGIC) {
+        return Err(format!("the daemon refused this client: {}", String::from_utf8_lossy(why)));
+    }
     if buf.len() < HEAD {
         return Err(format!("handshake reply is {} bytes, expected at least {HEAD}", buf.len()));
     }

@@ -353,6 +353,13 @@ pub struct ServerConfig {
     /// allocations may take to end before the daemon leaves anyway.
     #[serde(default = "default_drain_timeout_ms")]
     pub drain_timeout_ms: u64,
+    /// Other uids whose engines may use this daemon (the daemon's own uid
+    /// always may). Empty: the socket is mode 0600 and a client of another
+    /// uid is refused. Non-empty: the socket is mode 0666 in a directory
+    /// the operator makes reachable, and every connection's uid
+    /// (SO_PEERCRED) is checked. Needs `socket` set.
+    #[serde(default)]
+    pub allow_uids: Vec<u32>,
 }
 
 fn default_drain_timeout_ms() -> u64 {
@@ -361,7 +368,12 @@ fn default_drain_timeout_ms() -> u64 {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { socket: None, worker_threads: 0, drain_timeout_ms: default_drain_timeout_ms() }
+        ServerConfig {
+            socket: None,
+            worker_threads: 0,
+            drain_timeout_ms: default_drain_timeout_ms(),
+            allow_uids: Vec::new(),
+        }
     }
 }
 
@@ -725,6 +737,14 @@ impl Config {
                 "server.drain_timeout_ms: {} exceeds {DRAIN_TIMEOUT_MS_MAX} (10 minutes)",
                 self.server.drain_timeout_ms
             ));
+        }
+        if !self.server.allow_uids.is_empty() && self.server.socket.is_none() {
+            return Err("server.allow_uids: needs server.socket, in a directory the allowed users can reach (the \
+                        default directory is private to this uid)"
+                .into());
+        }
+        if self.server.allow_uids.len() > 1024 {
+            return Err(format!("server.allow_uids: {} uids, at most 1024", self.server.allow_uids.len()));
         }
         if self.server.worker_threads > 64 {
             return Err(format!("server.worker_threads: {} exceeds 64", self.server.worker_threads));

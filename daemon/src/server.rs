@@ -74,9 +74,12 @@ fn private_dir(dir: &Path) -> anyhow::Result<()> {
     }
 }
 
-/// Claims `path` for this daemon and binds it (mode 0600). A path held by a
-/// live daemon is an error; a stale socket file is removed.
-pub fn bind_socket(path: &Path, default_location: bool) -> anyhow::Result<(UnixListener, SocketClaim)> {
+/// Claims `path` for this daemon and binds it with `mode` (0600, or 0666
+/// when other uids are allowed and checked per connection). A path held by
+/// a live daemon is an error; a stale socket file is removed. The socket
+/// appears at `path` with its final mode: it is bound in a private (0700)
+/// directory beside it, given its mode there, then renamed into place.
+pub fn bind_socket(path: &Path, default_location: bool, mode: u32) -> anyhow::Result<(UnixListener, SocketClaim)> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if default_location {
         private_dir(dir)?;
@@ -104,9 +107,22 @@ pub fn bind_socket(path: &Path, default_location: bool) -> anyhow::Result<(UnixL
         tracing::info!(socket = %path.display(), "removing stale socket of a daemon that is gone");
         std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
     }
-    let listener = UnixListener::bind(path).with_context(|| format!("cannot bind {}", path.display()))?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
-    Ok((listener, SocketClaim { path: path.to_path_buf(), _lock: lock }))
+    let private = dir.join(format!(".kvmeshd-bind-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&private);
+    std::fs::DirBuilder::new()
+        .mode(0o700)
+        .create(&private)
+        .with_context(|| format!("cannot create {}", private.display()))?;
+    let staged = private.join("s");
+    let bound = (|| {
+        let l = UnixListener::bind(&staged).with_context(|| format!("cannot bind {}", staged.display()))?;
+        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))?;
+        std::fs::rename(&staged, path).with_context(|| format!("cannot move the socket to {}", path.display()))?;
+        Ok::<_, anyhow::Error>(l)
+    })();
+    let _ = std::fs::remove_file(&staged);
+    let _ = std::fs::remove_dir(&private);
+    Ok((bound?, SocketClaim { path: path.to_path_buf(), _lock: lock }))
 }
 
 /// Releases a session's pins and allocations when its connection closes.
@@ -208,6 +224,34 @@ async fn send_pool_fds(mut stream: UnixStream, store: &Arc<Mutex<Store>>) -> io:
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(e),
         }
+    }
+}
+
+/// Whether the process at the other end of `stream` may use this daemon:
+/// its uid is the daemon's or one of `server.allow_uids`.
+fn check_uid(stream: &UnixStream, allow: &[u32]) -> Result<(), String> {
+    let me = kvmesh_ffi_os::current_uid();
+    match stream.peer_cred() {
+        Ok(c) if c.uid() == me || allow.contains(&c.uid()) => Ok(()),
+        Ok(c) => Err(format!(
+            "uid {} (pid {}) may not use this daemon (uid {me}); add it to server.allow_uids",
+            c.uid(),
+            c.pid().map_or_else(|| "?".into(), |p| p.to_string())
+        )),
+        Err(e) => Err(format!("cannot tell the client's uid: {e}")),
+    }
+}
+
+/// Answers a refused client: the reason on an fd handshake (what a client
+/// sends first; it reports it), then the connection is closed.
+async fn refuse(mut stream: UnixStream, why: String) {
+    tracing::warn!("engine connection refused: {why}");
+    let first = tokio::time::timeout(Duration::from_secs(1), peek_first(&stream)).await;
+    if matches!(first, Ok(Ok(b)) if b == FD_HANDSHAKE_MAGIC[0]) {
+        let mut msg = kvmesh_common::handshake::REFUSED_MAGIC.to_vec();
+        msg.extend_from_slice(why.as_bytes());
+        let _ =
+            tokio::time::timeout(Duration::from_secs(1), tokio::io::AsyncWriteExt::write_all(&mut stream, &msg)).await;
     }
 }
 
@@ -487,7 +531,9 @@ pub async fn run_with(
         Some(p) => (p.clone(), false),
         None => (default_socket_path(), true),
     };
-    let (listener, claim) = bind_socket(&path, default_location)?;
+    let allow_uids: Arc<[u32]> = cfg.server.allow_uids.clone().into();
+    let mode = if allow_uids.is_empty() { 0o600 } else { 0o666 };
+    let (listener, claim) = bind_socket(&path, default_location, mode)?;
     // The metrics port, bound before anything starts: a port in use is a
     // start-up error that names the field.
     let metrics_listener = match cfg.metrics.addr().map_err(anyhow::Error::msg)? {
@@ -624,6 +670,10 @@ pub async fn run_with(
             tokio::select! {
                 r = listener.accept() => match r {
                     Ok((stream, _)) => {
+                        if let Err(why) = check_uid(&stream, &allow_uids) {
+                            tokio::spawn(refuse(stream, why));
+                            continue;
+                        }
                         tokio::spawn(classify(
                             stream,
                             Arc::clone(&accept_store),
