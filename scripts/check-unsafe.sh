@@ -11,7 +11,7 @@ while IFS= read -r root; do
         echo "check-unsafe: $root lacks #![forbid(unsafe_code)]" >&2
         fail=1
     fi
-done < <(find . -path ./target -prune -o \( -path '*/src/lib.rs' -o -path '*/src/main.rs' -o -path '*/src/bin/*.rs' \) -print | sed 's|^\./||')
+done < <(find . -name target -prune -o \( -path '*/src/lib.rs' -o -path '*/src/main.rs' -o -path '*/src/bin/*.rs' \) -print | sed 's|^\./||')
 if grep -rn --include='*.rs' -E '\bunsafe\s*(\{|fn|impl)' --exclude-dir=target . | grep -v -E '^\./(ffi|kernels)/' ; then
     echo "check-unsafe: unsafe code outside ffi/ and kernels/" >&2
     fail=1

@@ -305,6 +305,7 @@ impl Cluster {
                 incarnation,
                 capacity: cfg.capacity,
                 addr: peers.config().listen.clone().unwrap_or_default(),
+                tls: mcfg.tls.as_ref().map(crate::etcd::load_tls).transpose().map_err(anyhow::Error::msg)?,
             };
             tracing::info!(endpoints = ?mcfg.endpoints, prefix = %settings.prefix, ttl_s = mcfg.lease_ttl_s, "membership: etcd");
             etcd_task = Some((settings, rx, Arc::clone(&status)));

@@ -151,6 +151,23 @@ pub struct MembershipConfig {
     pub lease_ttl_s: u64,
     /// Deadline of connecting to etcd and of each etcd request.
     pub dial_timeout_ms: u64,
+    /// TLS to etcd (`https://` endpoints); unset: plaintext.
+    pub tls: Option<EtcdTlsConfig>,
+}
+
+/// `[membership.tls]`: TLS to etcd, with a client certificate when etcd
+/// requires one (`--client-cert-auth`).
+#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields, default)]
+pub struct EtcdTlsConfig {
+    /// PEM file of the CA that signed etcd's server certificate.
+    pub ca: Option<PathBuf>,
+    /// PEM file of this daemon's client certificate (with `key`).
+    pub cert: Option<PathBuf>,
+    /// PEM file of its private key.
+    pub key: Option<PathBuf>,
+    /// Name etcd's certificate must carry; default: the endpoint's host.
+    pub domain: Option<String>,
 }
 
 impl Default for MembershipConfig {
@@ -161,6 +178,7 @@ impl Default for MembershipConfig {
             key_prefix: "/kvmesh".into(),
             lease_ttl_s: 5,
             dial_timeout_ms: 2_000,
+            tls: None,
         }
     }
 }
@@ -663,6 +681,14 @@ impl Config {
                 if m.dial_timeout_ms == 0 {
                     return Err("membership.dial_timeout_ms: must be greater than 0".into());
                 }
+                if let Some(t) = &m.tls {
+                    if t.ca.is_none() {
+                        return Err("membership.tls.ca: needed to check etcd's certificate".into());
+                    }
+                    if t.cert.is_some() != t.key.is_some() {
+                        return Err("membership.tls: cert and key go together (a client certificate)".into());
+                    }
+                }
             }
             other => {
                 return Err(format!("membership.kind: expected \"static\" or \"etcd\", found {other:?}"));
@@ -833,6 +859,13 @@ mod tests {
             (&format!("[[peers]]\nid = 2\naddr = \"nowhere\"\n{pool}"), "peers[0].addr"),
             (&format!("[peer]\nlisten = \"127.0.0.1:1\"\n{pool}"), "peer.tls.mode: a clustered daemon must set it"),
             (&format!("[peer.tls]\nmode = \"maybe\"\n{pool}"), "peer.tls.mode: expected"),
+            (
+                &format!(
+                    "[membership]\nkind = \"etcd\"\nendpoints = [\"127.0.0.1:2379\"]\n[membership.tls]\n\
+                     ca = \"/c\"\ncert = \"/d\"\n{pool}"
+                ),
+                "cert and key go together",
+            ),
             (&format!("[peer.tls]\nmode = \"required\"\nca = \"/c\"\ncert = \"/d\"\n{pool}"), "peer.tls.key"),
             (
                 &format!(

@@ -63,6 +63,25 @@ pub struct EtcdSettings {
     pub capacity: u32,
     /// Its peer address (informational).
     pub addr: String,
+    /// TLS to etcd, loaded at start (`None`: plaintext).
+    pub tls: Option<etcd_client::TlsOptions>,
+}
+
+/// Loads `[membership.tls]`: the CA, the client certificate if any, the
+/// name etcd's certificate must carry.
+pub fn load_tls(t: &crate::config::EtcdTlsConfig) -> Result<etcd_client::TlsOptions, String> {
+    let read = |name: &str, p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| format!("membership.tls.{name}: {}: {e}", p.display()))
+    };
+    let ca = t.ca.as_deref().ok_or("membership.tls.ca: not set")?;
+    let mut o = etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(read("ca", ca)?));
+    if let (Some(c), Some(k)) = (&t.cert, &t.key) {
+        o = o.identity(etcd_client::Identity::from_pem(read("cert", c)?, read("key", k)?));
+    }
+    if let Some(d) = &t.domain {
+        o = o.domain_name(d.clone());
+    }
+    Ok(o)
 }
 
 /// Where the task delivers what etcd says.
@@ -232,8 +251,16 @@ async fn session(
         let what = what.to_string();
         move |err: etcd_client::Error| format!("{what}: {err}")
     };
-    let opts = ConnectOptions::new().with_connect_timeout(s.dial_timeout).with_timeout(s.dial_timeout);
-    let mut c = tokio::time::timeout(s.dial_timeout, Client::connect(&s.endpoints, Some(opts)))
+    let mut opts = ConnectOptions::new().with_connect_timeout(s.dial_timeout).with_timeout(s.dial_timeout);
+    let endpoints: Vec<String> = match &s.tls {
+        Some(t) => {
+            opts = opts.with_tls(t.clone());
+            // TLS needs https:// endpoints.
+            s.endpoints.iter().map(|e| if e.contains("://") { e.clone() } else { format!("https://{e}") }).collect()
+        }
+        None => s.endpoints.clone(),
+    };
+    let mut c = tokio::time::timeout(s.dial_timeout, Client::connect(&endpoints, Some(opts)))
         .await
         .map_err(|_| "connect: timed out".to_string())?
         .map_err(e("connect"))?;

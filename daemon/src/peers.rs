@@ -38,6 +38,9 @@ struct PeerState {
     conn: tokio::sync::Mutex<Option<Connected>>,
     /// Earliest time to try connecting again after a failure.
     retry_at: Mutex<Instant>,
+    /// When a send order last made us shake hands again (at most once a
+    /// second: an order's incarnation is the sender's claim).
+    renewed_at: Mutex<Option<Instant>>,
 }
 
 /// Test-only fault injection, from the environment (`KVMESH_TEST_HOOK`).
@@ -87,7 +90,12 @@ impl Peers {
         let peers = entries
             .into_iter()
             .map(|entry| {
-                Arc::new(PeerState { entry, conn: tokio::sync::Mutex::new(None), retry_at: Mutex::new(Instant::now()) })
+                Arc::new(PeerState {
+                    entry,
+                    conn: tokio::sync::Mutex::new(None),
+                    retry_at: Mutex::new(Instant::now()),
+                    renewed_at: Mutex::new(None),
+                })
             })
             .collect();
         Peers {
@@ -366,13 +374,21 @@ impl Peers {
         self.dp.serve_orders(Box::new(check), tx, send_timeout);
         // Weak: the data plane (owned by Peers) holds the senders.
         let weak = Arc::downgrade(self);
+        // At most UNCONNECTED_ORDERS_MAX such orders are served at once;
+        // more are dropped (their getters' receives fail: a miss).
+        let slots = Arc::new(tokio::sync::Semaphore::new(UNCONNECTED_ORDERS_MAX));
         tokio::spawn(async move {
             while let Some(o) = rx.recv().await {
                 let Some(p) = weak.upgrade() else { break };
+                let Ok(permit) = Arc::clone(&slots).try_acquire_owned() else {
+                    tracing::debug!(node = o.node, "send order dropped: too many orders waiting for a handshake");
+                    continue;
+                };
                 tokio::spawn(async move {
                     if let Err(e) = p.send_connecting(o, true).await {
                         tracing::debug!("send order not served: {e}");
                     }
+                    drop(permit);
                 });
             }
         });
@@ -405,8 +421,24 @@ impl Peers {
         let handshake = ps.conn.lock().await.as_ref().map(|c| c.incarnation);
         match handshake {
             // A handshake with another incarnation of the getter, or the
-            // data plane has no endpoint to this one: shake hands again.
-            Some(inc) if inc != o.incarnation || unconnected => self.reset_if(o.node, inc).await,
+            // data plane has no endpoint to this one: shake hands again —
+            // at most once a second per peer (the order's incarnation is
+            // only a claim: orders naming a wrong one must not keep
+            // tearing down a good handshake). Later orders wait for the
+            // handshake in flight and go out if it matches.
+            Some(inc) if inc != o.incarnation || unconnected => {
+                let renew = {
+                    let mut at = ps.renewed_at.lock();
+                    let due = at.is_none_or(|t| t.elapsed() >= Duration::from_secs(1));
+                    if due {
+                        *at = Some(Instant::now());
+                    }
+                    due
+                };
+                if renew {
+                    self.reset_if(o.node, inc).await;
+                }
+            }
             _ => {}
         }
         // One handshake at a time per peer (waits for one in flight); the
@@ -435,8 +467,9 @@ impl Peers {
     }
 }
 
-/// Runs futures concurrently on the current task and collects their outputs
-/// in order (a small `join_all`).
+/// Most send orders from getters without an endpoint yet served at once.
+const UNCONNECTED_ORDERS_MAX: usize = 64;
+
 /// Most pools a peer may advertise (a pool index has 8 bits in a slot
 /// reference).
 pub const PEER_POOLS_MAX: usize = 256;
@@ -444,7 +477,7 @@ pub const PEER_POOLS_MAX: usize = 256;
 /// What a peer's handshake answer must be before anything of it is used:
 /// pools with distinct indices below [`PEER_POOLS_MAX`], whole slots, an
 /// address range that does not wrap, bounded UCX buffers.
-fn check_pools(r: &pb::HandshakeResponse) -> Result<(), String> {
+pub fn check_pools(r: &pb::HandshakeResponse) -> Result<(), String> {
     if r.worker_address.is_empty() || r.worker_address.len() > kvmesh_ucx::WORKER_ADDRESS_MAX {
         return Err(format!("worker address of {} bytes", r.worker_address.len()));
     }
@@ -473,6 +506,8 @@ fn check_pools(r: &pb::HandshakeResponse) -> Result<(), String> {
     Ok(())
 }
 
+/// Runs futures concurrently on the current task and collects their outputs
+/// in order (a small `join_all`).
 async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
     let handles: Vec<_> = futs.into_iter().map(Box::pin).collect();
     let mut outs: Vec<Option<F::Output>> = (0..handles.len()).map(|_| None).collect();

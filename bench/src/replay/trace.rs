@@ -77,18 +77,28 @@ fn check(r: &Request, block_tokens: u64, last_ts: u64, parents: &mut HashMap<u64
 
 /// Reads and checks a trace file.
 pub(crate) fn read(path: &Path, block_tokens: u64, skip_bad_lines: bool) -> anyhow::Result<Trace> {
+    let f = std::fs::File::open(path).with_context(|| format!("open trace {}", path.display()))?;
+    read_from(std::io::BufReader::new(f), &path.display().to_string(), block_tokens, skip_bad_lines)
+}
+
+/// Reads and checks a trace from `input` (named `name` in errors).
+pub(crate) fn read_from(
+    input: impl BufRead,
+    name: &str,
+    block_tokens: u64,
+    skip_bad_lines: bool,
+) -> anyhow::Result<Trace> {
     if block_tokens == 0 {
         bail!("--block-tokens must be at least 1");
     }
-    let f = std::fs::File::open(path).with_context(|| format!("open trace {}", path.display()))?;
     let mut requests = Vec::new();
     let mut parents = HashMap::new();
     let mut last_ts = 0;
     let mut skipped = 0;
     let mut first_skip = None;
-    for (i, line) in std::io::BufReader::new(f).lines().enumerate() {
+    for (i, line) in input.lines().enumerate() {
         let n = i + 1;
-        let line = line.with_context(|| format!("{}:{n}: read", path.display()))?;
+        let line = line.with_context(|| format!("{name}:{n}: read"))?;
         if line.trim().is_empty() {
             continue;
         }
@@ -102,13 +112,13 @@ pub(crate) fn read(path: &Path, block_tokens: u64, skip_bad_lines: bool) -> anyh
             }
             Err(why) if skip_bad_lines => {
                 skipped += 1;
-                first_skip.get_or_insert_with(|| format!("{}:{n}: {why}", path.display()));
+                first_skip.get_or_insert_with(|| format!("{name}:{n}: {why}"));
             }
-            Err(why) => bail!("{}:{n}: {why} (--skip-bad-lines skips such lines)", path.display()),
+            Err(why) => bail!("{name}:{n}: {why} (--skip-bad-lines skips such lines)"),
         }
     }
     if requests.is_empty() {
-        bail!("{}: no requests", path.display());
+        bail!("{name}: no requests");
     }
     Ok(Trace { requests, skipped, first_skip })
 }
