@@ -21,6 +21,16 @@ const KEEPALIVES_REMEMBERED: usize = 64;
 /// `announce_entries_max` parts (a pool of 2^32 slots at 1,024 per part).
 const ANNOUNCE_PARTS_MAX: u32 = 1 << 22;
 
+/// One grant of `reader` ended.
+fn forget_grant(by_reader: &mut BTreeMap<NodeId, u64>, reader: NodeId) {
+    if let Some(n) = by_reader.get_mut(&reader) {
+        *n -= 1;
+        if *n == 0 {
+            by_reader.remove(&reader);
+        }
+    }
+}
+
 /// One copy in an announce: key, version, copy id.
 type AnnounceEntry = (BlockKey, u64, u64);
 
@@ -64,8 +74,8 @@ struct SlotHold {
     referenced: bool,
     /// Engine pins.
     pins: u32,
-    /// Read grants: id -> deadline (local clock).
-    grants: BTreeMap<u64, Time>,
+    /// Read grants: id -> (deadline (local clock), reader).
+    grants: BTreeMap<u64, (Time, NodeId)>,
 }
 
 impl SlotHold {
@@ -291,6 +301,8 @@ pub struct Node {
     /// Home: announces being received, per holder: its round, its parts,
     /// and the parts received (a newer round starts over).
     announce_rx: BTreeMap<NodeId, (u64, u32, BTreeSet<u32>)>,
+    /// Grants outstanding per reader (bounded: `2 * ops_max` each).
+    grants_by_reader: BTreeMap<NodeId, u64>,
     /// Holder: round number of the last announce sent (any member).
     announce_round: u64,
     ready: bool,
@@ -348,6 +360,7 @@ impl Node {
             dir: FxHashMap::with_capacity_and_hasher(expected, Default::default()),
             announced: BTreeSet::new(),
             announce_rx: BTreeMap::new(),
+            grants_by_reader: BTreeMap::new(),
             announce_round: 0,
             ready: false,
             announce_pending: BTreeMap::new(),
@@ -535,10 +548,15 @@ impl Node {
         same("changes", &ts.changes, changes)?;
         same("announces", &ts.announces, self.announce_pending.iter().map(|(&m, (t, _))| (t + rt, m)).collect())?;
         let mut grants = BTreeSet::new();
+        let mut per_reader: BTreeMap<NodeId, u64> = BTreeMap::new();
         for (&slot, h) in &self.slots {
-            for (&g, &d) in &h.grants {
+            for (&g, &(d, r)) in &h.grants {
                 grants.insert((d + self.cfg.drift_margin_us, slot, g));
+                *per_reader.entry(r).or_default() += 1;
             }
+        }
+        if per_reader != self.grants_by_reader {
+            return Err(format!("grants per reader {:?} but {per_reader:?} held", self.grants_by_reader));
         }
         if grants.len() as u64 != self.metrics.grants_outstanding {
             return Err(format!(
@@ -725,7 +743,8 @@ impl Node {
         if h.pins == 0 && grants_ok {
             let h = self.slots.remove(&slot).expect("present");
             self.metrics.grants_outstanding -= h.grants.len() as u64;
-            for (g, d) in h.grants {
+            for (g, (d, r)) in h.grants {
+                forget_grant(&mut self.grants_by_reader, r);
                 self.timers.grants.remove(&(d + self.cfg.drift_margin_us, slot, g));
             }
             if !h.referenced {
@@ -1014,8 +1033,9 @@ impl Node {
         {
             self.timers.grants.remove(&(t, slot, g));
             if let Some(h) = self.slots.get_mut(&slot)
-                && h.grants.remove(&g).is_some()
+                && let Some((_, r)) = h.grants.remove(&g)
             {
+                forget_grant(&mut self.grants_by_reader, r);
                 self.metrics.grants_outstanding -= 1;
                 self.maybe_free(slot);
             }
@@ -1232,9 +1252,12 @@ impl Node {
             Msg::GrantReq { op, key, version } => self.on_grant_req(from, op, key, version),
             Msg::GrantResp { op, result } => self.on_grant_resp(from, op, result),
             Msg::GrantRelease { slot, grant } => {
+                // Only the reader a grant went to releases it.
                 if let Some(h) = self.slots.get_mut(&slot)
-                    && let Some(d) = h.grants.remove(&grant)
+                    && h.grants.get(&grant).is_some_and(|&(_, r)| r == from)
+                    && let Some((d, r)) = h.grants.remove(&grant)
                 {
+                    forget_grant(&mut self.grants_by_reader, r);
                     self.timers.grants.remove(&(d + self.cfg.drift_margin_us, slot, grant));
                     self.metrics.grants_outstanding -= 1;
                     self.maybe_free(slot);
@@ -1628,12 +1651,20 @@ impl Node {
     }
 
     fn on_grant_req(&mut self, r: NodeId, op: OpId, key: BlockKey, version: u64) {
+        let held = self.grants_by_reader.get(&r).copied().unwrap_or(0);
+        if held >= (self.cfg.ops_max as u64).saturating_mul(2) {
+            // More grants than a reader has gets in flight (each holds at
+            // most one, duplicates are released at once): refused.
+            self.metrics.peer_refusals += 1;
+            return self.send(r, Msg::GrantResp { op, result: GrantResult::Refused });
+        }
         let result = match self.copies.get(&key) {
             Some(c) if self.serving() && c.version == version => {
                 self.next_grant += 1;
                 let grant = self.next_grant;
                 let deadline = self.now + self.cfg.grant_lease_us;
-                self.slots.entry(c.slot).or_insert_with(SlotHold::new).grants.insert(grant, deadline);
+                self.slots.entry(c.slot).or_insert_with(SlotHold::new).grants.insert(grant, (deadline, r));
+                *self.grants_by_reader.entry(r).or_default() += 1;
                 self.timers.grants.insert((deadline + self.cfg.drift_margin_us, c.slot, grant));
                 self.metrics.grants_outstanding += 1;
                 GrantResult::Granted { slot: c.slot, meta: c.meta(key), lease_us: self.cfg.grant_lease_us, grant }

@@ -637,3 +637,26 @@ fn a_grant_lease_from_a_peer_is_trusted_no_longer_than_our_own() {
         net.now
     );
 }
+
+#[test]
+fn a_grant_is_released_only_by_its_reader() {
+    let mut net = Net::new(3, Config::default());
+    net.put(0, 1, key(5), 4);
+    net.settle();
+    net.drive(1, Event::ClientGet { op: 2, key: key(5) });
+    net.settle();
+    assert_eq!(net.reads.len(), 1, "node 1 reads under a grant");
+    let (_, _, holder, remote, _) = net.reads[0];
+    assert_eq!(net.nodes[holder as usize].metrics().grants_outstanding, 1);
+    // Node 2 releases node 1's grant (the first grant: id 1): ignored.
+    let forged = Batch { epoch: 1, incarnation: 1, msgs: vec![Msg::GrantRelease { slot: remote, grant: 1 }] };
+    net.drive(holder, Event::Receive { from: 2, batch: forged });
+    assert_eq!(net.nodes[holder as usize].metrics().grants_outstanding, 1, "another node released the grant");
+    net.nodes[holder as usize].check_incremental().unwrap();
+    // The reader's own release (after its read) ends it.
+    net.serve_reads(false);
+    net.settle();
+    assert!(matches!(net.outcome(1, 2), Some(Outcome::Hit { .. })));
+    assert_eq!(net.nodes[holder as usize].metrics().grants_outstanding, 0);
+    net.nodes[holder as usize].check_incremental().unwrap();
+}
