@@ -256,43 +256,6 @@ fn run_core(data: &[u8]) -> World {
     w
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The seeds reach the states worth fuzzing from: honest puts complete
-    /// at both homes, remote reads happen, and hostile batches are taken
-    /// (not dropped as stale).
-    #[test]
-    fn core_seeds_exercise_the_protocol() {
-        let seeds = seeds("core_batches");
-        let w = run_core(&seeds[0]);
-        let changes: u64 = w.nodes.iter().map(|n| n.metrics().changes_completed).sum();
-        let copies: usize = w.nodes.iter().map(|n| n.copy_count()).sum();
-        eprintln!("changes {changes}, copies {copies}");
-        assert!(changes >= 4, "puts, an overwrite and an invalidation completed: {changes}");
-        // k1 and k2 fetched to the other node, k1 overwritten, k3 gone.
-        assert!(copies >= 3, "remote gets registered copies: {copies}");
-        let mut taken = 0;
-        for s in &seeds[1..] {
-            let w = run_core(s);
-            taken += w.nodes.iter().map(|n| n.metrics().stale_epoch_drops).sum::<u64>();
-        }
-        assert_eq!(taken, 0, "hostile seed batches carry the current epoch");
-    }
-
-    /// The engine seed registers a namespace, commits a block, finds and
-    /// pins it.
-    #[test]
-    fn engine_seed_reaches_commit_and_pin() {
-        let s = run_engine(&seeds("engine_messages")[0]);
-        let c = &s.counters;
-        eprintln!("{c:?}");
-        assert_eq!(s.namespaces, 1);
-        assert!(c.commits >= 1 && c.hits >= 1 && c.pins >= 1, "{c:?}");
-    }
-}
-
 /// Peer gRPC messages as they arrive from the network.
 pub fn peer_messages(data: &[u8]) {
     use kvmesh_proto::peer::v1 as pb;
@@ -577,5 +540,42 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
             .concat(),
         ],
         _ => Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The seeds reach the states worth fuzzing from: honest puts complete
+    /// at both homes, remote reads happen, and hostile batches are taken
+    /// (not dropped as stale).
+    #[test]
+    fn core_seeds_exercise_the_protocol() {
+        let seeds = seeds("core_batches");
+        let w = run_core(&seeds[0]);
+        let changes: u64 = w.nodes.iter().map(|n| n.metrics().changes_completed).sum();
+        let copies: usize = w.nodes.iter().map(|n| n.copy_count()).sum();
+        eprintln!("changes {changes}, copies {copies}");
+        assert!(changes >= 4, "puts, an overwrite and an invalidation completed: {changes}");
+        // k1 and k2 fetched to the other node, k1 overwritten, k3 gone.
+        assert!(copies >= 3, "remote gets registered copies: {copies}");
+        let mut taken = 0;
+        for s in &seeds[1..] {
+            let w = run_core(s);
+            taken += w.nodes.iter().map(|n| n.metrics().stale_epoch_drops).sum::<u64>();
+        }
+        assert_eq!(taken, 0, "hostile seed batches carry the current epoch");
+    }
+
+    /// The engine seed registers a namespace, commits a block, finds and
+    /// pins it.
+    #[test]
+    fn engine_seed_reaches_commit_and_pin() {
+        let s = run_engine(&seeds("engine_messages")[0]);
+        let c = &s.counters;
+        eprintln!("{c:?}");
+        assert_eq!(s.namespaces, 1);
+        assert!(c.commits >= 1 && c.hits >= 1 && c.pins >= 1, "{c:?}");
     }
 }
