@@ -95,6 +95,10 @@ mod tests {
         assert_eq!(decode(&b, 2).unwrap(), (42, t.to_vec()));
         assert!(decode(&b, 1).is_err());
         assert!(decode(&b[..5], 2).is_err());
+        // A refusal carries its reason to the client.
+        let refused = [&REFUSED_MAGIC[..], b"uid 7 may not use this daemon"].concat();
+        let e = decode(&refused, 0).unwrap_err();
+        assert_eq!(e, "the daemon refused this client: uid 7 may not use this daemon");
     }
 }
 

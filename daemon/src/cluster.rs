@@ -1134,11 +1134,15 @@ impl Cluster {
     }
 
     fn on_view(self: &Arc<Self>, view: View) {
-        if let Err(why) = self.check_view(&view) {
-            // Never from an honest coordinator or etcd (every daemon of a
-            // cluster lists the same nodes): kept out of the core and of
-            // the epoch this daemon reports.
-            self.peers.refusals.fetch_add(1, Ordering::Relaxed);
+        if let Err((why, impossible)) = self.check_view(&view) {
+            // Kept out of the core and of the epoch this daemon reports. A
+            // member outside `[[peers]]` is a configuration mismatch (the
+            // daemons list different nodes) as much as a hostile view:
+            // logged; counted as a refusal only when no honest coordinator
+            // could have sent it.
+            if impossible {
+                self.peers.refusals.fetch_add(1, Ordering::Relaxed);
+            }
             tracing::warn!(epoch = view.epoch, "membership: view refused: {why}");
             return;
         }
@@ -1648,17 +1652,25 @@ fn pb_view(v: &View) -> pb::View {
 impl Cluster {
     /// A view may only list this node and its configured peers, each once,
     /// under an epoch that leaves room for versions.
-    fn check_view(&self, v: &View) -> Result<(), String> {
+    /// The error says whether no honest coordinator could have sent it.
+    fn check_view(&self, v: &View) -> Result<(), (String, bool)> {
         if v.epoch > kvmesh_coherence::EPOCH_MAX {
-            return Err(format!("epoch {} is above the most a view may have", v.epoch));
+            return Err((format!("epoch {} is above the most a view may have", v.epoch), true));
         }
         let mut seen = std::collections::HashSet::new();
         for m in &v.members {
-            if m.id != self.id && !self.links.contains_key(&m.id) {
-                return Err(format!("member {} is neither this node nor a configured peer", m.id));
-            }
             if !seen.insert(m.id) {
-                return Err(format!("member {} listed twice", m.id));
+                return Err((format!("member {} listed twice", m.id), true));
+            }
+            if m.id != self.id && !self.links.contains_key(&m.id) {
+                return Err((
+                    format!(
+                        "member {} is neither this node nor one of its [[peers]] (every daemon must list the same \
+                         nodes)",
+                        m.id
+                    ),
+                    false,
+                ));
             }
         }
         Ok(())

@@ -645,6 +645,13 @@ impl Config {
         // ANNOUNCE_ENTRIES_MAX): a batch above it would be refused.
         const _: () = assert!(kvmesh_coherence::DECODE_ENTRIES_MAX == 65_536);
         const _: () = assert!(kvmesh_coherence::ANNOUNCE_ENTRIES_MAX == 262_144);
+        if c.ops_max as u64 > kvmesh_coherence::GRANTS_PER_READER_MAX / 2 {
+            return Err(format!(
+                "coherence.ops_max: {} exceeds {} (a peer grants a reader at most twice that many reads)",
+                c.ops_max,
+                kvmesh_coherence::GRANTS_PER_READER_MAX / 2
+            ));
+        }
         if c.batch_entries_max > 65_536 {
             return Err(format!("coherence.batch_entries_max: {} exceeds 65536", c.batch_entries_max));
         }
@@ -657,6 +664,9 @@ impl Config {
         }
         let m = &self.membership;
         match m.kind.as_str() {
+            "static" if m.tls.is_some() => {
+                return Err("membership.tls: only for kind = \"etcd\" (static membership has no etcd)".into());
+            }
             "static" => {}
             "etcd" => {
                 if m.endpoints.is_empty() {
@@ -682,6 +692,9 @@ impl Config {
                     return Err("membership.dial_timeout_ms: must be greater than 0".into());
                 }
                 if let Some(t) = &m.tls {
+                    if let Some(e) = m.endpoints.iter().find(|e| e.starts_with("http://")) {
+                        return Err(format!("membership.endpoints: {e:?} is plaintext but [membership.tls] is set"));
+                    }
                     if t.ca.is_none() {
                         return Err("membership.tls.ca: needed to check etcd's certificate".into());
                     }

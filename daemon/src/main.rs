@@ -83,7 +83,8 @@ fn main() -> std::process::ExitCode {
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         default_hook(info);
-        tracing::error!("panic: {info}; aborting (no half-applied state is served; a restart is safe)");
+        // Plain stderr, not tracing: the panic may be inside the logger.
+        eprintln!("kvmeshd: panic: {info}; aborting (no half-applied state is served; a restart is safe)");
         std::process::abort();
     }));
     match &tuned {

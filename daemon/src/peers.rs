@@ -630,6 +630,16 @@ impl pb::peer_server::Peer for PeerService {
     }
 
     async fn list_keys(&self, req: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
+        // No node id in the request: with TLS, the certificate must name
+        // one of the configured peers.
+        if let Some(t) = self.peers.tls() {
+            let certs = req.peer_certs();
+            let leaf = certs.as_deref().and_then(|c| c.first());
+            if !self.peers.peers.iter().any(|p| leaf.is_some_and(|l| crate::tls::cert_names_node(l, p.entry.id))) {
+                t.refusals.fetch_add(1, Ordering::Relaxed);
+                return Err(Status::permission_denied("the TLS client certificate names no configured peer"));
+            }
+        }
         let cluster = self.cluster.as_ref().ok_or_else(|| Status::unavailable("coherence is not running"))?;
         let keys = cluster.local_keys(req.into_inner().namespace_fingerprint);
         if keys.len() > LIST_KEYS_MAX {

@@ -107,7 +107,9 @@ pub fn bind_socket(path: &Path, default_location: bool, mode: u32) -> anyhow::Re
         tracing::info!(socket = %path.display(), "removing stale socket of a daemon that is gone");
         std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
     }
-    let private = dir.join(format!(".kvmeshd-bind-{}", std::process::id()));
+    // Named after the socket, under its lock: a stale one (a daemon that
+    // died binding) is ours to clear.
+    let private = PathBuf::from(format!("{}.bind.d", path.display()));
     let _ = std::fs::remove_dir_all(&private);
     std::fs::DirBuilder::new()
         .mode(0o700)
@@ -228,11 +230,12 @@ async fn send_pool_fds(mut stream: UnixStream, store: &Arc<Mutex<Store>>) -> io:
 }
 
 /// Whether the process at the other end of `stream` may use this daemon:
-/// its uid is the daemon's or one of `server.allow_uids`.
+/// its uid is the daemon's, root's (which can read the daemon's memory
+/// anyway), or one of `server.allow_uids`.
 fn check_uid(stream: &UnixStream, allow: &[u32]) -> Result<(), String> {
     let me = kvmesh_ffi_os::current_uid();
     match stream.peer_cred() {
-        Ok(c) if c.uid() == me || allow.contains(&c.uid()) => Ok(()),
+        Ok(c) if c.uid() == me || c.uid() == 0 || allow.contains(&c.uid()) => Ok(()),
         Ok(c) => Err(format!(
             "uid {} (pid {}) may not use this daemon (uid {me}); add it to server.allow_uids",
             c.uid(),
@@ -532,6 +535,7 @@ pub async fn run_with(
         None => (default_socket_path(), true),
     };
     let allow_uids: Arc<[u32]> = cfg.server.allow_uids.clone().into();
+    let refusing = Arc::new(tokio::sync::Semaphore::new(16));
     let mode = if allow_uids.is_empty() { 0o600 } else { 0o666 };
     let (listener, claim) = bind_socket(&path, default_location, mode)?;
     // The metrics port, bound before anything starts: a port in use is a
@@ -671,7 +675,14 @@ pub async fn run_with(
                 r = listener.accept() => match r {
                     Ok((stream, _)) => {
                         if let Err(why) = check_uid(&stream, &allow_uids) {
-                            tokio::spawn(refuse(stream, why));
+                            // Told why, a bounded number at once (more are
+                            // just closed): a flood costs no more than that.
+                            if let Ok(permit) = Arc::clone(&refusing).try_acquire_owned() {
+                                tokio::spawn(async move {
+                                    refuse(stream, why).await;
+                                    drop(permit);
+                                });
+                            }
                             continue;
                         }
                         tokio::spawn(classify(

@@ -5,11 +5,15 @@
 //! that connects checks the server names the node id its config lists at
 //! that address (rustls, through tonic); a daemon that serves requires a
 //! client certificate from the same CA and checks, on every call that
-//! names a node id (handshake, coherence stream hello, send orders over
-//! gRPC), that the certificate names that id ([`check_peer`]). So a
-//! process without a certificate of the CA gets no connection, and one with
-//! the certificate of node 5 cannot speak as node 2 (PERMISSION_DENIED,
-//! counted in `coherence_peer_auth_refusals`).
+//! names a node id (handshake, coherence stream hello, the `Send` RPC),
+//! that the certificate names that id ([`check_peer`]); `ListKeys` needs a
+//! certificate naming some configured peer. So a process without a
+//! certificate of the CA gets no connection, and one with the certificate
+//! of node 5 cannot speak as node 2 (PERMISSION_DENIED, counted in
+//! `coherence_peer_auth_refusals`). Send orders over UCX active messages
+//! carry no identity of their own (docs/SECURITY.md says what bounds them).
+//! The CA must be kvmesh's own: any certificate it signs for a
+//! `node-<id>.kvmesh` name is that node.
 //!
 //! [`make_certs`] is `kvmesh certs`: a CA and node certificates for tests
 //! and small clusters.
@@ -85,7 +89,10 @@ impl PeerTls {
     /// The peer service's side: this daemon's certificate, and a client
     /// certificate of the CA required of every caller.
     pub fn server_config(&self) -> ServerTlsConfig {
-        ServerTlsConfig::new().identity(self.identity.clone()).client_ca_root(self.ca.clone())
+        ServerTlsConfig::new()
+            .identity(self.identity.clone())
+            .client_ca_root(self.ca.clone())
+            .timeout(crate::dataplane::CONTROL_TIMEOUT)
     }
 
     /// The side that connects to node `peer`: the server must be that node.
@@ -128,6 +135,9 @@ pub fn check_certs(tls: Option<&PeerTls>, certs: Option<&[CertificateDer<'static
 pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, String> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair, KeyUsagePurpose};
     let err = |e: rcgen::Error| e.to_string();
+    if days == 0 || days > 36_500 {
+        return Err(format!("--days {days}: expected 1 to 36500"));
+    }
     std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
     let now = time::OffsetDateTime::now_utc();
     let mut written = Vec::new();
@@ -141,6 +151,16 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
         Ok::<_, String>(p)
     };
     let (ca_pem, ca_key) = (dir.join("ca.pem"), dir.join("ca.key"));
+    if ca_pem.exists() != ca_key.exists() {
+        // Never replace a CA silently: certificates of a new one would not
+        // be trusted by the daemons that have the old ca.pem.
+        return Err(format!(
+            "{} holds {} without {}: put the CA's key back (or remove both to make a new CA)",
+            dir.display(),
+            if ca_pem.exists() { "ca.pem" } else { "ca.key" },
+            if ca_pem.exists() { "ca.key" } else { "ca.pem" }
+        ));
+    }
     let ca_key_pair = if ca_pem.exists() && ca_key.exists() {
         // Reuse the CA: node certificates chain to it through its name
         // and key, which are all an issuer needs.
@@ -173,13 +193,17 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
 fn write(p: &Path, data: &[u8], secret: bool) -> Result<(), String> {
     use std::io::Write;
     use std::os::unix::fs::OpenOptionsExt;
+    use std::os::unix::fs::PermissionsExt;
+    let mode = if secret { 0o600 } else { 0o644 };
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
-        .mode(if secret { 0o600 } else { 0o644 })
+        .mode(mode)
         .open(p)
         .map_err(|e| format!("{}: {e}", p.display()))?;
+    // An existing file keeps its mode on open: set it (before the bytes).
+    f.set_permissions(std::fs::Permissions::from_mode(mode)).map_err(|e| format!("{}: {e}", p.display()))?;
     f.write_all(data).map_err(|e| format!("{}: {e}", p.display()))
 }
 
@@ -212,6 +236,11 @@ mod tests {
         }
         let mode = std::fs::metadata(dir.join("node-1.key")).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+        // A CA certificate without its key is never replaced.
+        std::fs::remove_file(dir.join("ca.key")).unwrap();
+        let e = make_certs(&dir, &[4], 1).unwrap_err();
+        assert!(e.contains("ca.pem without ca.key"), "{e}");
+        assert!(make_certs(&dir, &[4], 0).is_err());
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -24,6 +24,11 @@ pub use codec::{ANNOUNCE_ENTRIES_MAX, CODEC_VERSION, DECODE_ENTRIES_MAX, DecodeE
 /// so epochs live in 32 bits. Epochs from peers or etcd above it are
 /// refused; a coordinator that reached it publishes no further view.
 pub const EPOCH_MAX: u64 = (1 << 32) - 2;
+
+/// Most read grants one reader may hold at a holder (a protocol constant:
+/// a reader holds at most one per get in flight, and `ops_max` is at most
+/// half of it).
+pub const GRANTS_PER_READER_MAX: u64 = 1 << 20;
 pub use metrics::{
     HISTOGRAM_BUCKETS, HISTOGRAM_SUB_BUCKETS, Histogram, Metrics, histogram_bucket, histogram_bucket_end,
     quantile_of_buckets,

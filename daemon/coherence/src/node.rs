@@ -301,7 +301,7 @@ pub struct Node {
     /// Home: announces being received, per holder: its round, its parts,
     /// and the parts received (a newer round starts over).
     announce_rx: BTreeMap<NodeId, (u64, u32, BTreeSet<u32>)>,
-    /// Grants outstanding per reader (bounded: `2 * ops_max` each).
+    /// Grants outstanding per reader (at most `GRANTS_PER_READER_MAX`).
     grants_by_reader: BTreeMap<NodeId, u64>,
     /// Holder: round number of the last announce sent (any member).
     announce_round: u64,
@@ -1652,9 +1652,10 @@ impl Node {
 
     fn on_grant_req(&mut self, r: NodeId, op: OpId, key: BlockKey, version: u64) {
         let held = self.grants_by_reader.get(&r).copied().unwrap_or(0);
-        if held >= (self.cfg.ops_max as u64).saturating_mul(2) {
-            // More grants than a reader has gets in flight (each holds at
-            // most one, duplicates are released at once): refused.
+        if held >= crate::GRANTS_PER_READER_MAX {
+            // More grants than any reader has gets in flight (each holds
+            // at most one, duplicates are released at once; `ops_max` is
+            // at most half of this): refused.
             self.metrics.peer_refusals += 1;
             return self.send(r, Msg::GrantResp { op, result: GrantResult::Refused });
         }
@@ -1796,8 +1797,11 @@ impl Node {
                 // No home assigned it: copies announced into this epoch
                 // were made in earlier ones (no home of this epoch is ready
                 // before every member announced), and the batch's epoch is
-                // ours. Taken, it could end the key's version space.
+                // ours. Taken, it could end the key's version space. The
+                // holder is told to drop it (a copy its home does not know
+                // of must not stay Valid).
                 self.metrics.peer_refusals += 1;
+                self.send(h, Msg::Invalidate { key, version, change: 0 });
                 continue;
             }
             let e = self.dir.entry(key).or_default();

@@ -268,8 +268,13 @@ pub fn peer_messages(data: &[u8]) {
             if let Ok(r) = pb::HandshakeResponse::decode(body)
                 && kvmeshd::peers::check_pools(&r).is_ok()
             {
+                // What the data plane relies on: whole slots, payload inside
+                // a slot, an address range that does not wrap, distinct pools.
+                let mut seen = std::collections::HashSet::new();
                 for p in &r.pools {
-                    assert!(p.index < 256 && p.slot_stride_bytes > 0 && p.base_address.checked_add(p.bytes).is_some());
+                    assert!(p.bytes.checked_rem(p.slot_stride_bytes) == Some(0), "partial slot accepted");
+                    assert!(p.slot_payload_bytes <= p.slot_stride_bytes && seen.insert(p.index));
+                    assert!(p.base_address.checked_add(p.bytes).is_some());
                 }
             }
         }
