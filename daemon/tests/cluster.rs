@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{Daemon, free_port, peer_config, pool};
+use common::{Daemon, TempDir, free_port, peer_config, peer_config_tls, pool};
 use kvmesh_client::{Client, CommitOutcome, Key, Namespace};
 use rand::{Rng, SeedableRng};
 
@@ -211,14 +211,33 @@ struct Verdict {
     first_failure: Option<String>,
 }
 
-async fn run_cluster(transports: &str, env: &[(&str, &str)]) -> Verdict {
+/// Runs the workload on three daemons; with `tls`, over mutual TLS with
+/// certificates made for the run (`kvmesh certs`).
+async fn run_cluster(transports: &str, env: &[(&str, &str)], tls: bool) -> Verdict {
     let ports = [free_port(), free_port(), free_port()];
     let pools = pool("p4k", "16MiB", "4KiB");
-    let mut nodes: Vec<Daemon> = (1..=3)
-        .map(|id| {
-            Daemon::start_with(&format!("cl-{transports}-{id}"), &peer_config(id, &ports, transports, &pools), env)
-        })
-        .collect();
+    let certs = TempDir::new(&format!("cl-certs-{transports}"));
+    if tls {
+        kvmeshd::tls::make_certs(&certs.0, &[1, 2, 3], 1).unwrap();
+    }
+    let config = |id: u32| {
+        if !tls {
+            return peer_config(id, &ports, transports, &pools);
+        }
+        let f = |name: String| format!("{:?}", certs.0.join(name).display().to_string());
+        let inline = format!(
+            "{{ mode = \"required\", ca = {}, cert = {}, key = {} }}",
+            f("ca.pem".into()),
+            f(format!("node-{id}.pem")),
+            f(format!("node-{id}.key"))
+        );
+        peer_config_tls(id, &ports, transports, &pools, &inline)
+    };
+    let mut nodes: Vec<Daemon> =
+        (1..=3).map(|id| Daemon::start_with(&format!("cl-{transports}-{id}"), &config(id), env)).collect();
+    if tls {
+        assert!(nodes.iter().all(|n| n.log().contains("peer TLS required")), "TLS is on");
+    }
     let admin: Vec<Client> = {
         let mut v = Vec::new();
         for n in &nodes {
@@ -391,12 +410,14 @@ fn assert_clean(v: Verdict) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_daemons_never_serve_wrong_or_stale_blocks_sm() {
-    assert_clean(run_cluster("sm", &[]).await);
+    assert_clean(run_cluster("sm", &[], false).await);
 }
 
+/// Over tcp, the transport of real clusters, with mutual TLS between the
+/// daemons (what a production config sets).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_daemons_never_serve_wrong_or_stale_blocks_tcp() {
-    assert_clean(run_cluster("tcp", &[]).await);
+async fn three_daemons_never_serve_wrong_or_stale_blocks_tcp_tls() {
+    assert_clean(run_cluster("tcp", &[], true).await);
 }
 
 /// The same run with a protocol bug planted in every daemon (a holder acks
@@ -405,7 +426,7 @@ async fn three_daemons_never_serve_wrong_or_stale_blocks_tcp() {
 /// window is a few milliseconds, so not in every run.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn planted_ack_without_invalidate_bug_is_caught() {
-    let v = run_cluster("sm", &[("KVMESH_TEST_BUG", "ack-without-invalidate")]).await;
+    let v = run_cluster("sm", &[("KVMESH_TEST_BUG", "ack-without-invalidate")], false).await;
     eprintln!("planted bug: stale {} doomed-after {} wrong {}", v.stale, v.doomed_hits_after, v.wrong);
     assert!(v.stale > 0, "stale copies of overwritten keys went unnoticed");
     assert!(v.doomed_hits_after > 0, "copies of the invalidated namespace went unnoticed");
