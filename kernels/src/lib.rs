@@ -3,6 +3,10 @@
 //! run time with NVRTC through `cudarc`, each next to a CPU reference
 //! implementation that tests compare against.
 //!
-//! Nothing is implemented yet: GPU pools come after the host data path. This
-//! crate exists so the workspace has its fixed shape; it exports nothing.
+//! What exists today: [`layout`], the engine layouts, the layout-independent
+//! packing of a block inside a slot, and the CPU reference of gather and
+//! scatter. The GPU kernels, GPU pools and the device check are not built
+//! yet (issue 15).
 #![forbid(unsafe_code)]
+
+pub mod layout;
