@@ -1569,6 +1569,8 @@ impl Cluster {
             peer_refusals: m.peer_refusals + self.peers.refusals.load(Ordering::Relaxed),
             versions_exhausted: m.versions_exhausted,
             peer_auth_refusals: self.peers.auth_refusals(),
+            lease_lapses: m.lease_lapses,
+            copies_dropped_lapsed: m.copies_dropped_lapsed,
         }
     }
 

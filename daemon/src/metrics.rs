@@ -385,6 +385,16 @@ impl prometheus_client::collector::Collector for Snapshot {
                     c.versions_exhausted,
                 ),
                 (
+                    "coherence_lease_lapses",
+                    "Times the membership lease lapsed while copies were held (all dropped).",
+                    c.lease_lapses,
+                ),
+                (
+                    "coherence_copies_dropped_lapsed",
+                    "Copies dropped because the lease lapsed.",
+                    c.copies_dropped_lapsed,
+                ),
+                (
                     "coherence_peer_auth_refusals",
                     "Peer calls refused for who made them (not a configured peer, or a TLS certificate for another node).",
                     c.peer_auth_refusals,

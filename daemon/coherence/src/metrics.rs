@@ -113,6 +113,11 @@ pub struct Metrics {
     pub peer_refusals: u64,
     /// Changes refused because the epoch had no version left.
     pub versions_exhausted: u64,
+    /// Times this node's membership lease lapsed while it held copies (it
+    /// dropped them all: cache misses, never stale data).
+    pub lease_lapses: u64,
+    /// Copies dropped that way.
+    pub copies_dropped_lapsed: u64,
 }
 
 impl Metrics {

@@ -594,6 +594,8 @@ impl Node {
         // coordinator, a removal), so nothing held under the lapsed lease
         // may be served, granted or re-announced into a later view.
         if !self.copies.is_empty() && !self.serving() {
+            self.metrics.lease_lapses += 1;
+            self.metrics.copies_dropped_lapsed += self.copies.len() as u64;
             self.drop_all_copies();
         }
         match ev {
