@@ -537,12 +537,17 @@ async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item =
 /// receives end at once as refusals.
 fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool) -> SendOrder {
     let session = PEER_SESSION_BASE + r.node_id as u64;
+    // A slot named twice in one order is sent once (a getter reads each
+    // granted slot into one place): repeats are refused, so one message
+    // cannot multiply the bytes a holder sends.
+    let mut seen = std::collections::HashSet::with_capacity(r.items.len());
     let items = r
         .items
         .iter()
         .map(|it| {
             let sref = SlotRef { pool: it.pool, slot: it.slot, generation: it.generation };
-            let geometry = st.pool_geometry(it.pool).filter(|_| !refuse_all && st.holds_pin(session, sref));
+            let first = seen.insert((it.pool, it.slot));
+            let geometry = st.pool_geometry(it.pool).filter(|_| first && !refuse_all && st.holds_pin(session, sref));
             let (local_pool, local_offset, len) = match geometry {
                 Some((stride, _)) => (it.pool, it.slot as u64 * stride, stride),
                 None => (0, 0, 0),
@@ -653,5 +658,47 @@ impl pb::peer_server::Peer for PeerService {
             .map(|k| pb::BlockRef { namespace_fingerprint: k.ns, key_hi: (k.key >> 64) as u64, key_lo: k.key as u64 })
             .collect();
         Ok(Response::new(pb::ListKeysResponse { keys }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::AllocOutcome;
+    use kvmesh_common::Key;
+
+    /// A send order sends only slots pinned for the asking node's grants,
+    /// each once however often the order names it.
+    #[test]
+    fn a_send_order_sends_each_granted_slot_once() {
+        let cfg = crate::Config::parse(
+            "[[pools]]\nname = \"t\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\nmlock = false\n",
+            "t",
+        )
+        .unwrap();
+        let mut st = Store::new(cfg).unwrap();
+        let now = Instant::now();
+        st.open_session(1).unwrap();
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let (out, _) = st.allocate(1, ns, &[Key(5)], 0, now).unwrap();
+        let AllocOutcome::Allocated { slot, .. } = out[0] else { panic!("{:?}", out[0]) };
+        let jobs = st.begin_commit(1, &[slot]).unwrap();
+        let j = jobs[0].clone().unwrap();
+        st.finish_commit(&[(slot, kvmesh_common::checksum(&j.mapping.read(j.offset, j.len).unwrap()))]);
+        // Node 2 holds a grant on it (the driver pins it under node 2's
+        // peer session).
+        st.pin_slots(PEER_SESSION_BASE + 2, &[slot], 10_000, now).unwrap();
+        let item = pb::SendItem { pool: slot.pool, slot: slot.slot, generation: slot.generation, tag: 1 };
+        let order = |node: u32| pb::SendRequest {
+            node_id: node,
+            incarnation: 1,
+            holder_incarnation: 0,
+            items: vec![item, pb::SendItem { tag: 2, ..item }, pb::SendItem { tag: 3, ..item }],
+        };
+        let lens: Vec<u64> = order_of(&st, &order(2), false).items.iter().map(|i| i.len).collect();
+        assert!(lens[0] > 0 && lens[1..] == [0, 0], "sent once: {lens:?}");
+        // Not pinned for node 3, and everything refused for a stale order.
+        assert!(order_of(&st, &order(3), false).items.iter().all(|i| i.len == 0));
+        assert!(order_of(&st, &order(2), true).items.iter().all(|i| i.len == 0));
     }
 }
