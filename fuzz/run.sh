@@ -12,6 +12,9 @@ targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(batch_decode core_batches peer_messages engine_messages config trace)
 rustup toolchain list | grep -q nightly || { echo "fuzz/run.sh needs the nightly toolchain (rustup toolchain install nightly)" >&2; exit 2; }
 command -v cargo-fuzz >/dev/null || cargo install --locked cargo-fuzz
+# Build output under the main target directory (ignored, and outside what
+# the source checks read).
+export CARGO_TARGET_DIR="$PWD/target/fuzz"
 # Seeds first (no-op when the corpora exist).
 KVMESH_FUZZ_WRITE_SEEDS=1 cargo test -q -p kvmesh-fuzz-targets --test smoke write_seeds_when_asked >/dev/null
 for t in "${targets[@]}"; do

@@ -540,7 +540,8 @@ fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool) -> SendOrder {
     // A slot named twice in one order is sent once (a getter reads each
     // granted slot into one place): repeats are refused, so one message
     // cannot multiply the bytes a holder sends.
-    let mut seen = std::collections::HashSet::with_capacity(r.items.len());
+    let mut seen = rustc_hash::FxHashSet::default();
+    seen.reserve(r.items.len());
     let items = r
         .items
         .iter()

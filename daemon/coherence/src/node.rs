@@ -1383,49 +1383,42 @@ impl Node {
         }
     }
 
+    /// Ends the change of `key` without a new version: its writer hears
+    /// Busy, its requester "not done" (they retry, or fail at their
+    /// deadline); holders it invalidated stay invalid, which is always safe.
+    fn abandon_change(&mut self, key: BlockKey) {
+        let e = self.dir.get_mut(&key).expect("entry of a change");
+        let Some(c) = e.change.take() else { return };
+        self.timers.changes.remove(&(c.resend_at, key));
+        match c.kind {
+            ChangeKind::Overwrite { writer, op, copy, .. } => {
+                self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Busy, copy })
+            }
+            ChangeKind::Invalidate { requester, op } => {
+                self.send(requester, Msg::InvalidateResp { op, key, ok: false })
+            }
+        }
+        self.gc_entry(&key);
+    }
+
     fn complete_change(&mut self, key: BlockKey) {
         if !self.serving() {
             // A home whose lease lapsed may already have been replaced (a
             // view without it, a new home for the key): it assigns no
-            // version. The change is abandoned; its writer or requester
-            // retries with the home of its next view.
-            let e = self.dir.get_mut(&key).expect("entry of a change");
-            let Some(c) = e.change.take() else { return };
-            self.timers.changes.remove(&(c.resend_at, key));
-            match c.kind {
-                ChangeKind::Overwrite { writer, op, copy, .. } => {
-                    self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Busy, copy })
-                }
-                ChangeKind::Invalidate { requester, op } => {
-                    self.send(requester, Msg::InvalidateResp { op, key, ok: false })
-                }
-            }
-            self.gc_entry(&key);
-            return;
+            // version; the writer or requester retries with the home of
+            // its next view.
+            return self.abandon_change(key);
         }
         let next = {
             let e = self.dir.get(&key).expect("entry of a change");
             self.next_version(&key, e.version)
         };
-        let e = self.dir.get_mut(&key).expect("entry of a change");
         let Some(next) = next else {
-            // No version left in this epoch: the change is refused (its
-            // holders were invalidated, which is always safe); the writer
-            // or requester is told, and the next epoch has versions again.
+            // No version left in this epoch (the next epoch has some).
             self.metrics.versions_exhausted += 1;
-            let Some(c) = e.change.take() else { return };
-            self.timers.changes.remove(&(c.resend_at, key));
-            match c.kind {
-                ChangeKind::Overwrite { writer, op, copy, .. } => {
-                    self.send(writer, Msg::PublishResp { op, key, result: PublishResult::Busy, copy })
-                }
-                ChangeKind::Invalidate { requester, op } => {
-                    self.send(requester, Msg::InvalidateResp { op, key, ok: false })
-                }
-            }
-            self.gc_entry(&key);
-            return;
+            return self.abandon_change(key);
         };
+        let e = self.dir.get_mut(&key).expect("entry of a change");
         let Some(c) = e.change.take() else { return };
         self.timers.changes.remove(&(c.resend_at, key));
         self.metrics.changes_completed += 1;

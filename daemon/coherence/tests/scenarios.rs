@@ -93,6 +93,18 @@ impl Net {
         }
     }
 
+    /// Delivers everything, flushing for 20 rounds, with `rewrite` applied
+    /// to every message on the wire first (a peer that lies).
+    fn deliver_rewriting(&mut self, mut rewrite: impl FnMut(&mut Msg)) {
+        for _ in 0..20 {
+            self.flush();
+            while let Some((from, to, mut batch)) = self.wire.pop_front() {
+                batch.msgs.iter_mut().for_each(&mut rewrite);
+                self.drive(to, Event::Receive { from, batch });
+            }
+        }
+    }
+
     /// Flushes queues without delivering.
     fn flush(&mut self) {
         self.now += 1_000;
@@ -576,17 +588,11 @@ fn a_home_answer_from_another_epoch_or_node_is_refused() {
     net.put(0, 1, k, 9);
     // The home's answer carries a version of a later epoch: refused, the
     // put fails (Busy), nothing is committed, the home is told.
-    for _ in 0..20 {
-        net.flush();
-        while let Some((from, to, mut batch)) = net.wire.pop_front() {
-            for m in &mut batch.msgs {
-                if let Msg::PublishResp { result: kvmesh_coherence::PublishResult::Stored(v), .. } = m {
-                    *v = 5 << 32;
-                }
-            }
-            net.drive(to, Event::Receive { from, batch });
+    net.deliver_rewriting(|m| {
+        if let Msg::PublishResp { result: kvmesh_coherence::PublishResult::Stored(v), .. } = m {
+            *v = 5 << 32;
         }
-    }
+    });
     assert!(matches!(net.outcome(0, 1), Some(Outcome::Error(_))), "{:?}", net.outcome(0, 1));
     assert_eq!(net.nodes[0].copy_count(), 0);
     assert_eq!(net.nodes[0].metrics().peer_refusals, 1);
@@ -594,17 +600,11 @@ fn a_home_answer_from_another_epoch_or_node_is_refused() {
     net.put(0, 2, k, 9);
     net.settle();
     net.drive(2, Event::ClientGet { op: 3, key: k });
-    for _ in 0..20 {
-        net.flush();
-        while let Some((from, to, mut batch)) = net.wire.pop_front() {
-            for m in &mut batch.msgs {
-                if let Msg::LocateResp { result: kvmesh_coherence::LocateResult::Found { holder, .. }, .. } = m {
-                    *holder = 77;
-                }
-            }
-            net.drive(to, Event::Receive { from, batch });
+    net.deliver_rewriting(|m| {
+        if let Msg::LocateResp { result: kvmesh_coherence::LocateResult::Found { holder, .. }, .. } = m {
+            *holder = 77;
         }
-    }
+    });
     assert_eq!(net.outcome(2, 3), Some(Outcome::Miss));
     assert_eq!(net.nodes[2].metrics().peer_refusals, 1);
 }
@@ -618,17 +618,11 @@ fn a_grant_lease_from_a_peer_is_trusted_no_longer_than_our_own() {
     net.drive(1, Event::ClientGet { op: 2, key: key(3) });
     // Deliver everything, stretching the lease of every grant to the most
     // a u64 holds (overflowed `lease * 2 * drift` before).
-    for _ in 0..20 {
-        net.flush();
-        while let Some((from, to, mut batch)) = net.wire.pop_front() {
-            for m in &mut batch.msgs {
-                if let Msg::GrantResp { result: kvmesh_coherence::GrantResult::Granted { lease_us, .. }, .. } = m {
-                    *lease_us = u64::MAX;
-                }
-            }
-            net.drive(to, Event::Receive { from, batch });
+    net.deliver_rewriting(|m| {
+        if let Msg::GrantResp { result: kvmesh_coherence::GrantResult::Granted { lease_us, .. }, .. } = m {
+            *lease_us = u64::MAX;
         }
-    }
+    });
     assert_eq!(net.read_deadlines.len(), 1, "the read started");
     assert!(
         net.read_deadlines[0] <= net.now + cfg.grant_lease_us,

@@ -125,9 +125,8 @@ pub fn tune_environment() -> Result<Vec<&'static str>, String> {
     }
     let mut set = Vec::new();
     for (k, v) in TUNED_ENV {
-        // SAFETY: this process has exactly one thread (checked just above;
-        // only this thread could start another), so nothing reads the
-        // environment concurrently.
+        // Only this thread could start another (the count was checked above).
+        // SAFETY: the process has one thread: nothing reads the environment concurrently.
         unsafe { std::env::set_var(k, v) };
         set.push(k);
     }
@@ -481,9 +480,8 @@ impl Worker {
             cb: Some(am_recv),
             arg: &*self.inbox as *const AmInbox as *mut c_void,
         };
-        // SAFETY: the handler's argument is the boxed inbox, which outlives
-        // the worker's registration (it is dropped after the worker is
-        // destroyed); `am_recv` matches ucp_am_recv_callback_t.
+        // The inbox is dropped after the worker is destroyed.
+        // SAFETY: the argument (the boxed inbox) outlives the registration; `am_recv` matches ucp_am_recv_callback_t.
         check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.h, &param) })
     }
 
@@ -587,13 +585,13 @@ impl Worker {
             ..Default::default()
         };
         let mut h: sys::ucp_ep_h = ptr::null_mut();
-        // SAFETY: `remote` is a peer's claim of its worker address, read
-        // during the call. UCX parses it without a length: `padded` bounds
-        // its size and follows it with PEER_BUFFER_PAD zero bytes, so a
-        // short or truncated address is read inside our allocation (zero
-        // lengths end UCX's walk); one crafted to declare longer fields is
-        // parsed as UCX parses any peer's (peers are authenticated first,
-        // docs/SECURITY.md). `h` is an out-pointer.
+        // `remote` is a peer's claim of its worker address, which UCX
+        // parses without a length; a short or truncated one is read inside
+        // the padding (zero lengths end UCX's walk); one crafted to declare
+        // longer fields is parsed as UCX parses any peer's (peers are
+        // authenticated first, docs/SECURITY.md).
+        // SAFETY: `remote` (bounded, zero-padded by `padded`) outlives the
+        // call, which only reads it; `h` is an out-pointer.
         check("ucp_ep_create", unsafe { sys::ucp_ep_create(self.h, &params, &mut h) })?;
         Ok(Endpoint { worker: self, h, peer_failure })
     }
@@ -621,10 +619,11 @@ impl<'w> Endpoint<'w> {
     pub fn unpack_rkey(&self, packed: &[u8]) -> Result<RemoteKey<'w>, UcxError> {
         let packed = padded("ucp_ep_rkey_unpack", packed, RKEY_MAX)?;
         let mut h: sys::ucp_rkey_h = ptr::null_mut();
-        // SAFETY: `packed` (a peer's claim) is read during the call, which
-        // takes no length: `padded` bounds it and appends PEER_BUFFER_PAD
-        // zero bytes, more than a packed key's fields (one-byte sizes per
-        // memory domain) can reach past its end. `h` is an out-pointer.
+        // The call takes no length: `padded` bounds the peer's key and
+        // appends more zero bytes than a packed key's fields (one-byte
+        // sizes per memory domain) can reach past its end.
+        // SAFETY: `packed` outlives the call, which only reads it within
+        // the padding; `h` is an out-pointer.
         check("ucp_ep_rkey_unpack", unsafe {
             sys::ucp_ep_rkey_unpack(self.h, packed.as_ptr() as *const c_void, &mut h)
         })?;
