@@ -55,7 +55,31 @@ pub enum DType {
     Fp8,
 }
 
+impl Layout {
+    /// The layout's number in the CUDA kernels and the C ABI (0 NHD, 1 HND,
+    /// 2 FlashInfer, 3 MLA, 4 cross-layer).
+    pub fn code(self) -> u32 {
+        match self {
+            Layout::Nhd => 0,
+            Layout::Hnd => 1,
+            Layout::FlashInfer => 2,
+            Layout::Mla => 3,
+            Layout::CrossLayer => 4,
+        }
+    }
+
+    /// The layout of a code (see [`Layout::code`]).
+    pub fn from_code(c: u32) -> Option<Layout> {
+        [Layout::Nhd, Layout::Hnd, Layout::FlashInfer, Layout::Mla, Layout::CrossLayer].get(c as usize).copied()
+    }
+}
+
 impl DType {
+    /// The dtype of a code of the C ABI (0 fp16, 1 bf16, 2 fp8).
+    pub fn from_code(c: u32) -> Option<DType> {
+        [DType::F16, DType::Bf16, DType::Fp8].get(c as usize).copied()
+    }
+
     /// Bytes per element.
     pub fn bytes(self) -> usize {
         match self {
@@ -131,6 +155,17 @@ impl PagedKv {
     /// Bytes of one row (one token's head, or its latent vector).
     fn row_bytes(&self) -> Result<usize, LayoutError> {
         mul(&[self.head_dim, self.dtype.bytes()], "row")
+    }
+
+    /// Bytes of one row: the unit gather and scatter move contiguously.
+    pub fn row_bytes_pub(&self) -> Result<usize, LayoutError> {
+        self.row_bytes()
+    }
+
+    /// The packed block's dimensions in slot order: (layers, K/V, tokens,
+    /// heads); MLA has one "K/V" and one "head".
+    pub fn dims(&self) -> (usize, usize, usize, usize) {
+        (self.num_layers, self.kv(), self.block_tokens, self.heads())
     }
 
     /// Bytes of one block packed in a slot.
