@@ -260,6 +260,33 @@ impl Gpu {
         self.stream.synchronize().map_err(drv("cuStreamSynchronize"))
     }
 
+    /// Device time of `reps` runs of `f` (queued on this device's stream,
+    /// after one warm-up run), in milliseconds, from CUDA events.
+    pub fn time_ms(&self, reps: usize, mut f: impl FnMut() -> Result<(), GpuError>) -> Result<f64, GpuError> {
+        f()?;
+        self.synchronize()?;
+        let ev = || self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(drv("cuEventCreate"));
+        let (start, end) = (ev()?, ev()?);
+        start.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        for _ in 0..reps {
+            f()?;
+        }
+        end.record(&self.stream).map_err(drv("cuEventRecord"))?;
+        end.synchronize().map_err(drv("cuEventSynchronize"))?;
+        Ok(f64::from(start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))?))
+    }
+
+    /// Whether this device can read memory of device `peer` (NVLink/PCIe).
+    pub fn can_access_peer(&self, peer: usize) -> Result<bool, GpuError> {
+        let other = result::device::get(peer as i32).map_err(drv("cuDeviceGet"))?;
+        let mut ok = 0i32;
+        // SAFETY: both are valid device handles; `ok` receives one int.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut ok, self.ctx.cu_device(), other) }
+            .result()
+            .map_err(drv("cuDeviceCanAccessPeer"))?;
+        Ok(ok != 0)
+    }
+
     /// Allocates `bytes` of device memory (`cuMemAlloc`).
     pub fn alloc(&self, bytes: usize) -> Result<GpuBuffer, GpuError> {
         if bytes == 0 {

@@ -9,7 +9,9 @@
 //!   and its CPU reference;
 //! - [`cuda`]: the driver (loaded at run time: a machine without one gets
 //!   an error, never a panic), GPU pools from the virtual-memory API with
-//!   fd export/import, and the kernels.
+//!   fd export/import, and the kernels;
+//! - [`raw`]: the same over raw pointers, host or device, for the C ABI
+//!   and Python.
 //!
 //! `unsafe` is allowed here (and in `ffi/`) only; each block says why it
 //! holds in a `// SAFETY:` comment.
@@ -17,3 +19,4 @@
 pub mod checksum;
 pub mod cuda;
 pub mod layout;
+pub mod raw;
