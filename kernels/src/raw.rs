@@ -74,7 +74,9 @@ pub unsafe fn move_pages(
     }
     let (n, bytes) = shape.tensors()?;
     if tensors.len() != n {
-        return Err(crate::layout::LayoutError::Buffer { what: "engine tensors (count)", got: tensors.len(), want: n }.into());
+        return Err(
+            crate::layout::LayoutError::Buffer { what: "engine tensors (count)", got: tensors.len(), want: n }.into()
+        );
     }
     if tensors.iter().chain(slots).any(|&p| p == 0) {
         return Err(GpuError::Invalid("a tensor or slot pointer is NULL".into()));
@@ -90,8 +92,10 @@ pub unsafe fn move_pages(
                         // bytes at each tensor pointer and `slot_bytes`
                         // writable, non-overlapping bytes at each slot, with
                         // no other writer during the call.
-                        let views: Vec<&[u8]> =
-                            tensors.iter().map(|&t| unsafe { std::slice::from_raw_parts(t as *const u8, bytes) }).collect();
+                        let views: Vec<&[u8]> = tensors
+                            .iter()
+                            .map(|&t| unsafe { std::slice::from_raw_parts(t as *const u8, bytes) })
+                            .collect();
                         // SAFETY: as above (the slot, written).
                         let slot = unsafe { std::slice::from_raw_parts_mut(s as *mut u8, slot_bytes) };
                         shape.gather(&views, p, slot)?;

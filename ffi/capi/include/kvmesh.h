@@ -58,6 +58,43 @@
 // cluster serves an older version.
 #define KVMESH_OVERWRITE 1
 
+// No CUDA driver, device or NVRTC here for a call on device memory (the
+// same call on host memory, `KVMESH_DEVICE_HOST`, works everywhere).
+#define KVMESH_E_NO_DEVICE (-8)
+
+// Memory argument of the kernels: host memory of this process (the CPU
+// reference runs). N >= 0 means device memory of CUDA device N.
+#define KVMESH_DEVICE_HOST (-1)
+
+// Engine layouts (`kvmesh_kv_shape_t.layout`); see docs/GPU.md for each
+// tensor's shape and the packing of a block in a slot.
+// Per layer `[2, num_blocks, block_tokens, kv_heads, head_dim]` (vLLM).
+#define KVMESH_LAYOUT_NHD 0
+
+// Per layer `[2, num_blocks, kv_heads, block_tokens, head_dim]`.
+#define KVMESH_LAYOUT_HND 1
+
+// Per layer `[num_blocks, 2, block_tokens, kv_heads, head_dim]`.
+#define KVMESH_LAYOUT_FLASHINFER 2
+
+// Per layer `[num_blocks, block_tokens, latent_dim]` (`head_dim` is the
+// latent dimension, `kv_heads` ignored).
+#define KVMESH_LAYOUT_MLA 3
+
+// One tensor for all layers: `[num_blocks, num_layers, 2, block_tokens,
+// kv_heads, head_dim]`.
+#define KVMESH_LAYOUT_CROSS_LAYER 4
+
+// Element types (`kvmesh_kv_shape_t.dtype`): bytes are moved, never
+// converted. IEEE half.
+#define KVMESH_DTYPE_F16 0
+
+// bfloat16.
+#define KVMESH_DTYPE_BF16 1
+
+// fp8 (e4m3 or e5m2).
+#define KVMESH_DTYPE_FP8 2
+
 // The slots of a put in progress (opaque).
 typedef struct kvmesh_alloc_t kvmesh_alloc_t;
 
@@ -66,6 +103,24 @@ typedef struct kvmesh_batch_t kvmesh_batch_t;
 
 // A connection to the local kvmeshd (opaque).
 typedef struct kvmesh_client_t kvmesh_client_t;
+
+// The shape of an engine's paged KV cache.
+typedef struct {
+  // `KVMESH_LAYOUT_*`.
+  uint32_t layout;
+  // `KVMESH_DTYPE_*`.
+  uint32_t dtype;
+  // Layers.
+  uint64_t num_layers;
+  // Pages (blocks) in each tensor.
+  uint64_t num_blocks;
+  // Tokens per block.
+  uint64_t block_tokens;
+  // KV heads (ignored for MLA).
+  uint64_t kv_heads;
+  // Head dimension, or the latent dimension for MLA.
+  uint64_t head_dim;
+} kvmesh_kv_shape_t;
 
 // A namespace as the daemon registered it.
 typedef struct {
@@ -129,6 +184,66 @@ const char *kvmesh_last_error(void);
 // The name of a code ("KVMESH_E_NOT_FOUND", ...), a static string;
 // "KVMESH_UNKNOWN_CODE" for a code this library does not define.
 const char *kvmesh_code_name(int32_t code);
+
+// Sizes of a shape: the bytes of one block packed in a slot, the number of
+// engine tensors (layers, or 1 for cross-layer) and the bytes of each.
+// Any output may be NULL.
+//
+// # Safety
+// `shape` is readable; non-NULL outputs are writable.
+int32_t kvmesh_kv_sizes(const kvmesh_kv_shape_t *shape,
+                        uint64_t *block_bytes,
+                        uint64_t *tensor_count,
+                        uint64_t *tensor_bytes);
+
+// Gathers pages of an engine's paged KV cache into slots: for each `i <
+// n`, page `pages[i]` of the tensors is packed into `slots[i]` (see
+// docs/GPU.md for the packing, the same for every layout). `device` is
+// `KVMESH_DEVICE_HOST` (host pointers: runs on the CPU) or a CUDA device
+// ordinal (device pointers of that device: the kernel runs, and the call
+// returns when it finished). Checked before a byte moves: the shape,
+// `n_tensors` (the layers, or 1 for cross-layer), every page < num_blocks,
+// `slot_bytes` >= the block bytes (`kvmesh_kv_sizes`).
+//
+// # Safety
+// `shape` is readable; `tensors` holds `n_tensors` pointers to tensors of
+// `kvmesh_kv_sizes`' tensor bytes each; `pages` and `slots` hold `n`
+// elements, each slot `slot_bytes` of writable memory not overlapping the
+// tensors or another slot; all of the memory kind `device` names, and not
+// written by anyone else during the call.
+int32_t kvmesh_kv_gather(const kvmesh_kv_shape_t *shape,
+                         int32_t device,
+                         const void *const *tensors,
+                         uintptr_t n_tensors,
+                         const uint64_t *pages,
+                         void *const *slots,
+                         uintptr_t n,
+                         uint64_t slot_bytes);
+
+// Scatters slots back into pages (the inverse of `kvmesh_kv_gather`): for
+// each `i < n`, `slots[i]` is unpacked into page `pages[i]` of the
+// tensors; nothing else of them is written. Same checks and `device` as
+// the gather.
+//
+// # Safety
+// As for `kvmesh_kv_gather`, with the tensors written and the slots read.
+int32_t kvmesh_kv_scatter(const kvmesh_kv_shape_t *shape,
+                          int32_t device,
+                          void *const *tensors,
+                          uintptr_t n_tensors,
+                          const uint64_t *pages,
+                          const void *const *slots,
+                          uintptr_t n,
+                          uint64_t slot_bytes);
+
+// `kvsum64` (the checksum of blocks in GPU pools, docs/GPU.md) of `len`
+// bytes at `ptr`, into `*out`. `device` as for the gather; on a device the
+// address must be 8-byte aligned.
+//
+// # Safety
+// `ptr` points to `len` readable bytes of the memory kind `device` names;
+// `out` is writable.
+int32_t kvmesh_kvsum64(int32_t device, const void *ptr, uint64_t len, uint64_t *out);
 
 // Connects to the local kvmeshd at `socket_path` (NULL: the default path,
 // `$XDG_RUNTIME_DIR/kvmesh/kvmeshd.sock`, else `/tmp/kvmesh-<uid>/kvmeshd.sock`)

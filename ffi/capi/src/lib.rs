@@ -41,6 +41,10 @@ use kvmesh_client::{
     Allocation, ClientError, CommitOutcome, ErrorKind, Key, Namespace, PinOptions, PinnedBlock, WritableBlock,
 };
 
+use kvmesh_kernels::cuda::GpuError;
+use kvmesh_kernels::layout::{DType, Layout, PagedKv};
+use kvmesh_kernels::raw::{Direction, Memory};
+
 /// Version of this C ABI. Raised on any incompatible change to a function
 /// signature, a struct layout or the meaning of a code; compare it with
 /// `kvmesh_abi_version()` at run time to catch a header/library mismatch.
@@ -345,9 +349,256 @@ pub extern "C" fn kvmesh_code_name(code: i32) -> *const c_char {
         KVMESH_E_REFUSED => "KVMESH_E_REFUSED\0",
         KVMESH_E_TRANSPORT => "KVMESH_E_TRANSPORT\0",
         KVMESH_E_INTERNAL => "KVMESH_E_INTERNAL\0",
+        KVMESH_E_NO_DEVICE => "KVMESH_E_NO_DEVICE\0",
         _ => "KVMESH_UNKNOWN_CODE\0",
     };
     s.as_ptr().cast()
+}
+
+/// No CUDA driver, device or NVRTC here for a call on device memory (the
+/// same call on host memory, `KVMESH_DEVICE_HOST`, works everywhere).
+pub const KVMESH_E_NO_DEVICE: i32 = -8;
+
+/// Memory argument of the kernels: host memory of this process (the CPU
+/// reference runs). N >= 0 means device memory of CUDA device N.
+pub const KVMESH_DEVICE_HOST: i32 = -1;
+
+/// Engine layouts (`kvmesh_kv_shape_t.layout`); see docs/GPU.md for each
+/// tensor's shape and the packing of a block in a slot.
+/// Per layer `[2, num_blocks, block_tokens, kv_heads, head_dim]` (vLLM).
+pub const KVMESH_LAYOUT_NHD: u32 = 0;
+/// Per layer `[2, num_blocks, kv_heads, block_tokens, head_dim]`.
+pub const KVMESH_LAYOUT_HND: u32 = 1;
+/// Per layer `[num_blocks, 2, block_tokens, kv_heads, head_dim]`.
+pub const KVMESH_LAYOUT_FLASHINFER: u32 = 2;
+/// Per layer `[num_blocks, block_tokens, latent_dim]` (`head_dim` is the
+/// latent dimension, `kv_heads` ignored).
+pub const KVMESH_LAYOUT_MLA: u32 = 3;
+/// One tensor for all layers: `[num_blocks, num_layers, 2, block_tokens,
+/// kv_heads, head_dim]`.
+pub const KVMESH_LAYOUT_CROSS_LAYER: u32 = 4;
+/// Element types (`kvmesh_kv_shape_t.dtype`): bytes are moved, never
+/// converted. IEEE half.
+pub const KVMESH_DTYPE_F16: u32 = 0;
+/// bfloat16.
+pub const KVMESH_DTYPE_BF16: u32 = 1;
+/// fp8 (e4m3 or e5m2).
+pub const KVMESH_DTYPE_FP8: u32 = 2;
+
+/// The shape of an engine's paged KV cache.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct kvmesh_kv_shape_t {
+    /// `KVMESH_LAYOUT_*`.
+    pub layout: u32,
+    /// `KVMESH_DTYPE_*`.
+    pub dtype: u32,
+    /// Layers.
+    pub num_layers: u64,
+    /// Pages (blocks) in each tensor.
+    pub num_blocks: u64,
+    /// Tokens per block.
+    pub block_tokens: u64,
+    /// KV heads (ignored for MLA).
+    pub kv_heads: u64,
+    /// Head dimension, or the latent dimension for MLA.
+    pub head_dim: u64,
+}
+
+fn shape_arg(shape: *const kvmesh_kv_shape_t) -> Result<PagedKv, Fail> {
+    let s = handle(shape, "shape")?;
+    let dim =
+        |v: u64, what: &str| usize::try_from(v).map_err(|_| Fail::invalid(format!("shape.{what} = {v} is too large")));
+    Ok(PagedKv {
+        layout: Layout::from_code(s.layout)
+            .ok_or_else(|| Fail::invalid(format!("shape.layout = {} is not a KVMESH_LAYOUT_*", s.layout)))?,
+        dtype: DType::from_code(s.dtype)
+            .ok_or_else(|| Fail::invalid(format!("shape.dtype = {} is not a KVMESH_DTYPE_*", s.dtype)))?,
+        num_layers: dim(s.num_layers, "num_layers")?,
+        num_blocks: dim(s.num_blocks, "num_blocks")?,
+        block_tokens: dim(s.block_tokens, "block_tokens")?,
+        kv_heads: if s.layout == KVMESH_LAYOUT_MLA { 1 } else { dim(s.kv_heads, "kv_heads")? },
+        head_dim: dim(s.head_dim, "head_dim")?,
+    })
+}
+
+/// Copies an array argument of `n` pointers or integers.
+fn array_arg<T: Copy>(p: *const T, n: usize, what: &str) -> Result<Vec<T>, Fail> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if p.is_null() {
+        return Err(Fail::invalid(format!("{what} is NULL with {n} elements")));
+    }
+    if n > isize::MAX as usize / std::mem::size_of::<T>().max(1) {
+        return Err(Fail::invalid(format!("{what}: {n} elements is too large")));
+    }
+    // SAFETY: non-null; the caller passes `n` initialised elements readable
+    // for the call (documented for every array argument); size checked.
+    Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+}
+
+impl From<GpuError> for Fail {
+    fn from(e: GpuError) -> Fail {
+        let code = match e {
+            GpuError::NoDriver(_) | GpuError::NoDevice { .. } | GpuError::Nvrtc(_) | GpuError::Unsupported { .. } => {
+                KVMESH_E_NO_DEVICE
+            }
+            GpuError::Layout(_) | GpuError::Invalid(_) => KVMESH_E_INVALID,
+            GpuError::Driver { .. } => KVMESH_E_INTERNAL,
+        };
+        Fail(code, e.to_string())
+    }
+}
+
+fn device_arg(device: i32) -> Result<Memory, Fail> {
+    Memory::from_code(device)
+        .ok_or_else(|| Fail::invalid(format!("device = {device}: KVMESH_DEVICE_HOST (-1) or a CUDA device ordinal")))
+}
+
+/// Sizes of a shape: the bytes of one block packed in a slot, the number of
+/// engine tensors (layers, or 1 for cross-layer) and the bytes of each.
+/// Any output may be NULL.
+///
+/// # Safety
+/// `shape` is readable; non-NULL outputs are writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_kv_sizes(
+    shape: *const kvmesh_kv_shape_t,
+    block_bytes: *mut u64,
+    tensor_count: *mut u64,
+    tensor_bytes: *mut u64,
+) -> i32 {
+    guard("kvmesh_kv_sizes", || {
+        let s = shape_arg(shape)?;
+        let block = s.block_bytes().map_err(|e| Fail::invalid(e.to_string()))?;
+        let (n, bytes) = s.tensors().map_err(|e| Fail::invalid(e.to_string()))?;
+        out_opt(block_bytes, block as u64);
+        out_opt(tensor_count, n as u64);
+        out_opt(tensor_bytes, bytes as u64);
+        Ok(KVMESH_OK)
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn kv_move(
+    name: &str,
+    dir: Direction,
+    shape: *const kvmesh_kv_shape_t,
+    device: i32,
+    tensors: *const *const std::ffi::c_void,
+    n_tensors: usize,
+    pages: *const u64,
+    slots: *const *const std::ffi::c_void,
+    n: usize,
+    slot_bytes: u64,
+) -> i32 {
+    guard(name, || {
+        let s = shape_arg(shape)?;
+        let mem = device_arg(device)?;
+        let t: Vec<u64> = array_arg(tensors, n_tensors, "tensors")?.into_iter().map(|p| p as u64).collect();
+        let pg = array_arg(pages, n, "pages")?;
+        let sl: Vec<u64> = array_arg(slots, n, "slots")?.into_iter().map(|p| p as u64).collect();
+        let slot_bytes = usize::try_from(slot_bytes).map_err(|_| Fail::invalid("slot_bytes is too large"))?;
+        // SAFETY: the caller vouches (documented on kvmesh_kv_gather and
+        // kvmesh_kv_scatter) for the memory behind every pointer, of the kind
+        // `device` names and the sizes the shape and `slot_bytes` give,
+        // writable where written, not overlapping, for the call.
+        unsafe { kvmesh_kernels::raw::move_pages(&s, mem, dir, &t, &pg, &sl, slot_bytes) }?;
+        Ok(KVMESH_OK)
+    })
+}
+
+/// Gathers pages of an engine's paged KV cache into slots: for each `i <
+/// n`, page `pages[i]` of the tensors is packed into `slots[i]` (see
+/// docs/GPU.md for the packing, the same for every layout). `device` is
+/// `KVMESH_DEVICE_HOST` (host pointers: runs on the CPU) or a CUDA device
+/// ordinal (device pointers of that device: the kernel runs, and the call
+/// returns when it finished). Checked before a byte moves: the shape,
+/// `n_tensors` (the layers, or 1 for cross-layer), every page < num_blocks,
+/// `slot_bytes` >= the block bytes (`kvmesh_kv_sizes`).
+///
+/// # Safety
+/// `shape` is readable; `tensors` holds `n_tensors` pointers to tensors of
+/// `kvmesh_kv_sizes`' tensor bytes each; `pages` and `slots` hold `n`
+/// elements, each slot `slot_bytes` of writable memory not overlapping the
+/// tensors or another slot; all of the memory kind `device` names, and not
+/// written by anyone else during the call.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_kv_gather(
+    shape: *const kvmesh_kv_shape_t,
+    device: i32,
+    tensors: *const *const std::ffi::c_void,
+    n_tensors: usize,
+    pages: *const u64,
+    slots: *const *mut std::ffi::c_void,
+    n: usize,
+    slot_bytes: u64,
+) -> i32 {
+    kv_move(
+        "kvmesh_kv_gather",
+        Direction::Gather,
+        shape,
+        device,
+        tensors,
+        n_tensors,
+        pages,
+        slots.cast(),
+        n,
+        slot_bytes,
+    )
+}
+
+/// Scatters slots back into pages (the inverse of `kvmesh_kv_gather`): for
+/// each `i < n`, `slots[i]` is unpacked into page `pages[i]` of the
+/// tensors; nothing else of them is written. Same checks and `device` as
+/// the gather.
+///
+/// # Safety
+/// As for `kvmesh_kv_gather`, with the tensors written and the slots read.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_kv_scatter(
+    shape: *const kvmesh_kv_shape_t,
+    device: i32,
+    tensors: *const *mut std::ffi::c_void,
+    n_tensors: usize,
+    pages: *const u64,
+    slots: *const *const std::ffi::c_void,
+    n: usize,
+    slot_bytes: u64,
+) -> i32 {
+    kv_move(
+        "kvmesh_kv_scatter",
+        Direction::Scatter,
+        shape,
+        device,
+        tensors.cast(),
+        n_tensors,
+        pages,
+        slots,
+        n,
+        slot_bytes,
+    )
+}
+
+/// `kvsum64` (the checksum of blocks in GPU pools, docs/GPU.md) of `len`
+/// bytes at `ptr`, into `*out`. `device` as for the gather; on a device the
+/// address must be 8-byte aligned.
+///
+/// # Safety
+/// `ptr` points to `len` readable bytes of the memory kind `device` names;
+/// `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_kvsum64(device: i32, ptr: *const std::ffi::c_void, len: u64, out: *mut u64) -> i32 {
+    guard("kvmesh_kvsum64", || {
+        let mem = device_arg(device)?;
+        let len = usize::try_from(len).map_err(|_| Fail::invalid("len is too large"))?;
+        // SAFETY: the caller vouches for `len` readable bytes at `ptr` of
+        // that memory kind (documented); NULL with a length is refused inside.
+        let sum = unsafe { kvmesh_kernels::raw::kvsum64(mem, ptr as u64, len) }?;
+        put_out(out, sum, "out")?;
+        Ok(KVMESH_OK)
+    })
 }
 
 /// Connects to the local kvmeshd at `socket_path` (NULL: the default path,

@@ -107,6 +107,26 @@ fn c_tests_pass_against_a_real_daemon() {
     eprint!("{out}");
 }
 
+/// The kernels' entry points on host memory against a C reference of the
+/// layouts (no daemon needed); device memory without a driver is
+/// KVMESH_E_NO_DEVICE. Under AddressSanitizer: an access outside a buffer
+/// is a failure.
+#[test]
+fn c_kernels_match_a_c_reference_of_the_layouts() {
+    let dir = std::env::temp_dir().join(format!("kvmesh-capi-kernels-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bin = dir.join("kernels_test");
+    cc(
+        &Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/kernels_test.c"),
+        &bin,
+        &["-fsanitize=address", "-fno-omit-frame-pointer"],
+    );
+    let out = run(&bin, &dir.join("unused.sock"), &[("ASAN_OPTIONS", "detect_leaks=1:exitcode=23")]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.contains(", 0 failures"), "{out}");
+    eprint!("{out}");
+}
+
 #[test]
 fn c_example_runs() {
     let d = Daemon::start("example");

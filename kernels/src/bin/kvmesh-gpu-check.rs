@@ -202,7 +202,12 @@ fn pool(gpu: &Gpu, rng: &mut Rng) -> Result<String, String> {
             return Err(format!("slot {s}: bytes read back differ"));
         }
     }
-    Ok(format!("{} MiB pool ({} slots), GPUDirect-RDMA-capable allocation: {}", p.range().len() >> 20, slots, p.rdma_capable()))
+    Ok(format!(
+        "{} MiB pool ({} slots), GPUDirect-RDMA-capable allocation: {}",
+        p.range().len() >> 20,
+        slots,
+        p.rdma_capable()
+    ))
 }
 
 /// Lends a pool to a second process on device `to` and checks it reads
@@ -239,7 +244,10 @@ fn lending(gpu: &Gpu, to: usize, rng: &mut Rng) -> Result<String, String> {
     if mark.iter().any(|&b| b != 0xA5) {
         return Err("the child's write into the lent pool is not seen by the owner".into());
     }
-    Ok(format!("device {to} mapped the pool, read 4 MiB in place (checksum on its GPU), its write seen here; {}", answer.trim()))
+    Ok(format!(
+        "device {to} mapped the pool, read 4 MiB in place (checksum on its GPU), its write seen here; {}",
+        answer.trim()
+    ))
 }
 
 /// The borrowing process: imports the pool, checks the block in place,
@@ -361,7 +369,10 @@ fn bandwidth(gpu: &Gpu, rng: &mut Rng) -> Result<Vec<Value>, String> {
         ("nhd-256k", base),
         ("nhd-2m", PagedKv { block_tokens: 16, ..base }),
         ("hnd-2m", PagedKv { block_tokens: 16, layout: Layout::Hnd, ..base }),
-        ("mla-576k", PagedKv { layout: Layout::Mla, num_layers: 61, block_tokens: 8, head_dim: 576, kv_heads: 1, ..base }),
+        (
+            "mla-576k",
+            PagedKv { layout: Layout::Mla, num_layers: 61, block_tokens: 8, head_dim: 576, kv_heads: 1, ..base },
+        ),
     ];
     let pages = 64usize;
     let reps = 10;
