@@ -82,3 +82,14 @@ def prefix_keys(tokens: Sequence[int], block_tokens: int) -> List[bytes]:
 
 def key(k: KeyLike) -> bytes:
     """A key (bytes, int or hex str) as 16 big-endian bytes."""
+
+_Shape = Tuple[int, int, int, int, int, int, int]
+
+def kv_sizes(shape: _Shape) -> Tuple[int, int, int]:
+    """(block bytes, engine tensor count, bytes of each) of a shape (codes as in kvmesh.kernels)."""
+
+def kv_move(shape: _Shape, device: int, gather: bool, tensors: List[int], pages: List[int], slots: List[int], slot_bytes: int) -> None:
+    """Gather or scatter over addresses; use kvmesh.kernels, which checks them."""
+
+def kvsum64(device: int, address: int, length: int) -> int:
+    """kvsum64 of ``length`` bytes at ``address`` (device -1: host memory)."""

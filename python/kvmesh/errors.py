@@ -16,6 +16,7 @@ __all__ = [
     "Refused",
     "DaemonUnavailable",
     "Released",
+    "NoDevice",
 ]
 
 
@@ -59,3 +60,9 @@ class DaemonUnavailable(KvmeshError, ConnectionError):
 class Released(KvmeshError):
     """A batch or allocation was used after ``release()``, ``commit()`` or
     ``abort()``."""
+
+
+class NoDevice(KvmeshError):
+    """A call on GPU memory where there is no CUDA driver, no such device,
+    or no NVRTC (the kernels' run-time compiler). The same call on host
+    memory works everywhere."""

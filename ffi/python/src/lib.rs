@@ -710,6 +710,83 @@ fn key<'py>(py: Python<'py>, k: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyByt
     Ok(key_bytes(py, key_of(py, k)?))
 }
 
+fn gpu_error(py: Python<'_>, e: kvmesh_kernels::cuda::GpuError) -> PyErr {
+    use kvmesh_kernels::cuda::GpuError as G;
+    match e {
+        G::Layout(_) | G::Invalid(_) => invalid(py, e.to_string()),
+        G::NoDriver(_) | G::NoDevice { .. } | G::Nvrtc(_) | G::Unsupported { .. } => {
+            error(py, "NoDevice", e.to_string())
+        }
+        G::Driver { .. } => error(py, "KvmeshError", e.to_string()),
+    }
+}
+
+fn kv_shape(
+    py: Python<'_>,
+    shape: (u32, u32, usize, usize, usize, usize, usize),
+) -> PyResult<kvmesh_kernels::layout::PagedKv> {
+    use kvmesh_kernels::layout::{DType, Layout, PagedKv};
+    let (layout, dtype, num_layers, num_blocks, block_tokens, kv_heads, head_dim) = shape;
+    let layout = Layout::from_code(layout).ok_or_else(|| invalid(py, format!("layout code {layout}")))?;
+    Ok(PagedKv {
+        layout,
+        dtype: DType::from_code(dtype).ok_or_else(|| invalid(py, format!("dtype code {dtype}")))?,
+        num_layers,
+        num_blocks,
+        block_tokens,
+        kv_heads: if layout == Layout::Mla { 1 } else { kv_heads },
+        head_dim,
+    })
+}
+
+/// `kvmesh._kvmesh.kv_sizes(shape)`: (block bytes, tensor count, tensor bytes).
+#[pyfunction]
+fn kv_sizes(py: Python<'_>, shape: (u32, u32, usize, usize, usize, usize, usize)) -> PyResult<(usize, usize, usize)> {
+    let s = kv_shape(py, shape)?;
+    let block = s.block_bytes().map_err(|e| invalid(py, e.to_string()))?;
+    let (n, bytes) = s.tensors().map_err(|e| invalid(py, e.to_string()))?;
+    Ok((block, n, bytes))
+}
+
+/// `kvmesh._kvmesh.kv_move(shape, device, gather, tensors, pages, slots,
+/// slot_bytes)`: the C ABI's kvmesh_kv_gather/scatter over addresses. Only
+/// `kvmesh.kernels` calls it, with addresses of arrays it keeps referenced
+/// for the call and whose sizes it checked against the shape.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+fn kv_move(
+    py: Python<'_>,
+    shape: (u32, u32, usize, usize, usize, usize, usize),
+    device: i32,
+    gather: bool,
+    tensors: Vec<u64>,
+    pages: Vec<u64>,
+    slots: Vec<u64>,
+    slot_bytes: usize,
+) -> PyResult<()> {
+    use kvmesh_kernels::raw::{Direction, Memory, move_pages};
+    let s = kv_shape(py, shape)?;
+    let mem = Memory::from_code(device).ok_or_else(|| invalid(py, format!("device {device}")))?;
+    let dir = if gather { Direction::Gather } else { Direction::Scatter };
+    // SAFETY: kvmesh.kernels passes the addresses of arrays it holds
+    // references to for the whole call, after checking each one is
+    // contiguous, of the memory kind `device` names, as long as the shape
+    // needs (tensors) or `slot_bytes` (slots), and writable where written;
+    // the GIL is released, but the arrays stay referenced by the caller.
+    py.detach(|| unsafe { move_pages(&s, mem, dir, &tensors, &pages, &slots, slot_bytes) })
+        .map_err(|e| gpu_error(py, e))
+}
+
+/// `kvmesh._kvmesh.kvsum64(device, address, length)`.
+#[pyfunction]
+fn kvsum64(py: Python<'_>, device: i32, address: u64, length: usize) -> PyResult<u64> {
+    use kvmesh_kernels::raw::Memory;
+    let mem = Memory::from_code(device).ok_or_else(|| invalid(py, format!("device {device}")))?;
+    // SAFETY: kvmesh.kernels passes the address and length of a contiguous
+    // array it keeps referenced for the call, of that memory kind.
+    py.detach(|| unsafe { kvmesh_kernels::raw::kvsum64(mem, address, length) }).map_err(|e| gpu_error(py, e))
+}
+
 #[pymodule]
 fn _kvmesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
@@ -722,5 +799,8 @@ fn _kvmesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chain_key, m)?)?;
     m.add_function(wrap_pyfunction!(prefix_keys, m)?)?;
     m.add_function(wrap_pyfunction!(key, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_sizes, m)?)?;
+    m.add_function(wrap_pyfunction!(kv_move, m)?)?;
+    m.add_function(wrap_pyfunction!(kvsum64, m)?)?;
     Ok(())
 }
