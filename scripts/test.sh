@@ -33,6 +33,17 @@ echo "== tests" >&2
 cargo test --workspace --locked
 echo "== Python package: built from source with pip into target/pyvenv, pytest against a real kvmeshd" >&2
 scripts/python-test.sh
+echo "== CUDA kernels: the source compiles with NVRTC (from the Python registry; no GPU or driver needed)" >&2
+if [[ ! -d target/nvrtc/nvidia ]]; then
+    target/pyvenv/bin/python -m pip install -q --disable-pip-version-check --target target/nvrtc "nvidia-cuda-nvrtc>=13,<14" ||
+        skipped "could not install nvidia-cuda-nvrtc; the kernels' NVRTC compile check did not run"
+fi
+nvrtc_lib=$(find target/nvrtc -name 'libnvrtc.so.*' -printf '%h\n' 2>/dev/null | head -1)
+if [[ -n "$nvrtc_lib" ]]; then
+    LD_LIBRARY_PATH="$PWD/$nvrtc_lib" KVMESH_REQUIRE_NVRTC=1 cargo test --locked -q -p kvmesh-kernels --lib kernels_compile_with_nvrtc
+else
+    skipped "no libnvrtc under target/nvrtc; the kernels' NVRTC compile check did not run"
+fi
 echo "== coherence simulator: 1000 seeds, then each planted bug must be caught" >&2
 cargo build --locked --release -q -p kvmesh-cluster-tests --bin kvmesh-sim
 target/release/kvmesh-sim --seeds 1000 | tail -1

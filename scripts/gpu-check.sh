@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The device check of the GPU paths (issue 15), in two halves:
+#
+#   scripts/gpu-check.sh --build   here, with cargo: builds the release
+#       kvmesh-gpu-check (stripped) and the Python package's native module
+#       into target/gpu-check/ (a few MiB; carry that folder to the GPU
+#       machine, e.g. the device tool's `carry`).
+#   scripts/gpu-check.sh           on a machine with an NVIDIA GPU, its
+#       driver, and no Rust toolchain: finds libnvrtc (CUDA toolkit, or the
+#       nvidia-* wheels PyTorch brings), runs kvmesh-gpu-check and, if torch
+#       is there, python/gpu_check.py. Prints a JSON last line; under 5
+#       minutes. Exit 0 ok, 1 a check failed, 77 no GPU here (skipped).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUNDLE=target/gpu-check
+
+if [[ "${1:-}" == "--build" ]]; then
+    export PATH="$HOME/.cargo/bin:$PATH"
+    rm -rf "$BUNDLE"
+    mkdir -p "$BUNDLE/python"
+    cargo build --locked --release -q -p kvmesh-kernels --bin kvmesh-gpu-check
+    cp target/release/kvmesh-gpu-check "$BUNDLE/"
+    strip "$BUNDLE/kvmesh-gpu-check"
+    PROFILE=release scripts/python-test.sh --install-only
+    site=$(target/pyvenv/bin/python -c 'import kvmesh, os; print(os.path.dirname(kvmesh.__file__))')
+    cp -r "$site" "$BUNDLE/python/kvmesh"
+    find "$BUNDLE/python" -name '__pycache__' -prune -exec rm -rf {} +
+    find "$BUNDLE/python" -name '*.so' -exec strip {} \;
+    cp python/gpu_check.py "$BUNDLE/python/"
+    du -sh "$BUNDLE" >&2
+    echo "gpu-check: bundle in $BUNDLE" >&2
+    exit 0
+fi
+
+if [[ ! -x "$BUNDLE/kvmesh-gpu-check" ]]; then
+    echo "gpu-check: no $BUNDLE/kvmesh-gpu-check; run scripts/gpu-check.sh --build where cargo is" >&2
+    exit 2
+fi
+
+# libnvrtc: the CUDA toolkit's, or the one the nvidia-* Python wheels bring.
+dirs=()
+for d in "${CUDA_HOME:-/usr/local/cuda}/lib64" /usr/local/cuda/lib64 /usr/local/cuda-*/lib64 /usr/lib/x86_64-linux-gnu; do
+    compgen -G "$d/libnvrtc.so*" >/dev/null && dirs+=("$d")
+done
+if command -v python3 >/dev/null; then
+    while IFS= read -r d; do dirs+=("$d"); done < <(python3 - <<'PY' 2>/dev/null || true
+import glob, os, site, sys
+roots = site.getsitepackages() + [site.getusersitepackages()]
+seen = set()
+for r in roots:
+    for f in glob.glob(os.path.join(r, "nvidia", "**", "libnvrtc.so*"), recursive=True):
+        d = os.path.dirname(f)
+        if d not in seen:
+            seen.add(d)
+            print(d)
+PY
+)
+fi
+if ((${#dirs[@]})); then
+    LD_LIBRARY_PATH="$(IFS=:; echo "${dirs[*]}")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export LD_LIBRARY_PATH
+    echo "gpu-check: libnvrtc from ${dirs[*]}" >&2
+else
+    echo "gpu-check: no libnvrtc found (the kernels' checks will fail with NVRTC errors)" >&2
+fi
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
+
+set +e
+rust_out=$(timeout 240 "$BUNDLE/kvmesh-gpu-check")
+rust_rc=$?
+set -e
+printf '%s\n' "$rust_out" | sed '$d'
+rust_json=$(printf '%s\n' "$rust_out" | tail -1)
+py_json='{"check":"python-gpu","skipped":"python3 missing"}'
+py_rc=77
+if command -v python3 >/dev/null; then
+    set +e
+    py_json=$(PYTHONPATH="$BUNDLE/python" timeout 120 python3 "$BUNDLE/python/gpu_check.py" | tail -1)
+    py_rc=$?
+    set -e
+fi
+echo "python: $py_json" >&2
+ok=false
+if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) ]]; then ok=true; fi
+[[ -n "$rust_json" ]] || rust_json='null'
+[[ -n "$py_json" ]] || py_json='null'
+echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"rust\":$rust_json,\"python\":$py_json}"
+if [[ $rust_rc -eq 77 ]]; then exit 77; fi
+$ok
