@@ -36,9 +36,14 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use kvmesh_common::handshake::FD_HANDSHAKE_MAGIC;
-use kvmesh_common::slot::{SlotMeta, SlotState, validate_slot};
+use kvmesh_common::handshake::PoolKind;
+use kvmesh_common::slot::{
+    HEADER_BYTES, SlotMeta, SlotState, TRAILER_BYTES, trailer_offset, validate_meta, validate_slot,
+};
 pub use kvmesh_common::{Key, ValidationError};
 use kvmesh_ffi_os::{ReadRegion, SharedMapping, ShmError, WriteRegion};
+pub use kvmesh_kernels::cuda::GpuError;
+use kvmesh_kernels::cuda::{DeviceRange, Gpu, GpuPool};
 use kvmesh_proto::engine::v1 as pb;
 /// Coherence figures of a clustered daemon (`Stats::coherence`).
 pub use kvmesh_proto::engine::v1::CoherenceStats;
@@ -89,6 +94,10 @@ pub enum ClientError {
     /// finished; nothing read under it can be trusted. Retry.
     #[error("lease expired: {0}")]
     LeaseExpired(String),
+    /// GPU memory could not be used: no CUDA driver or device in this
+    /// process, a failed import of a GPU pool, a failed device copy.
+    #[error("GPU: {0}")]
+    Gpu(#[from] GpuError),
 }
 
 impl ClientError {
@@ -100,6 +109,7 @@ impl ClientError {
             ClientError::InvalidArgument(_) => tonic::Code::InvalidArgument,
             ClientError::Protocol(_) | ClientError::Shm(_) => tonic::Code::Internal,
             ClientError::LeaseExpired(_) => tonic::Code::DeadlineExceeded,
+            ClientError::Gpu(_) => tonic::Code::FailedPrecondition,
         }
     }
 }
@@ -125,6 +135,9 @@ pub enum ErrorKind {
     Unavailable,
     /// A bug or an unexpected answer.
     Internal,
+    /// GPU memory cannot be used here (no CUDA driver, device or NVRTC),
+    /// or a device operation failed.
+    NoDevice,
 }
 
 impl ClientError {
@@ -136,6 +149,7 @@ impl ClientError {
             ClientError::InvalidArgument(_) => ErrorKind::InvalidArgument,
             ClientError::LeaseExpired(_) => ErrorKind::LeaseExpired,
             ClientError::Protocol(_) | ClientError::Shm(_) => ErrorKind::Internal,
+            ClientError::Gpu(_) => ErrorKind::NoDevice,
             ClientError::Rpc(s) => match s.code() {
                 Code::InvalidArgument | Code::OutOfRange | Code::FailedPrecondition => ErrorKind::InvalidArgument,
                 Code::NotFound => ErrorKind::NotFound,
@@ -233,9 +247,55 @@ impl Releases {
     }
 }
 
+/// A GPU pool of the daemon, imported into this process.
+struct ImportedGpu {
+    gpu: Arc<Gpu>,
+    pool: GpuPool,
+}
+
+/// How this process reaches a pool.
+#[derive(Clone)]
+enum PoolMem {
+    Host(Arc<SharedMapping>),
+    Cuda(Arc<ImportedGpu>),
+    /// A GPU pool this process could not import (no driver here, say):
+    /// namespaces in it fail with this error; the other pools work.
+    Unavailable(GpuError),
+}
+
 struct PoolMap {
-    map: Arc<SharedMapping>,
+    mem: PoolMem,
     info: pb::PoolInfo,
+}
+
+/// A block in GPU memory, as this process sees it: `len` bytes at device
+/// address `ptr` of CUDA device `device`, valid while the guard it came
+/// from lives (and within its lease).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DeviceBlock {
+    /// CUDA device ordinal.
+    pub device: u32,
+    /// Device address in this process.
+    pub ptr: u64,
+    /// Bytes of the block.
+    pub len: u64,
+}
+
+/// Where a guard's bytes are.
+enum Bytes<R> {
+    Host(R),
+    Device(Arc<ImportedGpu>, DeviceRange),
+}
+
+impl<R> Bytes<R> {
+    fn device(&self) -> Option<DeviceBlock> {
+        match self {
+            Bytes::Host(_) => None,
+            Bytes::Device(g, r) => {
+                Some(DeviceBlock { device: g.gpu.ordinal() as u32, ptr: r.ptr(), len: r.len() as u64 })
+            }
+        }
+    }
 }
 
 struct Inner {
@@ -273,17 +333,19 @@ pub struct PinOptions {
     pub stop_at_first_miss: bool,
 }
 
-/// A pinned block, read in place. Derefs to the block's bytes; unpins when
-/// dropped.
+/// A pinned block, read in place. In a host pool it derefs to the block's
+/// bytes; in a GPU pool the bytes are on the device: [`PinnedBlock::device`]
+/// gives their address ([`PinnedBlock::copy_to`] copies them to host
+/// memory), and dereferencing panics. Unpins when dropped.
 pub struct PinnedBlock {
-    region: ReadRegion,
+    bytes: Bytes<ReadRegion>,
     key: Key,
     slot: SlotRef,
     version: u64,
     checksum: u64,
     fingerprint: u64,
     lease_deadline_unix_ms: u64,
-    pool: Arc<SharedMapping>,
+    pool: PoolMem,
     stride: u64,
     payload_capacity: u64,
     release: Option<Arc<Releases>>,
@@ -298,7 +360,8 @@ impl PinnedBlock {
     pub fn version(&self) -> u64 {
         self.version
     }
-    /// The payload checksum (xxh3-64) recorded at commit.
+    /// The payload checksum recorded at commit: xxh3-64 in a host pool,
+    /// `kvsum64` in a GPU pool.
     pub fn checksum(&self) -> u64 {
         self.checksum
     }
@@ -306,34 +369,96 @@ impl PinnedBlock {
     pub fn slot(&self) -> SlotRef {
         self.slot
     }
+    /// Bytes of the block.
+    pub fn len(&self) -> usize {
+        match &self.bytes {
+            Bytes::Host(r) => r.len(),
+            Bytes::Device(_, r) => r.len(),
+        }
+    }
+    /// Whether the block is empty (never: blocks have at least one byte).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Where the block is when it is in a GPU pool (`None`: host memory,
+    /// read it through `Deref`).
+    pub fn device(&self) -> Option<DeviceBlock> {
+        self.bytes.device()
+    }
+    /// Copies the block into `dst` (exactly [`PinnedBlock::len`] bytes),
+    /// from host or device memory.
+    pub fn copy_to(&self, dst: &mut [u8]) -> Result<()> {
+        if dst.len() != self.len() {
+            return Err(ClientError::InvalidArgument(format!(
+                "destination is {} bytes, block {}",
+                dst.len(),
+                self.len()
+            )));
+        }
+        match &self.bytes {
+            Bytes::Host(r) => dst.copy_from_slice(r),
+            Bytes::Device(g, r) => g.gpu.copy_to_host(dst, *r)?,
+        }
+        Ok(())
+    }
     /// Time left on the pin's lease (zero once it has passed).
     pub fn lease_remaining(&self) -> Duration {
         let now = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(u64::MAX);
         Duration::from_millis(self.lease_deadline_unix_ms.saturating_sub(now))
     }
     /// Re-reads the whole slot (header, payload, trailer) and checks that it
-    /// still holds this block with a matching checksum.
+    /// still holds this block with a matching checksum. In a GPU pool the
+    /// payload is checksummed on the device (`kvsum64`); only header and
+    /// trailer are copied to the host.
     pub fn verify(&self) -> std::result::Result<(), ValidationError> {
         let base = self.slot.slot as u64 * self.stride;
-        let whole =
-            self.pool.read(base, self.stride).map_err(|_| ValidationError::Size { expected: self.stride, found: 0 })?;
         let expected = SlotMeta {
             state: SlotState::Valid,
             namespace: self.fingerprint,
             key: self.key,
             version: self.version,
             generation: self.slot.generation,
-            payload_len: self.region.len() as u64,
+            payload_len: self.len() as u64,
             checksum: self.checksum,
         };
-        validate_slot(&whole, self.payload_capacity, &expected).map(|_| ())
+        match &self.pool {
+            PoolMem::Host(map) => {
+                let whole = map.read(base, self.stride).map_err(|e| ValidationError::Unreadable(e.to_string()))?;
+                validate_slot(&whole, self.payload_capacity, &expected).map(|_| ())
+            }
+            PoolMem::Cuda(g) => {
+                let unreadable = |e: GpuError| ValidationError::Unreadable(e.to_string());
+                let range = g.pool.range();
+                let (mut h, mut t) = ([0u8; HEADER_BYTES], [0u8; TRAILER_BYTES]);
+                g.gpu
+                    .copy_to_host(&mut h, range.sub(base as usize, HEADER_BYTES).map_err(unreadable)?)
+                    .map_err(unreadable)?;
+                let at = (base + trailer_offset(self.payload_capacity)) as usize;
+                g.gpu.copy_to_host(&mut t, range.sub(at, TRAILER_BYTES).map_err(unreadable)?).map_err(unreadable)?;
+                let meta = validate_meta(&h, &t, self.payload_capacity, &expected)?;
+                let payload = range.sub(base as usize + HEADER_BYTES, meta.payload_len as usize).map_err(unreadable)?;
+                let found = g.gpu.kvsum64(payload).map_err(unreadable)?;
+                if found != meta.checksum {
+                    return Err(ValidationError::Checksum { expected: meta.checksum, found });
+                }
+                Ok(())
+            }
+            PoolMem::Unavailable(e) => Err(ValidationError::Unreadable(e.to_string())),
+        }
     }
 }
 
 impl Deref for PinnedBlock {
     type Target = [u8];
+    /// The block's bytes in a host pool. **Panics** for a block in a GPU
+    /// pool (its bytes are not host memory): check [`PinnedBlock::device`].
     fn deref(&self) -> &[u8] {
-        &self.region
+        match &self.bytes {
+            Bytes::Host(r) => r,
+            Bytes::Device(g, _) => {
+                panic!("block is in GPU memory (cuda:{}): use PinnedBlock::device() or copy_to()", g.gpu.ordinal())
+            }
+        }
     }
 }
 
@@ -345,11 +470,13 @@ impl Drop for PinnedBlock {
     }
 }
 
-/// A slot allocated for a put: write the block into it (it derefs mutably
-/// to the slot's payload in the pool), then [`Client::commit`] it. Dropped
-/// without commit, the allocation is aborted.
+/// A slot allocated for a put: write the block into it (in a host pool it
+/// derefs mutably to the slot's payload; in a GPU pool use
+/// [`WritableBlock::device`] or [`WritableBlock::write`]), then
+/// [`Client::commit`] it. Dropped without commit, the allocation is
+/// aborted.
 pub struct WritableBlock {
-    region: WriteRegion,
+    bytes: Bytes<WriteRegion>,
     key: Key,
     slot: SlotRef,
     release: Option<Arc<Releases>>,
@@ -364,18 +491,58 @@ impl WritableBlock {
     pub fn slot(&self) -> SlotRef {
         self.slot
     }
+    /// Bytes of the block.
+    pub fn len(&self) -> usize {
+        match &self.bytes {
+            Bytes::Host(r) => r.len(),
+            Bytes::Device(_, r) => r.len(),
+        }
+    }
+    /// Whether the block is empty (never).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Where to write the block when the slot is in a GPU pool (`None`:
+    /// host memory, write it through `DerefMut`).
+    pub fn device(&self) -> Option<DeviceBlock> {
+        self.bytes.device()
+    }
+    /// Writes the whole block from host memory (`src` is exactly
+    /// [`WritableBlock::len`] bytes), into host or device memory.
+    pub fn write(&mut self, src: &[u8]) -> Result<()> {
+        if src.len() != self.len() {
+            return Err(ClientError::InvalidArgument(format!("block is {} bytes, slot {}", src.len(), self.len())));
+        }
+        match &mut self.bytes {
+            Bytes::Host(r) => r.copy_from_slice(src),
+            Bytes::Device(g, r) => g.gpu.copy_to_device(*r, src)?,
+        }
+        Ok(())
+    }
 }
 
 impl Deref for WritableBlock {
     type Target = [u8];
+    /// The slot's payload in a host pool. **Panics** for a GPU pool.
     fn deref(&self) -> &[u8] {
-        &self.region
+        match &self.bytes {
+            Bytes::Host(r) => r,
+            Bytes::Device(g, _) => {
+                panic!("slot is in GPU memory (cuda:{}): use WritableBlock::device()", g.gpu.ordinal())
+            }
+        }
     }
 }
 
 impl DerefMut for WritableBlock {
+    /// The slot's payload in a host pool. **Panics** for a GPU pool.
     fn deref_mut(&mut self) -> &mut [u8] {
-        &mut self.region
+        match &mut self.bytes {
+            Bytes::Host(r) => r,
+            Bytes::Device(g, _) => {
+                panic!("slot is in GPU memory (cuda:{}): use WritableBlock::device()", g.gpu.ordinal())
+            }
+        }
     }
 }
 
@@ -444,11 +611,12 @@ pub struct PutSummary {
     pub first_refusal: Option<String>,
 }
 
-/// How a pool reaches the client: a memfd to map, or a SysV segment id to
-/// attach.
+/// How a pool reaches the client: a memfd to map, a SysV segment id to
+/// attach, or a CUDA allocation's fd to import on a device.
 enum PoolHandle {
     Memfd(std::os::fd::OwnedFd),
     SysV(i32),
+    Cuda(std::os::fd::OwnedFd, u32),
 }
 
 fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, PoolHandle)>), String> {
@@ -466,14 +634,23 @@ fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, PoolHa
         table
             .into_iter()
             .map(|t| {
-                let h = match t.sysv {
-                    Some(id) => PoolHandle::SysV(id),
-                    None => PoolHandle::Memfd(fds.next().expect("decode checked the fd count")),
+                let h = match t.kind {
+                    PoolKind::SysV(id) => PoolHandle::SysV(id),
+                    PoolKind::Memfd => PoolHandle::Memfd(fds.next().expect("decode checked the fd count")),
+                    PoolKind::Cuda(d) => PoolHandle::Cuda(fds.next().expect("decode checked the fd count"), d),
                 };
                 (pb::PoolInfo { index: t.pool, bytes: t.bytes, ..Default::default() }, h)
             })
             .collect(),
     ))
+}
+
+/// Imports a GPU pool of the daemon on `device` (CUDA IPC through the
+/// allocation's fd: this process then reads and writes the same memory).
+fn import_gpu_pool(fd: &std::os::fd::OwnedFd, device: u32, bytes: u64) -> std::result::Result<ImportedGpu, GpuError> {
+    let gpu = kvmesh_kernels::raw::gpu(device as usize)?;
+    let pool = gpu.import_pool(fd, bytes as usize)?;
+    Ok(ImportedGpu { gpu, pool })
 }
 
 impl Client {
@@ -549,11 +726,18 @@ impl Client {
             if full.bytes != info.bytes || full.index as usize != pools.len() {
                 return Err(bad(format!("pool {} described inconsistently", info.index)));
             }
-            let map = Arc::new(match fd {
-                PoolHandle::Memfd(fd) => SharedMapping::map(fd, info.bytes)?,
-                PoolHandle::SysV(id) => SharedMapping::attach_sysv(id, info.bytes)?,
-            });
-            pools.push(PoolMap { map, info: full.clone() });
+            let mem = match fd {
+                PoolHandle::Memfd(fd) => PoolMem::Host(Arc::new(SharedMapping::map(fd, info.bytes)?)),
+                PoolHandle::SysV(id) => PoolMem::Host(Arc::new(SharedMapping::attach_sysv(id, info.bytes)?)),
+                PoolHandle::Cuda(fd, device) => match import_gpu_pool(&fd, device, info.bytes) {
+                    Ok(g) => PoolMem::Cuda(Arc::new(g)),
+                    Err(e) => {
+                        tracing::warn!(pool = %full.name, device, "GPU pool not usable in this process: {e}");
+                        PoolMem::Unavailable(e)
+                    }
+                },
+            };
+            pools.push(PoolMap { mem, info: full.clone() });
         }
         let fast = if fast_path { fast::Fast::open(&path, hello.instance_id).await.map(Arc::new) } else { None };
         let (tx, rx) = mpsc::unbounded_channel();
@@ -593,7 +777,25 @@ impl Client {
 
     /// Registers a namespace (or returns the existing identical one).
     pub async fn register_namespace(&self, name: &str, block_bytes: u64, layout: &str) -> Result<Namespace> {
-        let r = pb::RegisterNamespaceRequest { name: name.into(), block_bytes, layout: layout.into() };
+        self.register_namespace_on(name, block_bytes, layout, "").await
+    }
+
+    /// Registers a namespace whose blocks live on `device`: `""`/`"host"`
+    /// (host pools) or `"cuda:N"` (the daemon's GPU pools on device N;
+    /// pinned blocks are then device memory: [`PinnedBlock::device`]).
+    pub async fn register_namespace_on(
+        &self,
+        name: &str,
+        block_bytes: u64,
+        layout: &str,
+        device: &str,
+    ) -> Result<Namespace> {
+        let r = pb::RegisterNamespaceRequest {
+            name: name.into(),
+            block_bytes,
+            layout: layout.into(),
+            device: device.into(),
+        };
         Ok(self.rpc().register_namespace(r).await?.into_inner().into())
     }
 
@@ -670,22 +872,22 @@ impl Client {
             let s = b.slot.ok_or_else(|| ClientError::Protocol("hit without slot".into()))?;
             let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
             let release = Some(Arc::clone(&self.inner.releases));
-            let region = match pool.map.read(b.payload_offset, b.payload_bytes) {
+            let bytes = match pool.bytes_at(b.payload_offset, b.payload_bytes, |m, o, l| m.read(o, l)) {
                 Ok(r) => r,
                 Err(e) => {
                     self.inner.releases.unpin(slot);
-                    return Err(e.into());
+                    return Err(e);
                 }
             };
             out.push(Some(PinnedBlock {
-                region,
+                bytes,
                 key,
                 slot,
                 version: b.version,
                 checksum: b.checksum,
                 fingerprint: ns.fingerprint,
                 lease_deadline_unix_ms: resp.lease_deadline_unix_ms,
-                pool: Arc::clone(&pool.map),
+                pool: pool.mem.clone(),
                 stride: pool.info.slot_stride_bytes,
                 payload_capacity: pool.info.slot_payload_bytes,
                 release,
@@ -736,7 +938,7 @@ impl Client {
         let mut held = Vec::with_capacity(blocks.len());
         for (i, b) in blocks.into_iter().enumerate() {
             if let Some(b) = b {
-                dst[i * bs..(i + 1) * bs].copy_from_slice(&b);
+                b.copy_to(&mut dst[i * bs..(i + 1) * bs])?;
                 hits[i] = true;
                 held.push(b);
             }
@@ -793,15 +995,15 @@ impl Client {
                 Ok(pb::AllocateStatus::Allocated) => {
                     let s = a.slot.ok_or_else(|| ClientError::Protocol("allocation without slot".into()))?;
                     let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
-                    let region = match pool.map.write(a.payload_offset, ns.block_bytes) {
+                    let bytes = match pool.bytes_at(a.payload_offset, ns.block_bytes, |m, o, l| m.write(o, l)) {
                         Ok(r) => r,
                         Err(e) => {
                             self.inner.releases.abort(slot);
-                            return Err(e.into());
+                            return Err(e);
                         }
                     };
                     Allocation::Allocated(WritableBlock {
-                        region,
+                        bytes,
                         key,
                         slot,
                         release: Some(Arc::clone(&self.inner.releases)),
@@ -903,7 +1105,7 @@ impl Client {
         for (a, (_, bytes)) in allocs.into_iter().zip(blocks) {
             match a {
                 Allocation::Allocated(mut w) => {
-                    w.copy_from_slice(bytes);
+                    w.write(bytes)?;
                     writes.push(w);
                 }
                 Allocation::Exists => sum.existed += 1,
@@ -1046,13 +1248,34 @@ async fn release_loop(
     }
 }
 
+impl PoolMap {
+    /// The bytes of a slot's payload: a claimed region of a host mapping
+    /// (`claim` reads or writes), or a range of an imported GPU pool.
+    fn bytes_at<R>(
+        &self,
+        offset: u64,
+        len: u64,
+        claim: impl FnOnce(&Arc<SharedMapping>, u64, u64) -> std::result::Result<R, ShmError>,
+    ) -> Result<Bytes<R>> {
+        match &self.mem {
+            PoolMem::Host(m) => Ok(Bytes::Host(claim(m, offset, len)?)),
+            PoolMem::Cuda(g) => {
+                let r = g.pool.range().sub(offset as usize, len as usize)?;
+                Ok(Bytes::Device(Arc::clone(g), r))
+            }
+            PoolMem::Unavailable(e) => Err(ClientError::Gpu(e.clone())),
+        }
+    }
+}
+
 impl std::fmt::Debug for PinnedBlock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PinnedBlock")
             .field("key", &self.key)
             .field("slot", &self.slot)
             .field("version", &self.version)
-            .field("len", &self.region.len())
+            .field("len", &self.len())
+            .field("device", &self.device())
             .finish()
     }
 }

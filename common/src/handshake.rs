@@ -2,13 +2,16 @@
 //!
 //! The engine socket speaks gRPC (HTTP/2), except on connections whose first
 //! bytes are [`FD_HANDSHAKE_MAGIC`]: on those the daemon answers with one
-//! message carrying the pools' memfds (SCM_RIGHTS) and a table saying which
-//! pool each is, then closes. A pool UCX allocated (a SysV segment, for
-//! one-sided shared-memory reads between daemons) travels as its segment id
-//! instead of an fd. The client maps each pool once.
+//! message carrying the pools' fds (SCM_RIGHTS) and a table saying which
+//! pool each is, then closes. A host pool travels as its memfd; a pool UCX
+//! allocated (a SysV segment, for one-sided shared-memory reads between
+//! daemons) as its segment id instead of an fd; a GPU pool as the POSIX fd
+//! of its CUDA allocation (`cuMemExportToShareableHandle`) and the device
+//! ordinal. The client maps (or imports) each pool once.
 
-/// First bytes a client sends to ask for the pool fds.
-pub const FD_HANDSHAKE_MAGIC: &[u8; 12] = b"KVMESH-FD/1\n";
+/// First bytes a client sends to ask for the pool fds (version 2: pool
+/// kinds in the table; a version-1 client is refused at the magic).
+pub const FD_HANDSHAKE_MAGIC: &[u8; 12] = b"KVMESH-FD/2\n";
 
 /// First bytes of the daemon's answer to a client it refuses (another uid
 /// not in `server.allow_uids`, say), followed by the reason in UTF-8; no
@@ -18,6 +21,24 @@ pub const REFUSED_MAGIC: &[u8; 15] = b"KVMESH-REFUSED\n";
 /// Most pools one daemon exposes (and so most fds in one handshake).
 pub const POOLS_MAX: usize = 16;
 
+/// How a pool reaches the client.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PoolKind {
+    /// The next attached fd is the pool's memfd: map it.
+    Memfd,
+    /// Attach this SysV segment (no fd).
+    SysV(i32),
+    /// The next attached fd is a CUDA allocation of device N: import it.
+    Cuda(u32),
+}
+
+impl PoolKind {
+    /// Whether an fd is attached for this pool.
+    pub fn has_fd(self) -> bool {
+        !matches!(self, PoolKind::SysV(_))
+    }
+}
+
 /// One pool in the handshake table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolFd {
@@ -25,24 +46,31 @@ pub struct PoolFd {
     pub pool: u32,
     /// Size of the pool in bytes.
     pub bytes: u64,
-    /// `Some(shmid)`: attach this SysV segment; `None`: the next attached fd
-    /// (memfd) is this pool.
-    pub sysv: Option<i32>,
+    /// How to map it.
+    pub kind: PoolKind,
 }
 
 const HEAD: usize = 12;
-const ENTRY: usize = 16;
+const ENTRY: usize = 24;
 
 /// Encodes the handshake table: pool count, daemon instance id, then one
-/// (pool, sysv id or -1, bytes) entry per pool, in pool order; memfds are
-/// attached in the order of the entries that have no SysV id.
+/// (pool, kind, argument, 0, bytes) entry per pool, in pool order — kind 0
+/// memfd, 1 SysV (argument: the segment id), 2 CUDA (argument: the device
+/// ordinal); fds are attached in the order of the entries that have one.
 pub fn encode(instance: u64, pools: &[PoolFd]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEAD + ENTRY * pools.len());
     out.extend_from_slice(&(pools.len() as u32).to_le_bytes());
     out.extend_from_slice(&instance.to_le_bytes());
     for p in pools {
+        let (kind, arg): (u32, i32) = match p.kind {
+            PoolKind::Memfd => (0, 0),
+            PoolKind::SysV(id) => (1, id),
+            PoolKind::Cuda(d) => (2, d as i32),
+        };
         out.extend_from_slice(&p.pool.to_le_bytes());
-        out.extend_from_slice(&p.sysv.unwrap_or(-1).to_le_bytes());
+        out.extend_from_slice(&kind.to_le_bytes());
+        out.extend_from_slice(&arg.to_le_bytes());
+        out.extend_from_slice(&0u32.to_le_bytes());
         out.extend_from_slice(&p.bytes.to_le_bytes());
     }
     out
@@ -62,20 +90,22 @@ pub fn decode(buf: &[u8], fds: usize) -> Result<(u64, Vec<PoolFd>), String> {
     if n > POOLS_MAX || buf.len() != HEAD + ENTRY * n {
         return Err(format!("handshake reply names {n} pools in {} bytes", buf.len()));
     }
-    let table: Vec<PoolFd> = (0..n)
-        .map(|i| {
-            let b = &buf[HEAD + ENTRY * i..HEAD + ENTRY * (i + 1)];
-            let id = i32::from_le_bytes(b[4..8].try_into().expect("4 bytes"));
-            PoolFd {
-                pool: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
-                sysv: (id >= 0).then_some(id),
-                bytes: u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
-            }
-        })
-        .collect();
-    let memfds = table.iter().filter(|p| p.sysv.is_none()).count();
-    if memfds != fds {
-        return Err(format!("handshake reply names {memfds} memfd pools with {fds} fds attached"));
+    let mut table = Vec::with_capacity(n);
+    for i in 0..n {
+        let b = &buf[HEAD + ENTRY * i..HEAD + ENTRY * (i + 1)];
+        let u = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+        let arg = u(8) as i32;
+        let kind = match (u(4), arg) {
+            (0, _) => PoolKind::Memfd,
+            (1, id) if id >= 0 => PoolKind::SysV(id),
+            (2, d) if d >= 0 => PoolKind::Cuda(d as u32),
+            (k, a) => return Err(format!("handshake reply: pool entry {i} has kind {k} with argument {a}")),
+        };
+        table.push(PoolFd { pool: u(0), kind, bytes: u64::from_le_bytes(b[16..].try_into().expect("8 bytes")) });
+    }
+    let with_fd = table.iter().filter(|p| p.kind.has_fd()).count();
+    if with_fd != fds {
+        return Err(format!("handshake reply names {with_fd} pools with an fd, {fds} fds attached"));
     }
     Ok((instance, table))
 }
@@ -87,14 +117,22 @@ mod tests {
     #[test]
     fn round_trip_and_mismatch() {
         let t = [
-            PoolFd { pool: 0, bytes: 1 << 28, sysv: None },
-            PoolFd { pool: 3, bytes: 4096, sysv: Some(77) },
-            PoolFd { pool: 4, bytes: 8192, sysv: None },
+            PoolFd { pool: 0, bytes: 1 << 28, kind: PoolKind::Memfd },
+            PoolFd { pool: 3, bytes: 4096, kind: PoolKind::SysV(77) },
+            PoolFd { pool: 4, bytes: 8192, kind: PoolKind::Memfd },
+            PoolFd { pool: 5, bytes: 1 << 30, kind: PoolKind::Cuda(1) },
         ];
         let b = encode(42, &t);
-        assert_eq!(decode(&b, 2).unwrap(), (42, t.to_vec()));
-        assert!(decode(&b, 1).is_err());
-        assert!(decode(&b[..5], 2).is_err());
+        assert_eq!(decode(&b, 3).unwrap(), (42, t.to_vec()));
+        assert!(decode(&b, 2).is_err());
+        assert!(decode(&b[..5], 3).is_err());
+        // An unknown kind, or a negative id, is refused.
+        let mut bad = b.clone();
+        bad[HEAD + 4] = 9;
+        assert!(decode(&bad, 3).unwrap_err().contains("kind 9"));
+        let mut bad = b.clone();
+        bad[HEAD + ENTRY + 8..HEAD + ENTRY + 12].copy_from_slice(&(-5i32).to_le_bytes());
+        assert!(decode(&bad, 3).is_err());
         // A refusal carries its reason to the client.
         let refused = [&REFUSED_MAGIC[..], b"uid 7 may not use this daemon"].concat();
         let e = decode(&refused, 0).unwrap_err();

@@ -75,6 +75,9 @@ pub struct SlotMeta {
 /// A slot that does not hold what its reader expected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ValidationError {
+    /// The slot could not be read at all (a mapping or device error).
+    #[error("slot unreadable: {0}")]
+    Unreadable(String),
     /// The buffer is not a whole slot.
     #[error("slot buffer is {found} bytes, expected {expected}")]
     Size {
@@ -186,21 +189,35 @@ pub fn validate_slot<'a>(
     if slot.len() as u64 != stride {
         return Err(ValidationError::Size { expected: stride, found: slot.len() as u64 });
     }
-    let header = SlotMeta::decode_header(&slot[..HEADER_BYTES])?;
     let t = trailer_offset(payload_capacity) as usize;
-    let trailer = SlotMeta::decode_trailer(&slot[t..t + TRAILER_BYTES])?;
-    if header != trailer {
-        return Err(ValidationError::Torn { header: Box::new(header), trailer: Box::new(trailer) });
-    }
-    if header != *expected || header.payload_len > payload_capacity {
-        return Err(ValidationError::Mismatch { expected: Box::new(*expected), found: Box::new(header) });
-    }
+    let header = validate_meta(&slot[..HEADER_BYTES], &slot[t..t + TRAILER_BYTES], payload_capacity, expected)?;
     let payload = &slot[HEADER_BYTES..HEADER_BYTES + header.payload_len as usize];
     let found = crate::checksum(payload);
     if found != header.checksum {
         return Err(ValidationError::Checksum { expected: header.checksum, found });
     }
     Ok(payload)
+}
+
+/// The checks of [`validate_slot`] that do not read the payload: header
+/// and trailer decode, agree (no torn copy), match what the reader
+/// expected, and the length fits. For a slot whose payload is checked
+/// elsewhere (on a GPU, with the pool's own checksum). Returns the header.
+pub fn validate_meta(
+    header: &[u8],
+    trailer: &[u8],
+    payload_capacity: u64,
+    expected: &SlotMeta,
+) -> Result<SlotMeta, ValidationError> {
+    let h = SlotMeta::decode_header(header)?;
+    let t = SlotMeta::decode_trailer(trailer)?;
+    if h != t {
+        return Err(ValidationError::Torn { header: Box::new(h), trailer: Box::new(t) });
+    }
+    if h != *expected || h.payload_len > payload_capacity {
+        return Err(ValidationError::Mismatch { expected: Box::new(*expected), found: Box::new(h) });
+    }
+    Ok(h)
 }
 
 #[cfg(test)]

@@ -808,7 +808,10 @@ impl Cluster {
             let rs = to_store(r.remote);
             let local = {
                 let st = self.store.lock();
-                st.pools().get(d.pool as usize).map(|p| (p.stride, p.slot_payload_bytes, Arc::clone(&p.mapping)))
+                // Host pools only: a clustered daemon has no GPU pool (config).
+                st.pools()
+                    .get(d.pool as usize)
+                    .and_then(|p| p.memory.host().map(|m| (p.stride, p.slot_payload_bytes, Arc::clone(m))))
             };
             let Some((stride, cap, mapping)) = local else {
                 report(i, Err(TransferError::NoSpace), &mut reported);

@@ -457,9 +457,9 @@ impl Default for EvictionConfig {
 pub struct PoolConfig {
     /// Name in stats and logs.
     pub name: String,
-    /// `"host"`. `"cuda:N"` (a GPU pool) is checked — no driver, no such
-    /// device — and then refused: the daemon does not serve GPU pools yet
-    /// (docs/GPU.md).
+    /// `"host"`, or `"cuda:N"`: a GPU pool on device N (a CUDA driver and
+    /// that device needed, checked at load; single-node daemons only for
+    /// now — docs/GPU.md).
     #[serde(default = "default_device")]
     pub device: String,
     /// Size of the pool in bytes (integer, or a string such as `"256MiB"`).
@@ -565,16 +565,23 @@ impl Config {
                 let Some(ordinal) = kvmesh_kernels::cuda::parse_device(&p.device) else {
                     return Err(format!("{}: {:?} is neither \"host\" nor \"cuda:N\"", f("device"), p.device));
                 };
-                // One line that says why: no driver, no such device, or (with
-                // both) that the daemon does not serve GPU pools yet.
+                // One line that says why it cannot be: no driver, no such
+                // device, or a clustered daemon (GPU pools move between
+                // daemons through a staging path not built yet).
+                let clustered = self.peer.listen.is_some() || !self.peers.is_empty();
                 let why = match kvmesh_kernels::cuda::device_count() {
-                    Err(e) => e.to_string(),
-                    Ok(n) if ordinal >= n => format!("no CUDA device {ordinal} (this machine has {n})"),
-                    Ok(_) => "GPU pools are not served by kvmeshd yet: the GPU pool, lending and kernels exist in \
-                              kvmesh-kernels and the C/Python bindings (docs/GPU.md)"
-                        .to_string(),
+                    Err(e) => Some(e.to_string()),
+                    Ok(n) if ordinal >= n => Some(format!("no CUDA device {ordinal} (this machine has {n})")),
+                    Ok(_) if clustered => Some(
+                        "GPU pools are single-node for now: a clustered daemon (peer.listen, [[peers]]) \
+                         cannot move GPU blocks to peers yet (docs/GPU.md)"
+                            .to_string(),
+                    ),
+                    Ok(_) => None,
                 };
-                return Err(format!("{} = {:?}: {why}", f("device"), p.device));
+                if let Some(why) = why {
+                    return Err(format!("{} = {:?}: {why}", f("device"), p.device));
+                }
             }
             if p.slot_payload_bytes < 64 || p.slot_payload_bytes > (1 << 30) {
                 return Err(format!(
@@ -863,10 +870,6 @@ mod tests {
             ("[[pools]]\nname = \"p\"\nbytes = \"1XB\"\nslot_payload_bytes = 4096\n", "unknown size unit"),
             ("[[pools]]\nname = \"p\"\nbytes = 100\nslot_payload_bytes = 4096\n", "pools[0] (p).bytes"),
             (
-                "[[pools]]\nname = \"p\"\ndevice = \"cuda:0\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n",
-                "pools[0] (p).device = \"cuda:0\": ",
-            ),
-            (
                 "[[pools]]\nname = \"p\"\ndevice = \"gpu0\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n",
                 "pools[0] (p).device: \"gpu0\" is neither",
             ),
@@ -926,13 +929,20 @@ mod tests {
     #[test]
     fn gpu_pool_without_a_driver_is_one_line_naming_the_field() {
         let text = "[[pools]]\nname = \"g\"\ndevice = \"cuda:0\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n";
-        let e = Config::parse(text, "gpu.toml").unwrap_err();
-        assert!(!e.contains('\n'), "{e}");
-        assert!(e.starts_with("gpu.toml: pools[0] (g).device = \"cuda:0\": "), "{e}");
         if kvmesh_kernels::cuda::driver().is_err() {
-            assert!(e.contains("no CUDA driver on this machine"), "{e}");
+            let e = Config::parse(text, "gpu.toml").unwrap_err();
+            assert!(!e.contains('\n'), "{e}");
+            assert!(e.starts_with("gpu.toml: pools[0] (g).device = \"cuda:0\": no CUDA driver on this machine"), "{e}");
         } else {
-            eprintln!("a CUDA driver is present: {e}");
+            eprintln!("a CUDA driver is present: {:?}", Config::parse(text, "gpu.toml").map(|_| ()));
         }
+        // A device that no machine has (or no driver): refused either way.
+        let e = Config::parse(&text.replace("cuda:0", "cuda:999"), "gpu.toml").unwrap_err();
+        assert!(e.starts_with("gpu.toml: pools[0] (g).device = \"cuda:999\": "), "{e}");
+        // Clustered with a GPU pool: refused (no staged data path yet) —
+        // or, without a driver, refused for that.
+        let clustered = format!("[peer]\nlisten = \"127.0.0.1:1\"\ntls = {{ mode = \"off\" }}\n{text}");
+        let e = Config::parse(&clustered, "gpu.toml").unwrap_err();
+        assert!(e.contains("pools[0] (g).device = \"cuda:0\": "), "{e}");
     }
 }

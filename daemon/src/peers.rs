@@ -590,7 +590,7 @@ impl pb::peer_server::Peer for PeerService {
             .map(|(sp, dp)| pb::PoolDesc {
                 index: sp.index,
                 base_address: dp.base,
-                bytes: sp.mapping.len(),
+                bytes: sp.memory.len(),
                 slot_stride_bytes: sp.stride,
                 slot_payload_bytes: sp.slot_payload_bytes,
                 rkey: dp.rkey.clone(),
@@ -685,7 +685,7 @@ mod tests {
         let AllocOutcome::Allocated { slot, .. } = out[0] else { panic!("{:?}", out[0]) };
         let jobs = st.begin_commit(1, &[slot]).unwrap();
         let j = jobs[0].clone().unwrap();
-        st.finish_commit(&[(slot, kvmesh_common::checksum(&j.mapping.read(j.offset, j.len).unwrap()))]);
+        st.finish_commit(&[(slot, j.memory.checksum(j.offset, j.len).unwrap())]);
         // Node 2 holds a grant on it (the driver pins it under node 2's
         // peer session).
         st.pin_slots(PEER_SESSION_BASE + 2, &[slot], 10_000, now).unwrap();

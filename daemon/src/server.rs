@@ -15,7 +15,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, anyhow, bail};
-use kvmesh_common::handshake::{FAST_MAGIC, FD_HANDSHAKE_MAGIC, PoolFd};
+use kvmesh_common::handshake::{FAST_MAGIC, FD_HANDSHAKE_MAGIC, PoolFd, PoolKind};
 use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
@@ -23,6 +23,7 @@ use tokio::sync::mpsc;
 use tonic::transport::server::Connected;
 
 use crate::config::Config;
+use crate::memory::PoolMemory;
 use crate::service::{ConnInfo, EngineService};
 use crate::store::{SessionId, Store};
 
@@ -214,11 +215,32 @@ async fn send_pool_fds(mut stream: UnixStream, store: &Arc<Mutex<Store>>) -> io:
     }
     let (instance, maps): (u64, Vec<_>) = {
         let st = store.lock();
-        (st.instance_id, st.pools().iter().map(|p| (p.index, Arc::clone(&p.mapping))).collect())
+        (st.instance_id, st.pools().iter().map(|p| (p.index, p.memory.clone())).collect())
     };
-    let table: Vec<PoolFd> = maps.iter().map(|(i, m)| PoolFd { pool: *i, bytes: m.len(), sysv: m.sysv_id() }).collect();
+    // A GPU pool travels as a fresh fd of its CUDA allocation (exported per
+    // handshake; ours is closed when this function returns, the client's
+    // copy keeps the allocation importable).
+    let mut exported = Vec::new();
+    let mut table = Vec::with_capacity(maps.len());
+    for (i, m) in &maps {
+        let kind = match m {
+            PoolMemory::Host(h) => h.sysv_id().map_or(PoolKind::Memfd, PoolKind::SysV),
+            PoolMemory::Cuda(c) => {
+                exported.push(c.pool.export_fd().map_err(|e| io::Error::other(format!("export GPU pool {i}: {e}")))?);
+                PoolKind::Cuda(c.gpu.ordinal() as u32)
+            }
+        };
+        table.push(PoolFd { pool: *i, bytes: m.len(), kind });
+    }
     let payload = kvmesh_common::handshake::encode(instance, &table);
-    let fds: Vec<_> = maps.iter().filter_map(|(_, m)| m.fd()).collect();
+    let mut exported_fds = exported.iter();
+    let fds: Vec<_> = maps
+        .iter()
+        .filter_map(|(_, m)| match m {
+            PoolMemory::Host(h) => h.fd(),
+            PoolMemory::Cuda(_) => exported_fds.next().map(|f| f.as_fd()),
+        })
+        .collect();
     loop {
         stream.writable().await?;
         match stream.try_io(Interest::WRITABLE, || kvmesh_ffi_os::fdpass::send_fds(stream.as_fd(), &payload, &fds)) {
@@ -621,7 +643,11 @@ pub async fn run_with(
         }
         let (mappings, incarnation) = {
             let st = store.lock();
-            (st.pools().iter().map(|p| Arc::clone(&p.mapping)).collect::<Vec<_>>(), st.instance_id)
+            let host = st.pools().iter().map(|p| p.memory.host().cloned()).collect::<Option<Vec<_>>>();
+            (
+                host.ok_or_else(|| anyhow!("a clustered daemon has a GPU pool (the config refuses this)"))?,
+                st.instance_id,
+            )
         };
         let mut regs = Vec::new();
         for (i, m) in mappings.iter().enumerate() {

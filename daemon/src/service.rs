@@ -109,7 +109,7 @@ impl pb::engine_server::Engine for EngineService {
                     index: p.index,
                     name: p.name.clone(),
                     device: p.device.clone(),
-                    bytes: p.mapping.len(),
+                    bytes: p.memory.len(),
                     slot_stride_bytes: p.stride,
                     slot_payload_bytes: p.slot_payload_bytes,
                     slots: p.slot_count(),
@@ -130,7 +130,7 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<pb::NamespaceInfo>, Status> {
         self.admitted(session_of(&req)?)?;
         let r = req.into_inner();
-        let ns = self.store.lock().register_namespace(&r.name, r.block_bytes, &r.layout)?;
+        let ns = self.store.lock().register_namespace_on(&r.name, r.block_bytes, &r.layout, &r.device)?;
         Ok(Response::new(ns_info(ns)))
     }
 
@@ -271,17 +271,20 @@ impl pb::engine_server::Engine for EngineService {
         let cluster = self.cluster.clone();
         let task = tokio::spawn(async move {
             let total: u64 = jobs.iter().flatten().map(|j| j.len).sum();
+            let gpu = jobs.iter().flatten().any(|j| j.memory.is_gpu());
             let sums = move || {
                 jobs.into_iter()
                     .map(|j| {
                         j.map(|j| {
-                            let region = j.mapping.read(j.offset, j.len).expect("commit region inside pool");
-                            (j.slot, kvmesh_common::checksum(&region))
+                            // A GPU that fails here is fatal (the panic hook
+                            // aborts): no block is made visible unchecked.
+                            (j.slot, j.memory.checksum(j.offset, j.len).expect("commit checksum of a pool region"))
                         })
                     })
                     .collect::<Vec<_>>()
             };
-            let sums = if total > INLINE_CHECKSUM_BYTES_MAX {
+            // GPU checksums wait for the device: never on a runtime thread.
+            let sums = if gpu || total > INLINE_CHECKSUM_BYTES_MAX {
                 tokio::task::spawn_blocking(sums).await.expect("checksum task panicked")
             } else {
                 sums()

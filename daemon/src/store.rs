@@ -26,6 +26,7 @@ use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 
 use crate::config::Config;
 use crate::error::Error;
+use crate::memory::{CudaMemory, PoolMemory};
 
 /// Identifies an engine connection.
 pub type SessionId = u64;
@@ -81,7 +82,7 @@ struct Slot {
     queue: Queue,
 }
 
-/// A pool of fixed-size slots in one shared mapping.
+/// A pool of fixed-size slots in one piece of memory (host or GPU).
 pub struct Pool {
     /// Index in the daemon's pool list.
     pub index: u32,
@@ -90,7 +91,7 @@ pub struct Pool {
     /// Device from the config.
     pub device: String,
     /// The memory.
-    pub mapping: Arc<SharedMapping>,
+    pub memory: PoolMemory,
     /// Largest payload of a slot.
     pub slot_payload_bytes: u64,
     /// Distance between slots.
@@ -129,8 +130,11 @@ impl Pool {
         let off = self.slot_offset(slot);
         // The daemon is the only writer of headers and trailers, and it writes
         // them under the store lock, so these claims never conflict.
-        self.mapping.copy_in(off, &meta.encode_header()).expect("header write within pool");
-        self.mapping
+        // On a GPU pool these are two 64-byte copies to the device (a few
+        // microseconds each, under the store lock); a failing device is
+        // fatal (the panic hook aborts: no half-written slot is served).
+        self.memory.copy_in(off, &meta.encode_header()).expect("header write within pool");
+        self.memory
             .copy_in(off + trailer_offset(self.slot_payload_bytes), &meta.encode_trailer())
             .expect("trailer write within pool");
     }
@@ -271,8 +275,8 @@ pub enum AllocOutcome {
 pub struct CommitJob {
     /// The slot.
     pub slot: SlotRef,
-    /// Pool mapping to read.
-    pub mapping: Arc<SharedMapping>,
+    /// Pool memory to read.
+    pub memory: PoolMemory,
     /// Payload offset.
     pub offset: u64,
     /// Payload length.
@@ -450,16 +454,29 @@ impl Store {
         for (i, p) in cfg.pools.iter().enumerate() {
             let stride = slot_stride(p.slot_payload_bytes);
             let n = (p.bytes / stride) as u32;
-            let mapping = match premade.get(i).cloned().flatten() {
-                Some(m) => m,
-                None => {
+            let memory = match (premade.get(i).cloned().flatten(), kvmesh_kernels::cuda::parse_device(&p.device)) {
+                (Some(m), _) => PoolMemory::Host(m),
+                (None, Some(ordinal)) => {
+                    let bytes = stride * n as u64;
+                    let gpu = kvmesh_kernels::raw::gpu(ordinal)
+                        .map_err(|e| Error::Internal(format!("pool {} on {}: {e}", p.name, p.device)))?;
+                    let pool = gpu.alloc_pool(bytes as usize).map_err(|e| {
+                        Error::Internal(format!("pool {}: cannot allocate {bytes} bytes on {}: {e}", p.name, p.device))
+                    })?;
+                    gpu.warm_up()
+                        .map_err(|e| Error::Internal(format!("pool {} on {}: kernels: {e}", p.name, p.device)))?;
+                    tracing::info!(pool = %p.name, device = %p.device, gpudirect_rdma = pool.rdma_capable(),
+                        "GPU pool allocated (virtual-memory API, POSIX fd shareable)");
+                    PoolMemory::Cuda(Arc::new(CudaMemory { gpu, pool, bytes }))
+                }
+                (None, None) => {
                     let m = SharedMapping::create(&format!("kvmesh-{}", p.name), stride * n as u64, p.mlock).map_err(
                         |e| Error::Internal(format!("pool {}: cannot allocate {} bytes: {e}", p.name, p.bytes)),
                     )?;
                     if p.mlock && !m.mlocked() {
                         tracing::warn!(pool = %p.name, "mlock failed (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); pool may be swapped");
                     }
-                    Arc::new(m)
+                    PoolMemory::Host(Arc::new(m))
                 }
             };
             let slots = (0..n)
@@ -477,12 +494,12 @@ impl Store {
                 })
                 .collect();
             tracing::info!(pool = %p.name, slots = n, slot_payload_bytes = p.slot_payload_bytes,
-                bytes = stride * n as u64, mlocked = mapping.mlocked(), "pool ready");
+                bytes = stride * n as u64, mlocked = memory.mlocked(), "pool ready");
             pools.push(Pool {
                 index: i as u32,
                 name: p.name.clone(),
                 device: p.device.clone(),
-                mapping,
+                memory,
                 slot_payload_bytes: p.slot_payload_bytes,
                 stride,
                 slots,
@@ -716,8 +733,23 @@ impl Store {
         &self.cfg
     }
 
-    /// Registers a namespace or returns the matching existing one.
+    /// Registers a namespace in host pools, or returns the matching existing
+    /// one.
     pub fn register_namespace(&mut self, name: &str, block_bytes: u64, layout: &str) -> Result<Namespace, Error> {
+        self.register_namespace_on(name, block_bytes, layout, "")
+    }
+
+    /// Registers a namespace in the pools of `device` (`""` or `"host"`:
+    /// host pools; `"cuda:N"`: GPU pools of device N), or returns the
+    /// matching existing one (a namespace lives on one device).
+    pub fn register_namespace_on(
+        &mut self,
+        name: &str,
+        block_bytes: u64,
+        layout: &str,
+        device: &str,
+    ) -> Result<Namespace, Error> {
+        let device = if device.is_empty() { "host" } else { device };
         if name.is_empty() || name.len() > 256 {
             return Err(Error::InvalidArgument(format!("namespace name must be 1 to 256 bytes, got {}", name.len())));
         }
@@ -738,6 +770,12 @@ impl Store {
                     ns.layout
                 )));
             }
+            let on = &self.pools[ns.pool as usize].device;
+            if on != device {
+                return Err(Error::FailedPrecondition(format!(
+                    "device {device:?} does not match namespace {name} ({on:?})"
+                )));
+            }
             return Ok(ns.clone());
         }
         if block_bytes == 0 {
@@ -750,15 +788,20 @@ impl Store {
                 self.namespaces.len()
             )));
         }
+        if !self.pools.iter().any(|p| p.device == device) {
+            let have: Vec<&str> = self.pools.iter().map(|p| p.device.as_str()).collect();
+            return Err(Error::InvalidArgument(format!("no pool on device {device:?} (pools are on {have:?})")));
+        }
         let pool = self
             .pools
             .iter()
-            .filter(|p| p.slot_payload_bytes >= block_bytes)
+            .filter(|p| p.device == device && p.slot_payload_bytes >= block_bytes)
             .min_by_key(|p| p.slot_payload_bytes)
             .ok_or_else(|| {
-                let largest = self.pools.iter().map(|p| p.slot_payload_bytes).max().unwrap_or(0);
+                let largest =
+                    self.pools.iter().filter(|p| p.device == device).map(|p| p.slot_payload_bytes).max().unwrap_or(0);
                 Error::InvalidArgument(format!(
-                    "block size {block_bytes} exceeds the largest slot of any pool ({largest} bytes)"
+                    "block size {block_bytes} exceeds the largest slot of any pool on {device} ({largest} bytes)"
                 ))
             })?;
         let ns = Namespace {
@@ -1331,12 +1374,7 @@ impl Store {
                     let slot = &mut pool.slots[r.slot as usize];
                     assert_eq!(slot.state, State::Pending { session }, "allocation not pending");
                     slot.state = State::Committing;
-                    out.push(Some(CommitJob {
-                        slot: *r,
-                        mapping: Arc::clone(&pool.mapping),
-                        offset,
-                        len: slot.payload_len,
-                    }));
+                    out.push(Some(CommitJob { slot: *r, memory: pool.memory.clone(), offset, len: slot.payload_len }));
                 }
                 None => out.push(None),
             }
@@ -1513,7 +1551,7 @@ impl Store {
                 .map(|p| PoolStats {
                     name: p.name.clone(),
                     device: p.device.clone(),
-                    bytes: p.mapping.len(),
+                    bytes: p.memory.len(),
                     slot_payload_bytes: p.slot_payload_bytes,
                     slots: p.slot_count(),
                     free: p.free.len() as u32,
@@ -1521,7 +1559,7 @@ impl Store {
                     pending: p.pending,
                     pinned: p.pinned,
                     zombie: p.zombie,
-                    mlocked: p.mapping.mlocked(),
+                    mlocked: p.memory.mlocked(),
                 })
                 .collect(),
             namespaces: self.namespaces.len() as u32,
@@ -1656,12 +1694,25 @@ mod tests {
             return None;
         };
         let data = vec![(key.0 & 0xff) as u8; 4096];
-        st.pools[0].mapping.copy_in(payload_offset, &data).unwrap();
+        st.pools[0].memory.copy_in(payload_offset, &data).unwrap();
         let jobs = st.begin_commit(session, &[slot]).unwrap();
         let j = jobs[0].clone().unwrap();
-        let sum = kvmesh_common::checksum(&j.mapping.read(j.offset, j.len).unwrap());
+        let sum = j.memory.checksum(j.offset, j.len).unwrap();
         st.finish_commit(&[(slot, sum)]);
         Some(slot)
+    }
+
+    /// A namespace lives on one device: one with no pool is refused, and a
+    /// name registered on the host cannot be taken again for a GPU.
+    #[test]
+    fn namespaces_are_placed_on_their_device_only() {
+        let mut st = store(4, "");
+        let e = st.register_namespace_on("g", 4096, "", "cuda:0").unwrap_err();
+        assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("no pool on device \"cuda:0\"")), "{e:?}");
+        st.register_namespace_on("h", 4096, "", "host").unwrap();
+        assert_eq!(st.register_namespace("h", 4096, "").unwrap().pool, 0, "\"\" is the host");
+        let e = st.register_namespace_on("h", 4096, "", "cuda:0").unwrap_err();
+        assert!(matches!(&e, Error::FailedPrecondition(m) if m.contains("does not match namespace h")), "{e:?}");
     }
 
     /// Random operations from several sessions; after every step the
@@ -1732,7 +1783,7 @@ mod tests {
                 );
                 assert_eq!(slot.key, *key);
                 let mut b = [0u8; 1];
-                st.pools[0].mapping.copy_out(st.pools[0].payload_offset(r.slot), &mut b).unwrap();
+                st.pools[0].memory.copy_out(st.pools[0].payload_offset(r.slot), &mut b).unwrap();
                 assert_eq!(b[0], (key.0 & 0xff) as u8, "step {step}: pinned bytes changed");
             }
         }
@@ -1741,7 +1792,7 @@ mod tests {
         let p = &st.pools[0];
         for (i, s) in p.slots.iter().enumerate() {
             if s.state == State::Valid {
-                let whole = p.mapping.read(p.slot_offset(i as u32), p.stride).unwrap();
+                let whole = p.memory.host().unwrap().read(p.slot_offset(i as u32), p.stride).unwrap();
                 let want = p.meta_of(i as u32, SlotState::Valid, st.namespaces[0].fingerprint);
                 kvmesh_common::slot::validate_slot(&whole, 4096, &want).unwrap();
             }
@@ -1781,7 +1832,7 @@ mod tests {
                     if let Ok((out, _)) = st.allocate_detached(who, ns, &[key], 0, exists_check, now)
                         && let AllocOutcome::Allocated { slot, payload_offset } = out[0]
                     {
-                        st.pools[0].mapping.copy_in(payload_offset, &[(key.0 & 0xff) as u8; 4096]).unwrap();
+                        st.pools[0].memory.copy_in(payload_offset, &[(key.0 & 0xff) as u8; 4096]).unwrap();
                         assert!(st.begin_commit(who, &[slot]).unwrap()[0].is_some());
                         owned.push((slot, key));
                     }
@@ -1871,7 +1922,7 @@ mod tests {
                 assert_eq!(slot.generation, r.generation, "step {step}: pinned slot reused");
                 assert!(matches!(slot.state, State::Valid | State::Zombie), "step {step}: {:?}", slot.state);
                 let mut b = [0u8; 1];
-                st.pools[0].mapping.copy_out(st.pools[0].payload_offset(r.slot), &mut b).unwrap();
+                st.pools[0].memory.copy_out(st.pools[0].payload_offset(r.slot), &mut b).unwrap();
                 assert_eq!(b[0], (key.0 & 0xff) as u8, "step {step}: pinned bytes changed");
             }
             for (&IndexKey { ns: n, key: k }, &(p, s)) in &st.index {

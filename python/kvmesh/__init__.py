@@ -24,6 +24,7 @@ from .errors import (
     KvmeshError,
     LeaseExpired,
     Miss,
+    NoDevice,
     NotFound,
     Refused,
     Released,
@@ -51,6 +52,7 @@ __all__ = [
     "prefix_keys",
     "key",
     "KEY_SEED",
+    "DeviceView",
 ] + errors.__all__
 
 
@@ -73,11 +75,48 @@ class InvalidateSummary(NamedTuple):
     first_error: str
 
 
-def _view(exported, readonly: bool) -> Optional[memoryview]:
-    """A memoryview over (address, length) that keeps `token` alive."""
+class DeviceView:
+    """A block in GPU memory (a namespace registered with ``device="cuda:N"``):
+    ``length`` bytes at device address ``address`` of CUDA device
+    ``device_id``, zero copy. torch and CuPy see it through
+    ``__cuda_array_interface__`` (``torch.as_tensor(view, device="cuda")``,
+    ``cupy.asarray(view)``); it keeps the pin (or slot) while it lives, like a
+    host block's memoryview."""
+
+    __slots__ = ("address", "length", "device_id", "readonly", "_token")
+
+    def __init__(self, address: int, length: int, device_id: int, readonly: bool, token) -> None:
+        self.address = address
+        self.length = length
+        self.device_id = device_id
+        self.readonly = readonly
+        self._token = token
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {
+            "shape": (self.length,),
+            "typestr": "|u1",
+            "data": (self.address, self.readonly),
+            "version": 3,
+            "strides": None,
+        }
+
+    def __repr__(self) -> str:
+        return f"DeviceView(cuda:{self.device_id}, {self.length} bytes at {self.address:#x})"
+
+
+def _view(exported, readonly: bool):
+    """A memoryview over (address, length) that keeps `token` alive, or a
+    DeviceView for GPU memory."""
     if exported is None:
         return None
-    addr, length, token = exported
+    addr, length, token, device = exported
+    if device >= 0:
+        return DeviceView(addr, length, device, readonly, token)
     arr = (_ctypes.c_char * length).from_address(addr)
     arr._kvmesh_export = token  # the view keeps the pin (or slot) while it lives
     mv = memoryview(arr).cast("B")
@@ -126,7 +165,7 @@ class Batch:
     def __len__(self) -> int:
         return len(self._b)
 
-    def __getitem__(self, i: int) -> Optional[memoryview]:
+    def __getitem__(self, i: int) -> Optional[Union[memoryview, "DeviceView"]]:
         return _view(self._b._export(i), readonly=True)
 
     def __iter__(self):
@@ -186,7 +225,7 @@ class Allocation:
     def __len__(self) -> int:
         return len(self._a)
 
-    def __getitem__(self, i: int) -> Optional[memoryview]:
+    def __getitem__(self, i: int) -> Optional[Union[memoryview, "DeviceView"]]:
         return _view(self._a._export(i), readonly=False)
 
     def __enter__(self) -> "Allocation":
@@ -253,10 +292,13 @@ class Client:
         until released)."""
         self._c.close()
 
-    def register_namespace(self, name: str, block_bytes: int, layout: str = "") -> Namespace:
+    def register_namespace(self, name: str, block_bytes: int, layout: str = "", device: str = "") -> Namespace:
         """Registers a namespace, or returns the identical existing one
-        (another block size or layout under the same name: InvalidArgument)."""
-        return self._c.register_namespace(name, block_bytes, layout)
+        (another block size, layout or device under the same name:
+        InvalidArgument). ``device="cuda:N"`` puts its blocks in the
+        daemon's GPU pools on device N: ``batch[i]`` is then a
+        ``DeviceView`` (``__cuda_array_interface__``), not a memoryview."""
+        return self._c.register_namespace(name, block_bytes, layout, device)
 
     def namespace(self, name: str) -> Namespace:
         """Finds a registered namespace (NotFound if none)."""

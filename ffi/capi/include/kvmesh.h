@@ -143,6 +143,17 @@ typedef struct {
   uint64_t lo;
 } kvmesh_key_t;
 
+// A block in GPU memory: `len` bytes at device address `ptr` (in this
+// process) of CUDA device `device`.
+typedef struct {
+  // CUDA device ordinal.
+  int32_t device;
+  // Device address (a `CUdeviceptr`).
+  uint64_t ptr;
+  // Bytes of the block.
+  uint64_t len;
+} kvmesh_device_block_t;
+
 // What `kvmesh_put` did, per kind of outcome.
 typedef struct {
   // Blocks written and committed.
@@ -278,6 +289,25 @@ int32_t kvmesh_register_namespace(const kvmesh_client_t *client,
                                   const char *layout,
                                   kvmesh_namespace_t *out);
 
+// As `kvmesh_register_namespace`, with the blocks on `device`: `"host"`
+// (or NULL, or "") for host pools, `"cuda:N"` for the daemon's GPU pools on
+// device N. Blocks of a GPU namespace are read with
+// `kvmesh_batch_block_device` and written with `kvmesh_alloc_block_device`
+// (or copied with `kvmesh_get_into` / `kvmesh_put`). A name registered on
+// another device: `KVMESH_E_INVALID`; no pool on that device:
+// `KVMESH_E_INVALID`; a GPU pool this process cannot import (no driver):
+// `KVMESH_E_NO_DEVICE` when its blocks are used.
+//
+// # Safety
+// As `kvmesh_register_namespace`; `device` is NULL or a NUL-terminated
+// string.
+int32_t kvmesh_register_namespace_on(const kvmesh_client_t *client,
+                                     const char *name,
+                                     uint64_t block_bytes,
+                                     const char *layout,
+                                     const char *device,
+                                     kvmesh_namespace_t *out);
+
 // Finds a registered namespace by name (`KVMESH_E_NOT_FOUND` if none).
 //
 // # Safety
@@ -339,6 +369,18 @@ int32_t kvmesh_batch_block(const kvmesh_batch_t *batch,
                            uintptr_t i,
                            const uint8_t **data,
                            uintptr_t *len);
+
+// Entry `i` of a batch whose namespace is on a GPU: `*out` is the block's
+// device address in this process (zero copy: the daemon's GPU pool,
+// imported), valid until `kvmesh_unpin` and only within the lease. A miss:
+// `KVMESH_E_NOT_FOUND`; a host block: `KVMESH_E_INVALID` (use
+// `kvmesh_batch_block`).
+//
+// # Safety
+// `batch` is a live batch; `out` is writable.
+int32_t kvmesh_batch_block_device(const kvmesh_batch_t *batch,
+                                  uintptr_t i,
+                                  kvmesh_device_block_t *out);
 
 // Re-reads the whole slot of entry `i` (header, payload, trailer) and
 // checks that it still holds this block with a matching checksum:
@@ -413,6 +455,19 @@ int32_t kvmesh_alloc_block(const kvmesh_alloc_t *alloc,
                            uintptr_t i,
                            uint8_t **data,
                            uintptr_t *len);
+
+// Entry `i` of an allocation in a GPU namespace: `KVMESH_OK` with `*out`
+// the slot's device address (write exactly `len` bytes there, e.g. with
+// `kvmesh_kv_gather` on that device), or `KVMESH_EXISTS` /
+// `KVMESH_IN_PROGRESS`. Valid until `kvmesh_commit` or `kvmesh_abort`;
+// the commit checksums the block on the GPU. A host slot:
+// `KVMESH_E_INVALID` (use `kvmesh_alloc_block`).
+//
+// # Safety
+// `alloc` is a live allocation; `out` is writable.
+int32_t kvmesh_alloc_block_device(const kvmesh_alloc_t *alloc,
+                                  uintptr_t i,
+                                  kvmesh_device_block_t *out);
 
 // Put, phase two: the daemon checksums the written blocks and makes them
 // visible; the handle is released whatever the outcome. `outcomes` (NULL,

@@ -193,6 +193,7 @@ impl From<ClientError> for Fail {
             ErrorKind::Refused => KVMESH_E_REFUSED,
             ErrorKind::Unavailable => KVMESH_E_TRANSPORT,
             ErrorKind::Internal => KVMESH_E_INTERNAL,
+            ErrorKind::NoDevice => KVMESH_E_NO_DEVICE,
         };
         Fail(code, e.to_string())
     }
@@ -671,6 +672,54 @@ pub unsafe extern "C" fn kvmesh_register_namespace(
     })
 }
 
+/// As `kvmesh_register_namespace`, with the blocks on `device`: `"host"`
+/// (or NULL, or "") for host pools, `"cuda:N"` for the daemon's GPU pools on
+/// device N. Blocks of a GPU namespace are read with
+/// `kvmesh_batch_block_device` and written with `kvmesh_alloc_block_device`
+/// (or copied with `kvmesh_get_into` / `kvmesh_put`). A name registered on
+/// another device: `KVMESH_E_INVALID`; no pool on that device:
+/// `KVMESH_E_INVALID`; a GPU pool this process cannot import (no driver):
+/// `KVMESH_E_NO_DEVICE` when its blocks are used.
+///
+/// # Safety
+/// As `kvmesh_register_namespace`; `device` is NULL or a NUL-terminated
+/// string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_register_namespace_on(
+    client: *const kvmesh_client_t,
+    name: *const c_char,
+    block_bytes: u64,
+    layout: *const c_char,
+    device: *const c_char,
+    out: *mut kvmesh_namespace_t,
+) -> i32 {
+    guard("kvmesh_register_namespace_on", || {
+        let c = handle(client, "client")?;
+        let name = string_arg(name, "name")?;
+        let layout = string_arg(layout, "layout")?;
+        let device = if device.is_null() { "" } else { string_arg(device, "device")? };
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        let ns = c.client.call(c.client.inner().register_namespace_on(name, block_bytes, layout, device))?;
+        put_out(out, c.remember(&ns), "out")?;
+        Ok(KVMESH_OK)
+    })
+}
+
+/// A block in GPU memory: `len` bytes at device address `ptr` (in this
+/// process) of CUDA device `device`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvmesh_device_block_t {
+    /// CUDA device ordinal.
+    pub device: i32,
+    /// Device address (a `CUdeviceptr`).
+    pub ptr: u64,
+    /// Bytes of the block.
+    pub len: u64,
+}
+
 /// Finds a registered namespace by name (`KVMESH_E_NOT_FOUND` if none).
 ///
 /// # Safety
@@ -816,8 +865,40 @@ pub unsafe extern "C" fn kvmesh_batch_block(
         }
         let blocks = lock(&b.blocks, "batch")?;
         let block = batch_entry(&blocks, i)?;
+        if let Some(d) = block.device() {
+            return Err(Fail::invalid(format!(
+                "entry {i} is in GPU memory (cuda:{}): use kvmesh_batch_block_device",
+                d.device
+            )));
+        }
         put_out(data, block.as_ptr(), "data")?;
         put_out(len, block.len(), "len")?;
+        Ok(KVMESH_OK)
+    })
+}
+
+/// Entry `i` of a batch whose namespace is on a GPU: `*out` is the block's
+/// device address in this process (zero copy: the daemon's GPU pool,
+/// imported), valid until `kvmesh_unpin` and only within the lease. A miss:
+/// `KVMESH_E_NOT_FOUND`; a host block: `KVMESH_E_INVALID` (use
+/// `kvmesh_batch_block`).
+///
+/// # Safety
+/// `batch` is a live batch; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_batch_block_device(
+    batch: *const kvmesh_batch_t,
+    i: usize,
+    out: *mut kvmesh_device_block_t,
+) -> i32 {
+    guard("kvmesh_batch_block_device", || {
+        let b = handle(batch, "batch")?;
+        let blocks = lock(&b.blocks, "batch")?;
+        let block = batch_entry(&blocks, i)?;
+        let d = block
+            .device()
+            .ok_or_else(|| Fail::invalid(format!("entry {i} is in host memory: use kvmesh_batch_block")))?;
+        put_out(out, kvmesh_device_block_t { device: d.device as i32, ptr: d.ptr, len: d.len }, "out")?;
         Ok(KVMESH_OK)
     })
 }
@@ -1013,9 +1094,45 @@ pub unsafe extern "C" fn kvmesh_alloc_block(
         let mut slots = lock(&a.slots, "alloc")?;
         let n = slots.len();
         match slots.get_mut(i).ok_or_else(|| Fail::invalid(format!("index {i} out of an allocation of {n}")))? {
+            Allocation::Allocated(w) if w.device().is_some() => {
+                Err(Fail::invalid(format!("entry {i} is in GPU memory: use kvmesh_alloc_block_device")))
+            }
             Allocation::Allocated(w) => {
                 put_out(data, w.as_mut_ptr(), "data")?;
                 put_out(len, w.len(), "len")?;
+                Ok(KVMESH_OK)
+            }
+            Allocation::Exists => Ok(KVMESH_EXISTS),
+            Allocation::InProgress => Ok(KVMESH_IN_PROGRESS),
+        }
+    })
+}
+
+/// Entry `i` of an allocation in a GPU namespace: `KVMESH_OK` with `*out`
+/// the slot's device address (write exactly `len` bytes there, e.g. with
+/// `kvmesh_kv_gather` on that device), or `KVMESH_EXISTS` /
+/// `KVMESH_IN_PROGRESS`. Valid until `kvmesh_commit` or `kvmesh_abort`;
+/// the commit checksums the block on the GPU. A host slot:
+/// `KVMESH_E_INVALID` (use `kvmesh_alloc_block`).
+///
+/// # Safety
+/// `alloc` is a live allocation; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_alloc_block_device(
+    alloc: *const kvmesh_alloc_t,
+    i: usize,
+    out: *mut kvmesh_device_block_t,
+) -> i32 {
+    guard("kvmesh_alloc_block_device", || {
+        let a = handle(alloc, "alloc")?;
+        let slots = lock(&a.slots, "alloc")?;
+        let n = slots.len();
+        match slots.get(i).ok_or_else(|| Fail::invalid(format!("index {i} out of an allocation of {n}")))? {
+            Allocation::Allocated(w) => {
+                let d = w
+                    .device()
+                    .ok_or_else(|| Fail::invalid(format!("entry {i} is in host memory: use kvmesh_alloc_block")))?;
+                put_out(out, kvmesh_device_block_t { device: d.device as i32, ptr: d.ptr, len: d.len }, "out")?;
                 Ok(KVMESH_OK)
             }
             Allocation::Exists => Ok(KVMESH_EXISTS),

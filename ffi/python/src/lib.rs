@@ -54,6 +54,7 @@ fn client_error(py: Python<'_>, e: ClientError) -> PyErr {
         ErrorKind::Refused => "Refused",
         ErrorKind::Unavailable => "DaemonUnavailable",
         ErrorKind::Internal => "KvmeshError",
+        ErrorKind::NoDevice => "NoDevice",
     };
     error(py, class, e.to_string())
 }
@@ -224,16 +225,18 @@ impl PyClient {
         lock(&self.client).take();
     }
 
-    #[pyo3(signature = (name, block_bytes, layout=""))]
+    #[pyo3(signature = (name, block_bytes, layout="", device=""))]
     fn register_namespace(
         &self,
         py: Python<'_>,
         name: String,
         block_bytes: u64,
         layout: &str,
+        device: &str,
     ) -> PyResult<PyNamespace> {
-        let layout = layout.to_string();
-        let ns = Arc::new(self.call(py, |c| c.call(c.inner().register_namespace(&name, block_bytes, &layout)))?);
+        let (layout, device) = (layout.to_string(), device.to_string());
+        let ns =
+            Arc::new(self.call(py, |c| c.call(c.inner().register_namespace_on(&name, block_bytes, &layout, &device)))?);
         lock(&self.namespaces).insert(ns.name.clone(), Arc::clone(&ns));
         Ok(PyNamespace { ns })
     }
@@ -485,8 +488,10 @@ impl PyBatch {
         lock(&self.state).exports
     }
 
-    /// `(address, length, token)` of entry `i` for a view, or None on a miss.
-    fn _export(&self, py: Python<'_>, i: isize) -> PyResult<Option<(usize, usize, Export)>> {
+    /// `(address, length, token, device)` of entry `i` for a view (device
+    /// -1: host memory; N: a device address on CUDA device N), or None on a
+    /// miss.
+    fn _export(&self, py: Python<'_>, i: isize) -> PyResult<Option<(usize, usize, Export, i32)>> {
         let mut st = lock(&self.state);
         if st.released {
             return Err(error(py, "Released", "the batch was released; pin again".into()));
@@ -496,9 +501,12 @@ impl PyBatch {
         if b.lease_remaining().is_zero() {
             return Err(error(py, "LeaseExpired", format!("the lease of entry {i} has ended; pin again")));
         }
-        let (addr, len) = (b.as_ptr() as usize, b.len());
+        let (addr, len, device) = match b.device() {
+            Some(d) => (d.ptr as usize, d.len as usize, d.device as i32),
+            None => (b.as_ptr() as usize, b.len(), -1),
+        };
         st.exports += 1;
-        Ok(Some((addr, len, Export { of: Exported::Batch(Arc::clone(&self.state)) })))
+        Ok(Some((addr, len, Export { of: Exported::Batch(Arc::clone(&self.state)) }, device)))
     }
 
     /// Re-reads entry `i`'s whole slot and checks it still holds this block
@@ -594,16 +602,19 @@ impl PyAllocation {
         lock(&self.state).exports
     }
 
-    fn _export(&self, py: Python<'_>, i: isize) -> PyResult<Option<(usize, usize, Export)>> {
+    fn _export(&self, py: Python<'_>, i: isize) -> PyResult<Option<(usize, usize, Export, i32)>> {
         let mut st = lock(&self.state);
         if st.done {
             return Err(error(py, "Released", "the allocation was committed or aborted".into()));
         }
         let i = index(i, st.slots.len())?;
         let Some(Allocation::Allocated(w)) = &mut st.slots[i] else { return Ok(None) };
-        let (addr, len) = (w.as_mut_ptr() as usize, w.len());
+        let (addr, len, device) = match w.device() {
+            Some(d) => (d.ptr as usize, d.len as usize, d.device as i32),
+            None => (w.as_mut_ptr() as usize, w.len(), -1),
+        };
         st.exports += 1;
-        Ok(Some((addr, len, Export { of: Exported::Alloc(Arc::clone(&self.state)) })))
+        Ok(Some((addr, len, Export { of: Exported::Alloc(Arc::clone(&self.state)) }, device)))
     }
 
     /// Commits every allocated entry; per entry "stored", "exists",

@@ -489,8 +489,13 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                     call(0, epb::HelloRequest {}.encode_to_vec()),
                     call(
                         1,
-                        epb::RegisterNamespaceRequest { name: "n".into(), block_bytes: 4096, layout: "l".into() }
-                            .encode_to_vec(),
+                        epb::RegisterNamespaceRequest {
+                            name: "n".into(),
+                            block_bytes: 4096,
+                            layout: "l".into(),
+                            device: String::new(),
+                        }
+                        .encode_to_vec(),
                     ),
                     call(
                         6,
