@@ -8,7 +8,10 @@
 #   scripts/gpu-check.sh           on a machine with an NVIDIA GPU, its
 #       driver, and no Rust toolchain: finds libnvrtc (CUDA toolkit, or the
 #       nvidia-* wheels PyTorch brings), runs kvmesh-gpu-check and, if torch
-#       is there, python/gpu_check.py. Prints a JSON last line; under 5
+#       is there, python/gpu_check.py (kernels on torch tensors) and
+#       python/gpu_daemon_check.py against a kvmeshd with a GPU pool (put,
+#       pin read in place with torch, verify, zero-copy put, a second
+#       process reading the lent pool). Prints a JSON last line; under 5
 #       minutes. Exit 0 ok, 1 a check failed, 77 no GPU here (skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,14 +22,22 @@ if [[ "${1:-}" == "--build" ]]; then
     rm -rf "$BUNDLE"
     mkdir -p "$BUNDLE/python"
     cargo build --locked --release -q -p kvmesh-kernels --bin kvmesh-gpu-check
-    cp target/release/kvmesh-gpu-check "$BUNDLE/"
-    strip "$BUNDLE/kvmesh-gpu-check"
+    cargo build --locked --release -q -p kvmeshd --bin kvmeshd
+    cp target/release/kvmesh-gpu-check target/release/kvmeshd "$BUNDLE/"
+    strip "$BUNDLE/kvmesh-gpu-check" "$BUNDLE/kvmeshd"
+    # The GPU machine has no UCX or rdma-core: carry the shared libraries
+    # kvmeshd links (all but glibc's own), used only for kvmeshd there.
+    mkdir -p "$BUNDLE/lib"
+    ldd "$BUNDLE/kvmeshd" | awk '/=> \//{print $1, $3}' | while read -r name path; do
+        case "$name" in libc.so*|libm.so*|libgcc_s.so*|ld-linux*|libpthread.so*|libdl.so*|librt.so*) continue ;; esac
+        cp -L "$path" "$BUNDLE/lib/$name"
+    done
     PROFILE=release scripts/python-test.sh --install-only
     site=$(target/pyvenv/bin/python -c 'import kvmesh, os; print(os.path.dirname(kvmesh.__file__))')
     cp -r "$site" "$BUNDLE/python/kvmesh"
     find "$BUNDLE/python" -name '__pycache__' -prune -exec rm -rf {} +
     find "$BUNDLE/python" -name '*.so' -exec strip {} \;
-    cp python/gpu_check.py "$BUNDLE/python/"
+    cp python/gpu_check.py python/gpu_daemon_check.py "$BUNDLE/python/"
     du -sh "$BUNDLE" >&2
     echo "gpu-check: bundle in $BUNDLE" >&2
     exit 0
@@ -80,10 +91,43 @@ if command -v python3 >/dev/null; then
     set -e
 fi
 echo "python: $py_json" >&2
+
+# The daemon with a GPU pool, and the Python client against it.
+dm_json='{"check":"daemon-gpu","skipped":"no GPU driver (the Rust check skipped)"}'
+dm_rc=77
+if [[ $rust_rc -ne 77 ]] && command -v python3 >/dev/null; then
+    dir=$(mktemp -d)
+    cat >"$dir/kvmeshd.toml" <<TOML
+[server]
+socket = "$dir/kvmeshd.sock"
+[[pools]]
+name = "gpu0"
+device = "cuda:${KVMESH_GPU:-0}"
+bytes = "256MiB"
+slot_payload_bytes = 1048576
+TOML
+    LD_LIBRARY_PATH="$PWD/$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+        "$BUNDLE/kvmeshd" --config "$dir/kvmeshd.toml" >"$dir/kvmeshd.log" 2>&1 &
+    dpid=$!
+    for _ in $(seq 100); do [[ -S "$dir/kvmeshd.sock" ]] && break; sleep 0.1; done
+    set +e
+    dm_json=$(PYTHONPATH="$BUNDLE/python" timeout 180 python3 "$BUNDLE/python/gpu_daemon_check.py" "$dir/kvmeshd.sock" | tail -1)
+    dm_rc=$?
+    set -e
+    kill "$dpid" 2>/dev/null || true
+    wait "$dpid" 2>/dev/null || true
+    if [[ $dm_rc -ne 0 && $dm_rc -ne 77 ]]; then
+        echo "kvmeshd log:" >&2
+        tail -30 "$dir/kvmeshd.log" >&2
+    fi
+    rm -rf "$dir"
+fi
+echo "daemon: $dm_json" >&2
 ok=false
-if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) ]]; then ok=true; fi
+if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) && ( $dm_rc -eq 0 || $dm_rc -eq 77 ) ]]; then ok=true; fi
 [[ -n "$rust_json" ]] || rust_json='null'
 [[ -n "$py_json" ]] || py_json='null'
-echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"rust\":$rust_json,\"python\":$py_json}"
+[[ -n "$dm_json" ]] || dm_json='null'
+echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"daemon_rc\":$dm_rc,\"rust\":$rust_json,\"python\":$py_json,\"daemon\":$dm_json}"
 if [[ $rust_rc -eq 77 ]]; then exit 77; fi
 $ok
