@@ -55,7 +55,9 @@ def main() -> int:
     failures = []
     block = 1 << 20
     c = kvmesh.Client(sock)
-    ns = c.register_namespace("gpu-check", block, "check", device="cuda:0")
+    import os
+
+    ns = c.register_namespace("gpu-check", block, "check", device=f"cuda:{os.environ.get('KVMESH_GPU', '0')}")
     rng = np.random.default_rng(5)
     data = [rng.integers(0, 256, size=block, dtype=np.uint8) for _ in range(16)]
     keys = [kvmesh.key(i + 1) for i in range(16)]
@@ -68,7 +70,7 @@ def main() -> int:
             if not isinstance(v, kvmesh.DeviceView):
                 failures.append(f"pin entry {i}: {type(v).__name__}, not a DeviceView")
                 continue
-            t = torch.as_tensor(v, device="cuda")
+            t = torch.as_tensor(v, device=f"cuda:{v.device_id}")
             if t.data_ptr() != v.address:
                 failures.append(f"entry {i}: torch copied the block (zero copy expected)")
             if t.cpu().numpy().tobytes() != data[i].tobytes():

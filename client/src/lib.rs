@@ -647,9 +647,35 @@ fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, PoolHa
 
 /// Imports a GPU pool of the daemon on `device` (CUDA IPC through the
 /// allocation's fd: this process then reads and writes the same memory).
-fn import_gpu_pool(fd: &std::os::fd::OwnedFd, device: u32, bytes: u64) -> std::result::Result<ImportedGpu, GpuError> {
-    let gpu = kvmesh_kernels::raw::gpu(device as usize)?;
+/// The device is found by its UUID (the daemon's ordinal `device` is used
+/// only when the daemon sent none): ordinals differ between processes with
+/// different `CUDA_VISIBLE_DEVICES`.
+fn import_gpu_pool(
+    fd: &std::os::fd::OwnedFd,
+    device: u32,
+    uuid: &[u8],
+    bytes: u64,
+) -> std::result::Result<ImportedGpu, GpuError> {
+    let ordinal = match <[u8; 16]>::try_from(uuid) {
+        Ok(u) => kvmesh_kernels::cuda::ordinal_of(&u)?.ok_or_else(|| {
+            GpuError::Invalid(format!(
+                "the pool's GPU (uuid {}) is not visible in this process (CUDA_VISIBLE_DEVICES?)",
+                u.iter().map(|b| format!("{b:02x}")).collect::<String>()
+            ))
+        })?,
+        Err(_) => device as usize,
+    };
+    let gpu = kvmesh_kernels::raw::gpu(ordinal)?;
     let pool = gpu.import_pool(fd, bytes as usize)?;
+    // Cross-card reuse: every other GPU of this process that can reach the
+    // pool's GPU peer-to-peer may read it in place too.
+    for d in (0..kvmesh_kernels::cuda::device_count()?).filter(|&d| d != ordinal) {
+        if kvmesh_kernels::cuda::can_access(d, ordinal).unwrap_or(false)
+            && let Err(e) = pool.grant(d)
+        {
+            tracing::warn!(device = d, "no peer access to the GPU pool on device {ordinal}: {e}");
+        }
+    }
     Ok(ImportedGpu { gpu, pool })
 }
 
@@ -729,7 +755,7 @@ impl Client {
             let mem = match fd {
                 PoolHandle::Memfd(fd) => PoolMem::Host(Arc::new(SharedMapping::map(fd, info.bytes)?)),
                 PoolHandle::SysV(id) => PoolMem::Host(Arc::new(SharedMapping::attach_sysv(id, info.bytes)?)),
-                PoolHandle::Cuda(fd, device) => match import_gpu_pool(&fd, device, info.bytes) {
+                PoolHandle::Cuda(fd, device) => match import_gpu_pool(&fd, device, &full.device_uuid, info.bytes) {
                     Ok(g) => PoolMem::Cuda(Arc::new(g)),
                     Err(e) => {
                         tracing::warn!(pool = %full.name, device, "GPU pool not usable in this process: {e}");

@@ -23,6 +23,8 @@ pub struct CudaMemory {
     pub pool: GpuPool,
     /// Bytes the store uses (whole slots; the allocation may be rounded up).
     pub bytes: u64,
+    /// The device's UUID (what clients find their own ordinal of it by).
+    pub uuid: [u8; 16],
 }
 
 /// A pool's memory.
@@ -100,6 +102,14 @@ impl PoolMemory {
                 let r = c.pool.range().sub(offset as usize, len as usize).map_err(|e| e.to_string())?;
                 c.gpu.kvsum64(r).map_err(|e| e.to_string())
             }
+        }
+    }
+
+    /// The GPU's UUID (empty for host memory).
+    pub fn device_uuid(&self) -> Vec<u8> {
+        match self {
+            PoolMemory::Host(_) => Vec::new(),
+            PoolMemory::Cuda(c) => c.uuid.to_vec(),
         }
     }
 

@@ -114,6 +114,7 @@ impl pb::engine_server::Engine for EngineService {
                     slot_payload_bytes: p.slot_payload_bytes,
                     slots: p.slot_count(),
                     payload_offset_bytes: kvmesh_common::slot::HEADER_BYTES as u32,
+                    device_uuid: p.memory.device_uuid(),
                 })
                 .collect(),
             batch_keys_max: l.batch_keys_max,

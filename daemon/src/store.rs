@@ -467,7 +467,9 @@ impl Store {
                         .map_err(|e| Error::Internal(format!("pool {} on {}: kernels: {e}", p.name, p.device)))?;
                     tracing::info!(pool = %p.name, device = %p.device, gpudirect_rdma = pool.rdma_capable(),
                         "GPU pool allocated (virtual-memory API, POSIX fd shareable)");
-                    PoolMemory::Cuda(Arc::new(CudaMemory { gpu, pool, bytes }))
+                    let uuid = kvmesh_kernels::cuda::device_uuid(ordinal)
+                        .map_err(|e| Error::Internal(format!("pool {} on {}: {e}", p.name, p.device)))?;
+                    PoolMemory::Cuda(Arc::new(CudaMemory { gpu, pool, bytes, uuid }))
                 }
                 (None, None) => {
                     let m = SharedMapping::create(&format!("kvmesh-{}", p.name), stride * n as u64, p.mlock).map_err(

@@ -129,6 +129,84 @@ pub fn compile_ptx(cc: (i32, i32)) -> Result<Ptx, GpuError> {
     })
 }
 
+/// Compiles the kernels' source to machine code (CUBIN) for `sm_XY` with
+/// NVRTC. Needs NVRTC only.
+pub fn compile_cubin(cc: (i32, i32)) -> Result<Vec<u8>, GpuError> {
+    use cudarc::nvrtc::{result as nv, sys as nvs};
+    nvrtc()?;
+    let src = std::ffi::CString::new(KERNELS_CU).map_err(|e| GpuError::Nvrtc(e.to_string()))?;
+    let prog = nv::create_program(&src, None).map_err(|e| GpuError::Nvrtc(format!("{e:?}")))?;
+    let opts = [format!("--gpu-architecture=sm_{}{}", cc.0, cc.1), "-default-device".to_string()];
+    // SAFETY: `prog` was just created from `src`, which outlives it; it is
+    // destroyed once, below, whatever happened.
+    let out = unsafe {
+        let r = match nv::compile_program(prog, &opts) {
+            Err(e) => {
+                let log = nv::get_program_log(prog).unwrap_or_default();
+                let log: Vec<u8> = log.iter().map(|&c| c as u8).take_while(|&c| c != 0).collect();
+                Err(GpuError::Nvrtc(format!("{e:?}: {}", String::from_utf8_lossy(&log))))
+            }
+            Ok(()) => {
+                let mut size = 0usize;
+                match nvs::nvrtcGetCUBINSize(prog, &mut size).result() {
+                    Err(e) => Err(GpuError::Nvrtc(format!("nvrtcGetCUBINSize: {e:?}"))),
+                    Ok(()) => {
+                        let mut bin = vec![0u8; size];
+                        nvs::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast())
+                            .result()
+                            .map(|()| bin)
+                            .map_err(|e| GpuError::Nvrtc(format!("nvrtcGetCUBIN: {e:?}")))
+                    }
+                }
+            }
+        };
+        let _ = nv::destroy_program(prog);
+        r
+    };
+    match out {
+        Ok(bin) if bin.starts_with(b"\x7fELF") => Ok(bin),
+        Ok(_) => Err(GpuError::Nvrtc("NVRTC returned no ELF image".into())),
+        Err(e) => Err(e),
+    }
+}
+
+/// Logs through stderr only where nothing else is set up (this crate has
+/// no logging dependency): a one-line note for operators.
+fn tracing_free_log(msg: &str) {
+    eprintln!("kvmesh-kernels: {msg}");
+}
+
+/// The UUID of CUDA device `ordinal` (the same in every process, whatever
+/// `CUDA_VISIBLE_DEVICES` renumbers).
+pub fn device_uuid(ordinal: usize) -> Result<[u8; 16], GpuError> {
+    driver()?;
+    let dev = result::device::get(ordinal as i32).map_err(drv("cuDeviceGet"))?;
+    let u = result::device::get_uuid(dev).map_err(drv("cuDeviceGetUuid"))?;
+    Ok(u.bytes.map(|b| b as u8))
+}
+
+/// The ordinal, in this process, of the device with `uuid` (`None`: not
+/// visible here).
+pub fn ordinal_of(uuid: &[u8; 16]) -> Result<Option<usize>, GpuError> {
+    for d in 0..device_count()? {
+        if device_uuid(d)? == *uuid {
+            return Ok(Some(d));
+        }
+    }
+    Ok(None)
+}
+
+/// Whether device `from` can read memory of device `to` (peer access).
+pub fn can_access(from: usize, to: usize) -> Result<bool, GpuError> {
+    driver()?;
+    let a = result::device::get(from as i32).map_err(drv("cuDeviceGet"))?;
+    let b = result::device::get(to as i32).map_err(drv("cuDeviceGet"))?;
+    let mut ok = 0i32;
+    // SAFETY: both are valid device handles; `ok` receives one int.
+    unsafe { sys::cuDeviceCanAccessPeer(&mut ok, a, b) }.result().map_err(drv("cuDeviceCanAccessPeer"))?;
+    Ok(ok != 0)
+}
+
 /// Parses a device name of the config: `"cuda:N"`.
 pub fn parse_device(s: &str) -> Option<usize> {
     let n = s.strip_prefix("cuda:")?;
@@ -241,8 +319,17 @@ impl Gpu {
 
     fn compile(&self) -> Result<Kernels, GpuError> {
         let cc = self.ctx.compute_capability().map_err(drv("cuDeviceGetAttribute"))?;
-        let ptx = compile_ptx(cc)?;
-        let module = self.ctx.load_module(ptx).map_err(drv("cuModuleLoadData"))?;
+        // Machine code for this exact architecture when NVRTC knows it: no
+        // JIT by the driver, so an NVRTC newer than the driver (whose PTX
+        // the driver could not read) still works. Else PTX, JIT-compiled.
+        let image = match compile_cubin(cc) {
+            Ok(cubin) => Ptx::from_binary(cubin),
+            Err(e) => {
+                tracing_free_log(&format!("NVRTC has no machine code for sm_{}{} ({e}); using PTX", cc.0, cc.1));
+                compile_ptx(cc)?
+            }
+        };
+        let module = self.ctx.load_module(image).map_err(drv("cuModuleLoadData"))?;
         let f = |name: &str| module.load_function(name).map_err(drv("cuModuleGetFunction"));
         Ok(Kernels {
             kvsum: f("kvsum_partial")?,
@@ -276,15 +363,11 @@ impl Gpu {
         Ok(f64::from(start.elapsed_ms(&end).map_err(drv("cuEventElapsedTime"))?))
     }
 
-    /// Whether this device can read memory of device `peer` (NVLink/PCIe).
-    pub fn can_access_peer(&self, peer: usize) -> Result<bool, GpuError> {
-        let other = result::device::get(peer as i32).map_err(drv("cuDeviceGet"))?;
-        let mut ok = 0i32;
-        // SAFETY: both are valid device handles; `ok` receives one int.
-        unsafe { sys::cuDeviceCanAccessPeer(&mut ok, self.ctx.cu_device(), other) }
-            .result()
-            .map_err(drv("cuDeviceCanAccessPeer"))?;
-        Ok(ok != 0)
+    /// Waits for all work of this device's context, on every stream (an
+    /// engine's torch or CuPy stream too, when it uses the primary context
+    /// as they do), so a kernel launched next sees their writes.
+    pub fn sync_context(&self) -> Result<(), GpuError> {
+        self.ctx.synchronize().map_err(drv("cuCtxSynchronize"))
     }
 
     /// Allocates `bytes` of device memory (`cuMemAlloc`).
@@ -305,11 +388,15 @@ impl Gpu {
             return Err(GpuError::Invalid(format!("{} bytes into a range of {}", src.len(), dst.len)));
         }
         self.bind()?;
-        self.synchronize()?;
+        // On our stream, then wait for it: the bytes are on the device when
+        // this returns (a plain cuMemcpyHtoD from pageable memory may return
+        // while its DMA is still running, unordered with our stream).
         // SAFETY: `dst` holds at least `src.len()` bytes of device memory
-        // (DeviceRange's contract, checked length); synchronous copy, so
-        // `src` is not used after the call returns.
-        unsafe { result::memcpy_htod_sync(dst.ptr, src) }.map_err(drv("cuMemcpyHtoD"))
+        // (DeviceRange's contract, checked length); `src` is borrowed until
+        // the stream is synchronised below.
+        unsafe { result::memcpy_htod_async(dst.ptr, src, self.stream.cu_stream()) }
+            .map_err(drv("cuMemcpyHtoDAsync"))?;
+        self.synchronize()
     }
 
     /// Copies device memory into host bytes (waits until done).
@@ -318,10 +405,12 @@ impl Gpu {
             return Err(GpuError::Invalid(format!("{} bytes from a range of {}", dst.len(), src.len)));
         }
         self.bind()?;
-        self.synchronize()?;
         // SAFETY: `src` holds at least `dst.len()` bytes of device memory;
-        // synchronous copy into a buffer we borrow mutably for the call.
-        unsafe { result::memcpy_dtoh_sync(dst, src.ptr) }.map_err(drv("cuMemcpyDtoH"))
+        // `dst` is borrowed mutably until the stream (which orders the copy
+        // after our kernels) is synchronised below.
+        unsafe { result::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
+            .map_err(drv("cuMemcpyDtoHAsync"))?;
+        self.synchronize()
     }
 
     /// Device-to-device copy of `len` bytes, queued on the stream (the
@@ -733,6 +822,12 @@ impl Plan {
                 .map_err(|_| GpuError::Invalid(format!("{what} = {v} does not fit the kernels' 32-bit indices")))
         };
         let (nl, kvn, tt, hh) = shape.dims();
+        // The kernel's u32 grid-stride index must not wrap: a block of at
+        // most 2^31 units (2 GiB of bytes at worst) leaves room for a whole
+        // grid's stride.
+        if block / unit > 1 << 31 {
+            return Err(GpuError::Invalid(format!("a block of {block} bytes in {unit}-byte units is too large")));
+        }
         Ok(Plan {
             unit,
             units: small(block / unit, "units of a block")?,
@@ -795,6 +890,12 @@ mod tests {
                 assert!(ptx.contains(&format!(".entry {f}(")), "{f} missing from the PTX for {cc:?}");
             }
             assert!(ptx.contains(&format!(".target sm_{}{}", cc.0, cc.1)), "PTX for {cc:?}");
+            // Machine code too (what a GPU of that architecture loads first).
+            let cubin = compile_cubin(cc).unwrap_or_else(|e| panic!("sm_{}{}: {e}", cc.0, cc.1));
+            assert!(cubin.len() > 1024 && cubin.starts_with(b"\x7fELF"), "CUBIN for {cc:?}");
+            for f in ["kvsum_partial", "kv_move_16", "kv_move_1"] {
+                assert!(cubin.windows(f.len()).any(|w| w == f.as_bytes()), "{f} missing from the CUBIN for {cc:?}");
+            }
         }
     }
 

@@ -53,6 +53,10 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, GpuError> {
 
 /// Moves pages between an engine's tensors and slots: for each `i`, page
 /// `pages[i]` of `tensors` and the slot at `slots[i]` (`slot_bytes` long).
+/// On a device, waits first for all work of the device's primary context
+/// (other streams of the process, torch's among them) and returns when the
+/// kernel finished. Work in another CUDA context must be synchronised by
+/// its owner before the call.
 ///
 /// # Safety
 /// Every pointer of `tensors` must point to [`PagedKv::tensors`]' byte count
@@ -118,6 +122,9 @@ pub unsafe fn move_pages(
         }
         Memory::Cuda(d) => {
             let gpu = gpu(d)?;
+            // The caller's writes (on its own streams of this context, e.g.
+            // torch's) land before our kernel reads.
+            gpu.sync_context()?;
             // SAFETY: the caller vouches for the device memory behind every
             // pointer, for the sizes given, during the call (which
             // synchronises before it returns).
@@ -153,8 +160,12 @@ pub unsafe fn kvsum64(mem: Memory, ptr: u64, len: usize) -> Result<u64, GpuError
             let b = unsafe { std::slice::from_raw_parts(ptr as *const u8, len) };
             Ok(crate::checksum::kvsum64(b))
         }
-        // SAFETY: the caller vouches for the device memory.
-        Memory::Cuda(d) => gpu(d)?.kvsum64(unsafe { DeviceRange::from_raw(ptr, len) }),
+        Memory::Cuda(d) => {
+            let gpu = gpu(d)?;
+            gpu.sync_context()?;
+            // SAFETY: the caller vouches for the device memory.
+            gpu.kvsum64(unsafe { DeviceRange::from_raw(ptr, len) })
+        }
     }
 }
 

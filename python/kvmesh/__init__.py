@@ -97,10 +97,13 @@ class DeviceView:
 
     @property
     def __cuda_array_interface__(self) -> dict:
+        # The read-only flag is always False in the interface: torch refuses
+        # read-only CUDA arrays outright. A pinned block must not be written
+        # all the same (``readonly`` says so; verify() would catch it).
         return {
             "shape": (self.length,),
             "typestr": "|u1",
-            "data": (self.address, self.readonly),
+            "data": (self.address, False),
             "version": 3,
             "strides": None,
         }

@@ -98,8 +98,9 @@ def _region(obj: Any, writable: bool, what: str) -> Tuple[int, int, int]:
         addr, readonly = cai["data"]
         if writable and readonly:
             raise InvalidArgument(f"{what}: read-only array")
-        dev = getattr(obj, "device", None)
-        device = getattr(dev, "id", None)
+        device = getattr(obj, "device_id", None)  # kvmesh.DeviceView
+        if device is None:
+            device = getattr(getattr(obj, "device", None), "id", None)  # CuPy
         if device is None:
             raise InvalidArgument(f"{what}: cannot tell which CUDA device holds it")
         return addr, _nbytes(cai), int(device)

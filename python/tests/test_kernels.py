@@ -142,3 +142,14 @@ def test_gpu_gather_matches_the_numpy_reference():
     for p, s in zip([1, 3], slots):
         assert s.cpu().numpy().tobytes() == packed("nhd", [t.numpy() for t in cpu], p)
     assert kernels.kvsum64(slots[0]) == kvsum64_reference(slots[0].cpu().numpy().tobytes())
+
+
+def test_device_views_speak_the_cuda_array_interface():
+    # No device memory is touched: the interface and the kernels' argument
+    # parsing only read the numbers.
+    v = kvmesh.DeviceView(0x7F0000001000, 4096, 1, True, None)
+    cai = v.__cuda_array_interface__
+    assert cai["shape"] == (4096,) and cai["typestr"] == "|u1" and cai["version"] == 3
+    assert cai["data"] == (0x7F0000001000, False), "torch refuses read-only CUDA arrays"
+    assert v.readonly and len(v) == 4096
+    assert kernels._region(v, False, "v") == (0x7F0000001000, 4096, 1)

@@ -21,7 +21,7 @@ use std::process::{Command, ExitCode};
 use std::time::Instant;
 
 use kvmesh_kernels::checksum::kvsum64;
-use kvmesh_kernels::cuda::{DeviceRange, Gpu, GpuError, device_count};
+use kvmesh_kernels::cuda::{DeviceRange, Gpu, GpuError, can_access, device_count};
 use kvmesh_kernels::layout::{DType, Layout, PagedKv};
 use serde_json::{Value, json};
 
@@ -105,7 +105,7 @@ fn main() -> ExitCode {
     rep.check("lend-same-gpu", r);
     let peer = (0..devices).find(|&d| d != ordinal);
     match peer {
-        Some(p) if gpu.can_access_peer(p).unwrap_or(false) => {
+        Some(p) if can_access(p, ordinal).unwrap_or(false) => {
             let r = lending(&gpu, p, &mut rng);
             rep.check("lend-peer-gpu", r);
         }

@@ -20,7 +20,8 @@ __device__ __forceinline__ u64 fmix64(u64 k) {
 }
 
 // S of kvsum64 over `len` bytes at `p` (8-byte aligned: the host checks),
-// added into *out (zeroed by the host). Word i is mixed with key (i+1)*P1;
+// added into *out (zeroed by the host). Launched with 256 threads per block
+// (whole warps: the shuffle below needs every lane). Word i is mixed with key (i+1)*P1;
 // sums are mod 2^64, so the order of additions does not matter.
 extern "C" __global__ void kvsum_partial(const u8* __restrict__ p, u64 len, u64* __restrict__ out) {
     const u64 nw = len >> 3;
