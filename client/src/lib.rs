@@ -48,6 +48,7 @@ use kvmesh_proto::engine::v1 as pb;
 /// Coherence figures of a clustered daemon (`Stats::coherence`).
 pub use kvmesh_proto::engine::v1::CoherenceStats;
 pub use kvmesh_proto::engine::v1::StatsResponse as Stats;
+pub use kvmesh_proto::engine::v1::{KvEvent, KvEventBatch, KvEventKind};
 use pb::engine_client::EngineClient;
 use tokio::sync::{mpsc, oneshot};
 use tonic::transport::{Channel, Endpoint};
@@ -1176,6 +1177,18 @@ impl Client {
     pub async fn list_keys(&self, ns: &Namespace, limit: u32) -> Result<(Vec<Key>, u64)> {
         let r = self.rpc().list_keys(pb::ListKeysRequest { namespace_id: ns.id, limit }).await?.into_inner();
         Ok((r.keys.iter().map(|k| Key::from_parts(k.hi, k.lo)).collect(), r.total))
+    }
+
+    /// KV events of namespace `ns` on this daemon (blocks stored, removed,
+    /// evicted, invalidated), in batches, until the stream ends. With
+    /// `snapshot`, the blocks held now come first (SNAPSHOT events, the
+    /// batches marked `snapshot`), then the live events continuing from
+    /// `snapshot_seq`. `seq` numbers each namespace's events from 1 without
+    /// gaps: a gap, or the stream ending with RESOURCE_EXHAUSTED (too slow),
+    /// means watching again with `snapshot`.
+    pub async fn watch_events(&self, ns: &Namespace, snapshot: bool) -> Result<tonic::Streaming<KvEventBatch>> {
+        let r = pb::WatchEventsRequest { namespace_id: ns.id, snapshot };
+        Ok(self.rpc().watch_events(r).await?.into_inner())
     }
 
     /// Starts a graceful drain of the daemon (see the `Drain` RPC): it

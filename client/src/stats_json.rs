@@ -41,6 +41,8 @@ pub fn stats_json(s: &crate::Stats) -> String {
         "transfer_timeouts": s.transfer_timeouts,
         "slots_quarantined": s.slots_quarantined,
         "grants_given": s.grants_given,
+        "event_watchers": s.event_watchers,
+        "event_watchers_cut_off": s.event_watchers_cut_off,
         "peers_connected": s.peers_connected,
         "coherence": s.coherence.as_ref().map(|c| {
             let batching = if c.batches_sent == 0 { 0.0 } else { c.msgs_sent as f64 / c.batches_sent as f64 };

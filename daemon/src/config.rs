@@ -46,6 +46,29 @@ pub struct Config {
     /// Logging.
     #[serde(default)]
     pub log: LogConfig,
+    /// KV events for routers (`WatchEvents`).
+    #[serde(default)]
+    pub events: EventsConfig,
+}
+
+/// `[events]`: the `WatchEvents` streams.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EventsConfig {
+    /// Events kept for consumers that are behind (one ring for all
+    /// watchers); a consumer further behind is cut off. 16 to 2^22.
+    pub buffer_events: u32,
+    /// A consumer that does not take the next batch for this long is cut
+    /// off. 100 ms to 1 hour.
+    pub stall_ms: u64,
+    /// Watch streams open at once (more are refused). 1 to 4096.
+    pub watchers_max: u32,
+}
+
+impl Default for EventsConfig {
+    fn default() -> Self {
+        EventsConfig { buffer_events: 65_536, stall_ms: 10_000, watchers_max: 64 }
+    }
 }
 
 /// `[log]`
@@ -835,6 +858,16 @@ impl Config {
                 e.low_watermark, e.high_watermark
             ));
         }
+        let ev = &self.events;
+        if !(16..=1 << 22).contains(&ev.buffer_events) {
+            return Err(format!("events.buffer_events: {} is out of range (16 to 4194304)", ev.buffer_events));
+        }
+        if !(100..=3_600_000).contains(&ev.stall_ms) {
+            return Err(format!("events.stall_ms: {} is out of range (100 to 3600000)", ev.stall_ms));
+        }
+        if !(1..=4096).contains(&ev.watchers_max) {
+            return Err(format!("events.watchers_max: {} is out of range (1 to 4096)", ev.watchers_max));
+        }
         Ok(())
     }
 }
@@ -878,6 +911,8 @@ mod tests {
             (&format!("[limits]\nbatch_keys_max = 0\n{pool}"), "limits.batch_keys_max"),
             (&format!("[limits]\nlease_ms_default = 10\nlease_ms_max = 5\n{pool}"), "limits.lease_ms_default"),
             (&format!("[eviction]\nhigh_watermark = 0.5\nlow_watermark = 0.9\n{pool}"), "low_watermark"),
+            (&format!("[events]\nbuffer_events = 8\n{pool}"), "events.buffer_events"),
+            (&format!("[events]\nstall_ms = 5\n{pool}"), "events.stall_ms"),
             (&format!("[server]\nsockett = \"/x\"\n{pool}"), "sockett"),
             (&format!("[peer]\ntransports = \"rdma\"\n{pool}"), "peer.transports"),
             (&format!("[peer]\ntransfer = \"push\"\n{pool}"), "peer.transfer"),

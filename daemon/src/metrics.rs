@@ -246,6 +246,7 @@ impl prometheus_client::collector::Collector for Snapshot {
         gauge(e, "allocations_outstanding", "Uncommitted allocations.", s.allocations_outstanding)?;
         gauge(e, "peers_connected", "Peer daemons connected.", s.peers_connected)?;
         gauge(e, "draining", "1 while a drain refuses new pins and allocations.", s.draining as u64)?;
+        gauge(e, "event_watchers", "WatchEvents streams open.", s.event_watchers)?;
         for (name, help, v) in [
             ("lookups", "Keys looked up.", s.lookups),
             ("hits", "Keys found (lookups and pins).", s.hits),
@@ -265,6 +266,11 @@ impl prometheus_client::collector::Collector for Snapshot {
             ("transfer_timeouts", "Data-plane transfers that timed out.", s.transfer_timeouts),
             ("slots_quarantined", "Slots quarantined after a failed transfer.", s.slots_quarantined),
             ("grants_given", "Read grants given to peers.", s.grants_given),
+            (
+                "event_watchers_cut_off",
+                "Event watchers cut off: too far behind the event ring, or not reading.",
+                s.event_watchers_cut_off,
+            ),
         ] {
             counter(e, name, help, v)?;
         }

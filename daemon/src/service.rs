@@ -394,6 +394,37 @@ impl pb::engine_server::Engine for EngineService {
         Ok(Response::new(pb::InvalidateResponse { invalidated, failed, first_error }))
     }
 
+    type WatchEventsStream =
+        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::KvEventBatch, Status>> + Send + 'static>>;
+
+    async fn watch_events(
+        &self,
+        req: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let _ = session_of(&req)?;
+        let r = req.into_inner();
+        let (rx, seq, held, node, instance, stall) = {
+            let st = self.store.lock();
+            let ev = st.config().events.clone();
+            if st.event_watchers() >= ev.watchers_max as usize {
+                return Err(Status::resource_exhausted(format!(
+                    "{} event watchers already (events.watchers_max)",
+                    st.event_watchers()
+                )));
+            }
+            let (rx, seq, held) = st.watch_events(r.namespace_id, r.snapshot)?;
+            (rx, seq, held, st.config().node.id, st.instance_id, std::time::Duration::from_millis(ev.stall_ms))
+        };
+        let (tx, out) = tokio::sync::mpsc::channel(1);
+        tokio::spawn(stream_events(
+            EventStream { ns: r.namespace_id, node, instance, stall, tx, store: Arc::clone(&self.store) },
+            rx,
+            seq,
+            r.snapshot.then_some(held),
+        ));
+        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
+    }
+
     async fn list_namespaces(
         &self,
         req: Request<pb::ListNamespacesRequest>,
@@ -462,7 +493,10 @@ impl pb::engine_server::Engine for EngineService {
 impl EngineService {
     /// The daemon's statistics (the `Stats` call, `/metrics`).
     pub async fn snapshot(&self) -> pb::StatsResponse {
-        let s = self.store.lock().stats();
+        let (s, event_watchers) = {
+            let st = self.store.lock();
+            (st.stats(), st.event_watchers() as u32)
+        };
         let c = s.counters;
         let peers_connected = match &self.peers {
             Some(p) => p.connected().await,
@@ -542,6 +576,141 @@ impl EngineService {
             coherence,
             draining: self.store.lock().draining(),
             peers,
+            event_watchers,
+            event_watchers_cut_off: c.events_cut_off,
+        }
+    }
+}
+
+/// Most events in one batch of a watch stream.
+const EVENT_BATCH_MAX: usize = 4096;
+
+struct EventStream {
+    ns: u32,
+    node: u32,
+    instance: u64,
+    stall: std::time::Duration,
+    tx: tokio::sync::mpsc::Sender<Result<pb::KvEventBatch, Status>>,
+    store: Arc<Mutex<Store>>,
+}
+
+impl EventStream {
+    fn batch(&self, events: Vec<pb::KvEvent>, snapshot: Option<u64>) -> pb::KvEventBatch {
+        pb::KvEventBatch {
+            node_id: self.node,
+            instance_id: self.instance,
+            namespace_id: self.ns,
+            events,
+            snapshot: snapshot.is_some(),
+            snapshot_seq: snapshot.unwrap_or(0),
+        }
+    }
+
+    /// Hands one item to the client's stream; false when the client is gone
+    /// or took nothing for `stall` (then it is cut off).
+    async fn send(&self, item: Result<pb::KvEventBatch, Status>) -> bool {
+        match tokio::time::timeout(self.stall, self.tx.send(item)).await {
+            Ok(Ok(())) => true,
+            Ok(Err(_)) => false,
+            Err(_) => {
+                tracing::warn!(namespace = self.ns, "event watcher cut off: it took no batch for {:?}", self.stall);
+                self.cut_off();
+                false
+            }
+        }
+    }
+
+    fn cut_off(&self) {
+        self.store.lock().counters.events_cut_off += 1;
+    }
+}
+
+fn pb_event(e: &crate::store::KvEvent) -> pb::KvEvent {
+    use crate::store::KvEventKind as K;
+    let kind = match e.kind {
+        K::Stored => pb::KvEventKind::Stored,
+        K::Removed => pb::KvEventKind::Removed,
+        K::Evicted => pb::KvEventKind::Evicted,
+        K::Invalidated => pb::KvEventKind::Invalidated,
+    };
+    pb::KvEvent {
+        kind: kind as i32,
+        seq: e.seq,
+        key: Some(pb::Key { hi: e.key.hi(), lo: e.key.lo() }),
+        version: e.version,
+    }
+}
+
+/// One watch stream: the snapshot (if asked), then live events of the
+/// namespace in batches of what is ready, until the client goes, stalls,
+/// or falls behind the ring (cut off with RESOURCE_EXHAUSTED).
+async fn stream_events(
+    s: EventStream,
+    mut rx: tokio::sync::broadcast::Receiver<crate::store::KvEvent>,
+    seq: u64,
+    held: Option<Vec<(Key, u64)>>,
+) {
+    use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+    if let Some(held) = held {
+        let kind = pb::KvEventKind::Snapshot as i32;
+        let mut chunks = held.chunks(EVENT_BATCH_MAX).peekable();
+        if chunks.peek().is_none() && !s.send(Ok(s.batch(Vec::new(), Some(seq)))).await {
+            return;
+        }
+        for chunk in chunks {
+            let events = chunk
+                .iter()
+                .map(|(k, v)| pb::KvEvent { kind, seq, key: Some(pb::Key { hi: k.hi(), lo: k.lo() }), version: *v })
+                .collect();
+            if !s.send(Ok(s.batch(events, Some(seq)))).await {
+                return;
+            }
+        }
+    }
+    let lagged = |n: u64| {
+        Status::resource_exhausted(format!(
+            "event watcher too slow: {n} events passed it (events.buffer_events); \
+             watch again with snapshot to resynchronise"
+        ))
+    };
+    loop {
+        let first = tokio::select! {
+            _ = s.tx.closed() => return,
+            r = rx.recv() => r,
+        };
+        let mut events = Vec::new();
+        match first {
+            Ok(e) => {
+                if e.ns == s.ns && e.seq > seq {
+                    events.push(pb_event(&e));
+                }
+            }
+            Err(RecvError::Lagged(n)) => {
+                tracing::warn!(namespace = s.ns, "event watcher cut off: {n} events passed it");
+                s.cut_off();
+                let _ = s.send(Err(lagged(n))).await;
+                return;
+            }
+            Err(RecvError::Closed) => return,
+        }
+        while events.len() < EVENT_BATCH_MAX {
+            match rx.try_recv() {
+                Ok(e) => {
+                    if e.ns == s.ns && e.seq > seq {
+                        events.push(pb_event(&e));
+                    }
+                }
+                Err(TryRecvError::Empty) | Err(TryRecvError::Closed) => break,
+                Err(TryRecvError::Lagged(n)) => {
+                    tracing::warn!(namespace = s.ns, "event watcher cut off: {n} events passed it");
+                    s.cut_off();
+                    let _ = s.send(Err(lagged(n))).await;
+                    return;
+                }
+            }
+        }
+        if !events.is_empty() && !s.send(Ok(s.batch(events, None))).await {
+            return;
         }
     }
 }

@@ -237,6 +237,8 @@ pub struct Counters {
     pub quarantined: u64,
     /// Read grants given to peers.
     pub grants_given: u64,
+    /// Event watchers cut off (behind the ring, or not reading).
+    pub events_cut_off: u64,
 }
 
 /// Result of a pin of one key.
@@ -356,6 +358,43 @@ pub struct Store {
     /// Lease left when a pin is released (`/metrics`): how close engines
     /// cut their leases.
     lease_left_at_unpin: Arc<crate::metrics::AtomicHistogram>,
+    /// KV events for `WatchEvents` (one ring for every watcher, bounded:
+    /// a watcher that falls behind it is cut off; sending never blocks).
+    events: tokio::sync::broadcast::Sender<KvEvent>,
+    /// Per namespace: the sequence number of its last event.
+    event_seq: Vec<u64>,
+}
+
+/// A new watch: the receiver, the namespace's last sequence number, and
+/// the snapshot (key, version) when asked.
+pub type EventWatch = (tokio::sync::broadcast::Receiver<KvEvent>, u64, Vec<(Key, u64)>);
+
+/// What happened to a block (`WatchEvents`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvEventKind {
+    /// Readable here (a put, or a fetched copy).
+    Stored,
+    /// Removed by an engine.
+    Removed,
+    /// Evicted for space.
+    Evicted,
+    /// Dropped by the coherence protocol.
+    Invalidated,
+}
+
+/// One KV event of this daemon.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvEvent {
+    /// Namespace id.
+    pub ns: u32,
+    /// What happened.
+    pub kind: KvEventKind,
+    /// Per-namespace sequence number, from 1.
+    pub seq: u64,
+    /// The block.
+    pub key: Key,
+    /// Its version.
+    pub version: u64,
 }
 
 /// Key of the index: namespace and block key, packed to 20 bytes (28 per
@@ -450,6 +489,7 @@ impl Store {
     /// Creates the store on mappings made elsewhere (e.g. pools UCX
     /// allocated); pools without one get a fresh memfd.
     pub fn with_mappings(cfg: Config, premade: Vec<Option<Arc<SharedMapping>>>) -> Result<Store, Error> {
+        let cfg_events = cfg.events.buffer_events;
         let mut pools = Vec::new();
         for (i, p) in cfg.pools.iter().enumerate() {
             let stride = slot_stride(p.slot_payload_bytes);
@@ -556,6 +596,8 @@ impl Store {
             counters: Counters::default(),
             coherent: false,
             evicted: Vec::new(),
+            events: tokio::sync::broadcast::channel(cfg_events as usize).0,
+            event_seq: Vec::new(),
         })
     }
 
@@ -567,6 +609,46 @@ impl Store {
     /// core still holds it for readers.
     pub fn set_coherent(&mut self) {
         self.coherent = true;
+    }
+
+    /// A new watcher of KV events: its receiver, and the sequence number of
+    /// namespace `ns`'s last event — with, when `snapshot`, the blocks of
+    /// `ns` held now (key, version) — taken together under the store lock,
+    /// so the live events that follow continue exactly from there.
+    pub fn watch_events(&self, ns: u32, snapshot: bool) -> Result<EventWatch, Error> {
+        self.namespace(ns)?;
+        let rx = self.events.subscribe();
+        let seq = self.event_seq.get(ns as usize).copied().unwrap_or(0);
+        let held = if snapshot {
+            self.index
+                .iter()
+                .filter(|(k, _)| k.ns == ns)
+                .filter_map(|(k, &(p, s))| {
+                    let slot = &self.pools[p as usize].slots[s as usize];
+                    (slot.state == State::Valid).then_some((Key(k.key), slot.version))
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Ok((rx, seq, held))
+    }
+
+    /// Watchers of KV events now.
+    pub fn event_watchers(&self) -> usize {
+        self.events.receiver_count()
+    }
+
+    fn emit(&mut self, ns: u32, kind: KvEventKind, key: Key, version: u64) {
+        let i = ns as usize;
+        if self.event_seq.len() <= i {
+            self.event_seq.resize(i + 1, 0);
+        }
+        self.event_seq[i] += 1;
+        let seq = self.event_seq[i];
+        // No receiver is not an error: events of a namespace nobody watches
+        // still number themselves (a later snapshot continues from there).
+        let _ = self.events.send(KvEvent { ns, kind, seq, key, version });
     }
 
     /// Indexed blocks evicted since the last call (clustered mode).
@@ -621,6 +703,7 @@ impl Store {
         // The previous version's slot (if still held for its readers) leaves
         // the index; the core frees it when they are done.
         self.index.insert(IndexKey::new(ns, key), (r.pool, r.slot));
+        self.emit(ns, KvEventKind::Stored, key, version);
         true
     }
 
@@ -638,7 +721,10 @@ impl Store {
         match state {
             State::Committing => self.drop_pending(r),
             State::Valid => {
-                self.unindex(ns, key, r.pool, r.slot);
+                let version = slot.version;
+                if self.unindex(ns, key, r.pool, r.slot) {
+                    self.emit(ns, KvEventKind::Invalidated, key, version);
+                }
                 self.retire_valid(r.pool, r.slot);
             }
             State::Free | State::Zombie | State::Pending { .. } => {}
@@ -1161,13 +1247,16 @@ impl Store {
             }
             // Evict.
             slot.queue = Queue::None;
-            let (ns, key) = (slot.ns, slot.key);
+            let (ns, key, version) = (slot.ns, slot.key, slot.version);
             if from_small {
                 pool.ghost_add(ghost_hash(ns, key));
             }
             pool.valid -= 1;
             let removed = self.unindex(ns, key, p, s);
             assert!(removed || self.coherent, "index out of sync with evicted slot");
+            if removed {
+                self.emit(ns, KvEventKind::Evicted, key, version);
+            }
             if removed && self.coherent {
                 let fp = self.namespaces[ns as usize].fingerprint;
                 self.evicted.push((fp, key));
@@ -1423,6 +1512,12 @@ impl Store {
             pool.write_meta(r.slot, &meta);
             self.allocs_outstanding -= 1;
             self.counters.commits += 1;
+            let (key, version) = (meta.key, meta.version);
+            // Clustered, a slot becomes readable when the core indexes it
+            // (`commit_core`, which emits); alone, at commit.
+            if !self.coherent {
+                self.emit(ns_of, KvEventKind::Stored, key, version);
+            }
         }
     }
 
@@ -1438,6 +1533,8 @@ impl Store {
                 continue;
             };
             self.index.remove(&IndexKey::new(ns, key));
+            let version = self.pools[p as usize].slots[s as usize].version;
+            self.emit(ns, KvEventKind::Removed, key, version);
             self.retire_valid(p, s);
             self.counters.removes += 1;
             out.push(true);

@@ -53,6 +53,9 @@ __all__ = [
     "key",
     "KEY_SEED",
     "DeviceView",
+    "EventStream",
+    "EventBatch",
+    "KvEvent",
 ] + errors.__all__
 
 
@@ -73,6 +76,61 @@ class InvalidateSummary(NamedTuple):
     invalidated: int
     failed: int
     first_error: str
+
+
+class KvEvent(NamedTuple):
+    """One KV event: ``kind`` is "stored", "removed", "evicted",
+    "invalidated" or "snapshot"; ``key`` 16 bytes."""
+
+    kind: str
+    seq: int
+    key: bytes
+    version: int
+
+
+class EventBatch(NamedTuple):
+    """Events of one message of the stream, with the daemon that sent them
+    (``node_id``; ``instance_id`` changes when it restarts)."""
+
+    node_id: int
+    instance_id: int
+    snapshot: bool
+    snapshot_seq: int
+    events: List[KvEvent]
+
+
+class EventStream:
+    """A ``WatchEvents`` stream (``Client.watch_events``). Iterating yields
+    ``KvEvent``s for ever; ``next_batch(timeout)`` returns an ``EventBatch``
+    or None after ``timeout`` seconds. Waiting releases the GIL."""
+
+    __slots__ = ("_e",)
+
+    def __init__(self, native):
+        self._e = native
+
+    def next_batch(self, timeout: Optional[float] = None) -> Optional[EventBatch]:
+        ms = 0 if timeout is None else max(1, int(timeout * 1000))
+        b = self._e.next_batch(ms)
+        if b is None:
+            return None
+        node, instance, snap, snap_seq, events = b
+        return EventBatch(node, instance, snap, snap_seq, [KvEvent(*e) for e in events])
+
+    def __iter__(self):
+        while True:
+            b = self.next_batch()
+            if b is not None:
+                yield from b.events
+
+    def close(self) -> None:
+        self._e.close()
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class DeviceView:
@@ -371,3 +429,13 @@ class Client:
     def stats(self) -> dict:
         """The daemon's statistics (the JSON of ``kvmesh stats --json``)."""
         return _json.loads(self._c.stats_json())
+
+    def watch_events(self, ns: NamespaceLike, snapshot: bool = False) -> "EventStream":
+        """KV events of a namespace on this daemon (stored, removed, evicted,
+        invalidated), for cache-aware routers: iterate the ``EventStream``,
+        or call ``next_batch(timeout)``. With ``snapshot``, the blocks held
+        now come first (kind ``"snapshot"``). ``seq`` numbers a namespace's
+        events from 1 without gaps; a gap, or ``ResourceExhausted`` (the
+        daemon cut a slow watcher off), means watching again with
+        ``snapshot=True``."""
+        return EventStream(self._c.watch_events(ns, snapshot))

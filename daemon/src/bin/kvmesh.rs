@@ -54,6 +54,23 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// KV events of a namespace on this daemon, as they happen (stored,
+    /// removed, evicted, invalidated): one line each, or JSON lines. Ctrl-C
+    /// stops it.
+    Events {
+        /// Namespace.
+        #[arg(long)]
+        namespace: String,
+        /// First list the blocks held now (snapshot events).
+        #[arg(long)]
+        snapshot: bool,
+        /// Stop after this many events (0: never).
+        #[arg(long, default_value_t = 0)]
+        count: u64,
+        /// One JSON object per event.
+        #[arg(long)]
+        json: bool,
+    },
     /// A live view, refreshed every interval: operations per second, hit
     /// ratio, pool occupancy, and P99s of pin, commit and fetched gets over
     /// the interval (read from the daemon's /metrics; "-" when it is off or
@@ -257,6 +274,34 @@ async fn run(args: Args) -> Result<(), Failure> {
                     eprintln!("({} of {total} keys; --limit raises it)", keys.len());
                 }
             }
+        }
+        Cmd::Events { namespace, snapshot, count, json } => {
+            let client = connect(args.socket).await?;
+            let ns = client.namespace(&namespace).await?;
+            let mut stream = client.watch_events(&ns, snapshot).await?;
+            let mut seen = 0u64;
+            while let Some(batch) = stream.message().await.map_err(|e| Failure::Error(e.message().to_string()))? {
+                for e in &batch.events {
+                    let kind = kvmesh_client::KvEventKind::try_from(e.kind)
+                        .map(|k| k.as_str_name().trim_start_matches("KV_EVENT_KIND_").to_lowercase())
+                        .unwrap_or_else(|_| format!("kind-{}", e.kind));
+                    let key = e.key.map(|k| kvmesh_client::Key::from_parts(k.hi, k.lo).to_string()).unwrap_or_default();
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({"node": batch.node_id, "namespace": namespace, "kind": kind,
+                                "seq": e.seq, "key": key, "version": e.version})
+                        );
+                    } else {
+                        println!("{:>10} {kind:<11} {key} v{}", e.seq, e.version);
+                    }
+                    seen += 1;
+                    if count > 0 && seen >= count {
+                        return Ok(());
+                    }
+                }
+            }
+            return Err(Failure::Error("the event stream ended".into()));
         }
         Cmd::Top { interval_s, count, json } => {
             if !(interval_s > 0.0 && interval_s.is_finite()) {

@@ -401,6 +401,89 @@ impl PyClient {
         let s = self.call(py, |c| c.call(c.inner().stats()))?;
         Ok(kvmesh_client::stats_json(&s))
     }
+
+    #[pyo3(signature = (ns, snapshot=false))]
+    fn watch_events(&self, py: Python<'_>, ns: &Bound<'_, PyAny>, snapshot: bool) -> PyResult<PyEvents> {
+        let ns = self.ns(py, ns)?;
+        let c = self.get(py)?;
+        let stream = self.call(py, |c| c.call(c.inner().watch_events(&ns, snapshot)))?;
+        Ok(PyEvents { client: c, stream: Mutex::new(Some(stream)) })
+    }
+}
+
+/// A `WatchEvents` stream: `next_batch(timeout_ms)` waits (GIL released)
+/// for the next batch.
+#[pyclass(module = "kvmesh._kvmesh", frozen, name = "Events")]
+struct PyEvents {
+    client: blocking::Client,
+    stream: Mutex<Option<tonic::Streaming<kvmesh_client::KvEventBatch>>>,
+}
+
+/// One batch as Python sees it: (node_id, instance_id, snapshot,
+/// snapshot_seq, [(kind, seq, key bytes, version)]).
+type PyEventBatch = (u32, u64, bool, u64, Vec<(String, u64, Vec<u8>, u64)>);
+
+#[pymethods]
+impl PyEvents {
+    /// The next batch, or None when `timeout_ms` (0: wait for ever) passed
+    /// first. Raises `ResourceExhausted` when the daemon cut this watcher
+    /// off, `DaemonUnavailable` when the stream ended.
+    #[pyo3(signature = (timeout_ms=0))]
+    fn next_batch(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<Option<PyEventBatch>> {
+        let mut guard = lock(&self.stream);
+        let Some(stream) = guard.as_mut() else {
+            return Err(error(py, "DaemonUnavailable", "the event stream has ended".into()));
+        };
+        let c = self.client.clone();
+        let got = py.detach(|| {
+            c.block_on(async {
+                if timeout_ms == 0 {
+                    Ok(stream.message().await)
+                } else {
+                    tokio::time::timeout(std::time::Duration::from_millis(timeout_ms), stream.message()).await
+                }
+            })
+        });
+        let msg = match got {
+            Err(e) => return Err(client_error(py, e)),
+            Ok(Err(_elapsed)) => return Ok(None),
+            Ok(Ok(m)) => m,
+        };
+        match msg {
+            Ok(Some(b)) => {
+                let events = b
+                    .events
+                    .iter()
+                    .map(|e| {
+                        let kind = kvmesh_client::KvEventKind::try_from(e.kind)
+                            .map(|k| k.as_str_name().trim_start_matches("KV_EVENT_KIND_").to_lowercase())
+                            .unwrap_or_else(|_| format!("kind-{}", e.kind));
+                        let key =
+                            e.key.map(|k| key_be_bytes(kvmesh_client::Key::from_parts(k.hi, k.lo))).unwrap_or_default();
+                        (kind, e.seq, key, e.version)
+                    })
+                    .collect();
+                Ok(Some((b.node_id, b.instance_id, b.snapshot, b.snapshot_seq, events)))
+            }
+            Ok(None) => {
+                guard.take();
+                Err(error(py, "DaemonUnavailable", "the event stream ended".into()))
+            }
+            Err(status) => {
+                guard.take();
+                Err(client_error(py, ClientError::Rpc(status)))
+            }
+        }
+    }
+
+    /// Ends the stream (the daemon frees the watcher).
+    fn close(&self) {
+        lock(&self.stream).take();
+    }
+}
+
+fn key_be_bytes(k: kvmesh_client::Key) -> Vec<u8> {
+    k.0.to_be_bytes().to_vec()
 }
 
 struct BatchState {
@@ -807,6 +890,7 @@ fn _kvmesh(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyBatch>()?;
     m.add_class::<PyAllocation>()?;
     m.add_class::<Export>()?;
+    m.add_class::<PyEvents>()?;
     m.add_function(wrap_pyfunction!(chain_key, m)?)?;
     m.add_function(wrap_pyfunction!(prefix_keys, m)?)?;
     m.add_function(wrap_pyfunction!(key, m)?)?;
