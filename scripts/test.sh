@@ -103,6 +103,8 @@ if [[ $(grep -o '"wrong_bytes":0' <<<"$out" | wc -l) -ne 6 ]]; then
 fi
 echo "== rpc benchmark smoke run (gRPC and the fast path on one daemon; fails if the fast path is not offered)" >&2
 cargo run --locked -q -p kvmesh-bench -- rpc --calls 20 | tail -1 | cut -c1-200 >&2
+# KV events under a paced put load: the bench fails on any gap in the sequence numbers.
+cargo run --locked -q -p kvmesh-bench -- events --rate 2000 --seconds 0.5 --rounds 1 | tail -1 | cut -c1-200 >&2
 echo "== Debian package: build, install (dpkg -i), run as the kvmesh user, drain, purge" >&2
 bash scripts/test-deb.sh
 echo "== all tests passed" >&2

@@ -11,6 +11,7 @@
 mod bindings;
 mod breakdown;
 mod coherence;
+mod events;
 mod peers;
 mod replay;
 mod scale;
@@ -67,6 +68,22 @@ enum Cmd {
         /// (the P99 needs samples).
         #[arg(long, default_value_t = 200)]
         pin_batches_min: usize,
+    },
+    /// KV events under a paced put load: put rate with and without a
+    /// watcher (interleaved rounds), delay from put to event, gaps.
+    Events {
+        /// Blocks put per second.
+        #[arg(long, default_value_t = 50_000)]
+        rate: u64,
+        /// Seconds per round.
+        #[arg(long, default_value_t = 2.0)]
+        seconds: f64,
+        /// Blocks per put call.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Rounds (each: one with a watcher, one without).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
     },
     /// Latency of single engine calls (lookup, pin, unpin) by batch size.
     Rpc {
@@ -440,6 +457,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(rpc(calls))
+        }
+        Cmd::Events { rate, seconds, batch, rounds } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            rt.block_on(events::events(rate, seconds, batch, rounds))
         }
         Cmd::Local { json, pool_mib, block_kib, batch, bytes_mib, pin_batches_min } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

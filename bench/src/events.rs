@@ -1,0 +1,184 @@
+//! `kvmesh-bench events`: KV events under a put load. One daemon; a
+//! putter paced at `--rate` blocks per second (batches of `--batch`) for
+//! `--seconds`; a watcher on the namespace. Reports, per round, the put
+//! rate reached with the watcher and without it (interleaved rounds, the
+//! baseline of the same run), the delay from the issue of a put to its
+//! STORED event at the watcher — an upper bound of the delay after the
+//! commit, which the client cannot observe; the put call's own P99 is
+//! printed beside it — (HDR, with the sample count), and gaps in the
+//! sequence numbers (must be 0). JSON last line:
+//! `{"bench":"events","rows":[{"watcher":true|false,"target_rate":..,"put_rate":..,"events":..,"gaps":..,"p50_ms":..,"p99_ms":..,"max_ms":..,"samples":..}],"ratio_put_rate":..}`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::bail;
+use hdrhistogram::Histogram;
+use kvmesh_client::{Client, Key, KvEventKind, Namespace};
+use parking_lot::Mutex;
+
+const BLOCK: usize = 4096;
+
+struct Round {
+    watcher: bool,
+    put_rate: f64,
+    events: u64,
+    gaps: u64,
+    delay: Histogram<u64>,
+    put_calls: Histogram<u64>,
+}
+
+/// One round: puts at `rate` for `seconds`, with or without a watcher.
+async fn round(
+    c: &Client,
+    ns: &Namespace,
+    first_key: u128,
+    rate: u64,
+    seconds: f64,
+    batch: usize,
+    watch: bool,
+) -> anyhow::Result<(Round, u128)> {
+    // When the put of each key was issued: an event's delay is measured
+    // from there (an upper bound of the delay after the commit, which the
+    // client cannot see; the put call's own latency is reported beside it).
+    let started: Arc<Mutex<HashMap<u128, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
+    let mut put_calls = Histogram::<u64>::new(3)?;
+    let (stop_tx, mut stop) = tokio::sync::oneshot::channel::<()>();
+    let watcher = if watch {
+        let mut stream = c.watch_events(ns, false).await?;
+        let started = Arc::clone(&started);
+        Some(tokio::spawn(async move {
+            let mut delay = Histogram::<u64>::new(3).expect("histogram");
+            let (mut events, mut gaps, mut last) = (0u64, 0u64, None::<u64>);
+            loop {
+                let b = tokio::select! {
+                    _ = &mut stop => break,
+                    m = stream.message() => match m {
+                        Ok(Some(b)) => b,
+                        _ => break,
+                    },
+                };
+                let now = Instant::now();
+                for e in b.events {
+                    if let Some(l) = last
+                        && e.seq != l + 1
+                    {
+                        gaps += e.seq.saturating_sub(l + 1).max(1);
+                    }
+                    last = Some(e.seq);
+                    events += 1;
+                    if KvEventKind::try_from(e.kind) == Ok(KvEventKind::Stored) {
+                        let k = e.key.map(|k| Key::from_parts(k.hi, k.lo).0).unwrap_or(0);
+                        if let Some(&t) = started.lock().get(&k) {
+                            delay.record(now.saturating_duration_since(t).as_micros() as u64).ok();
+                        }
+                    }
+                }
+            }
+            (delay, events, gaps)
+        }))
+    } else {
+        None
+    };
+    let data = vec![7u8; BLOCK];
+    let t0 = Instant::now();
+    let total = (rate as f64 * seconds) as u128;
+    let mut next = first_key;
+    let end = first_key + total;
+    while next < end {
+        // Pace: the batch starting at key `next` is due at this time.
+        let due = t0 + Duration::from_secs_f64((next - first_key) as f64 / rate as f64);
+        tokio::time::sleep_until(due.into()).await;
+        let n = (batch as u128).min(end - next);
+        let keys: Vec<Key> = (next..next + n).map(Key).collect();
+        let items: Vec<(Key, &[u8])> = keys.iter().map(|&k| (k, &data[..])).collect();
+        let at = Instant::now();
+        {
+            let mut m = started.lock();
+            for k in &keys {
+                m.insert(k.0, at);
+            }
+        }
+        let s = c.put(ns, &items).await?;
+        put_calls.record(at.elapsed().as_micros() as u64).ok();
+        if s.stored as u128 != n {
+            bail!("put stored {} of {n}: {s:?}", s.stored);
+        }
+        next += n;
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let put_rate = total as f64 / elapsed;
+    let (delay, events, gaps) = match watcher {
+        Some(h) => {
+            // Let the last events arrive, then end the stream.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            let _ = stop_tx.send(());
+            h.await?
+        }
+        None => {
+            drop(stop_tx);
+            (Histogram::<u64>::new(3)?, 0, 0)
+        }
+    };
+    Ok((Round { watcher: watch, put_rate, events, gaps, delay, put_calls }, end))
+}
+
+pub(crate) async fn events(rate: u64, seconds: f64, batch: usize, rounds: usize) -> anyhow::Result<()> {
+    if rate == 0 || batch == 0 || seconds.is_nan() || seconds <= 0.0 {
+        bail!("--rate, --batch and --seconds must be positive");
+    }
+    let blocks = (rate as f64 * seconds) as u64 * rounds as u64 * 2;
+    let pool = (blocks + 1024) * (BLOCK as u64 + 128);
+    let (_d, socket) = crate::start_daemon_tagged(
+        "events",
+        &format!("[[pools]]\nname = \"p\"\nbytes = {pool}\nslot_payload_bytes = {BLOCK}\nmlock = false\n"),
+    )?;
+    let c = Client::connect(&socket).await?;
+    let ns = c.register_namespace("events-bench", BLOCK as u64, "bench").await?;
+    let mut rows = Vec::new();
+    let mut key = 1u128;
+    let (mut with, mut without) = (Vec::new(), Vec::new());
+    for r in 0..rounds {
+        // Interleaved: which goes first alternates.
+        for watch in if r % 2 == 0 { [true, false] } else { [false, true] } {
+            let (res, next) = round(&c, &ns, key, rate, seconds, batch, watch).await?;
+            key = next;
+            let q = |p: f64| res.delay.value_at_quantile(p) as f64 / 1e3;
+            let put_p99 = res.put_calls.value_at_quantile(0.99) as f64 / 1e3;
+            println!(
+                "round {r} watcher={:<5} put_rate={:>9.0}/s events={:>8} gaps={} put-to-event p50={:.3} ms p99={:.3} ms \
+                 max={:.3} ms (samples {}); put call p99 {put_p99:.3} ms (samples {})",
+                res.watcher,
+                res.put_rate,
+                res.events,
+                res.gaps,
+                q(0.5),
+                q(0.99),
+                res.delay.max() as f64 / 1e3,
+                res.delay.len(),
+                res.put_calls.len()
+            );
+            if res.watcher {
+                with.push(res.put_rate);
+                if res.gaps != 0 {
+                    bail!("the watcher saw {} gaps", res.gaps);
+                }
+            } else {
+                without.push(res.put_rate);
+            }
+            rows.push(serde_json::json!({
+                "watcher": res.watcher, "target_rate": rate, "put_rate": res.put_rate, "events": res.events,
+                "gaps": res.gaps, "p50_ms": q(0.5), "p99_ms": q(0.99), "max_ms": res.delay.max() as f64 / 1e3,
+                "samples": res.delay.len(), "put_call_p99_ms": put_p99, "put_calls": res.put_calls.len(),
+            }));
+        }
+    }
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let ratio = median(with) / median(without);
+    println!("{}", serde_json::json!({"bench": "events", "rows": rows, "ratio_put_rate": ratio}));
+    Ok(())
+}
