@@ -45,18 +45,21 @@ async fn round(
     let started: Arc<Mutex<HashMap<u128, Instant>>> = Arc::new(Mutex::new(HashMap::new()));
     let mut put_calls = Histogram::<u64>::new(3)?;
     let (stop_tx, mut stop) = tokio::sync::oneshot::channel::<()>();
+    let stored_seen = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let watcher = if watch {
         let mut stream = c.watch_events(ns, false).await?;
         let started = Arc::clone(&started);
+        let stored_seen = Arc::clone(&stored_seen);
         Some(tokio::spawn(async move {
             let mut delay = Histogram::<u64>::new(3).expect("histogram");
-            let (mut events, mut gaps, mut last) = (0u64, 0u64, None::<u64>);
+            let (mut events, mut gaps, mut last, mut stored) = (0u64, 0u64, None::<u64>, 0u64);
             loop {
                 let b = tokio::select! {
                     _ = &mut stop => break,
                     m = stream.message() => match m {
                         Ok(Some(b)) => b,
-                        _ => break,
+                        Ok(None) => return Err("the event stream ended".to_string()),
+                        Err(st) => return Err(format!("the event stream failed: {st}")),
                     },
                 };
                 let now = Instant::now();
@@ -69,6 +72,8 @@ async fn round(
                     last = Some(e.seq);
                     events += 1;
                     if KvEventKind::try_from(e.kind) == Ok(KvEventKind::Stored) {
+                        stored += 1;
+                        stored_seen.store(stored, std::sync::atomic::Ordering::Relaxed);
                         let k = e.key.map(|k| Key::from_parts(k.hi, k.lo).0).unwrap_or(0);
                         if let Some(&t) = started.lock().get(&k) {
                             delay.record(now.saturating_duration_since(t).as_micros() as u64).ok();
@@ -76,7 +81,7 @@ async fn round(
                     }
                 }
             }
-            (delay, events, gaps)
+            Ok((delay, events, gaps, stored))
         }))
     } else {
         None
@@ -111,10 +116,24 @@ async fn round(
     let put_rate = total as f64 / elapsed;
     let (delay, events, gaps) = match watcher {
         Some(h) => {
-            // Let the last events arrive, then end the stream.
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Every put's STORED event must arrive (the slowest included:
+            // they are the P99), within 10 s.
+            let t = Instant::now();
+            while stored_seen.load(std::sync::atomic::Ordering::Relaxed) < total as u64 && !h.is_finished() {
+                if t.elapsed() > Duration::from_secs(10) {
+                    bail!(
+                        "only {} of {total} STORED events arrived within 10 s",
+                        stored_seen.load(std::sync::atomic::Ordering::Relaxed)
+                    );
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
             let _ = stop_tx.send(());
-            h.await?
+            let (delay, events, gaps, stored) = h.await?.map_err(anyhow::Error::msg)?;
+            if stored != total as u64 {
+                bail!("{stored} STORED events for {total} puts");
+            }
+            (delay, events, gaps)
         }
         None => {
             drop(stop_tx);

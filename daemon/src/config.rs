@@ -123,6 +123,9 @@ impl Config {
         if self.log.format != new.log.format {
             out.push("log.format");
         }
+        if differ(&self.events, &new.events) {
+            out.push("events");
+        }
         if self.limits.reaper_interval_ms != new.limits.reaper_interval_ms {
             out.push("limits.reaper_interval_ms");
         }

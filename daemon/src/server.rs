@@ -898,6 +898,8 @@ pub async fn run_with(
     };
     sd_notify("STOPPING=1");
     watchdog_stop.store(true, Ordering::Relaxed);
+    // Watch streams end now (UNAVAILABLE), so the gRPC server can stop.
+    store.lock().close_events();
     let _ = stop_tx.send(true);
     let _ = accept.await;
     let _ = reaper.await;

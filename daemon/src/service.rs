@@ -404,25 +404,35 @@ impl pb::engine_server::Engine for EngineService {
         let _ = session_of(&req)?;
         let r = req.into_inner();
         let (rx, seq, held, node, instance, stall) = {
-            let st = self.store.lock();
+            let mut st = self.store.lock();
             let ev = st.config().events.clone();
-            if st.event_watchers() >= ev.watchers_max as usize {
+            let watchers = st.event_watchers();
+            if watchers >= ev.watchers_max as usize {
+                st.counters.resource_exhausted += 1;
                 return Err(Status::resource_exhausted(format!(
-                    "{} event watchers already (events.watchers_max)",
-                    st.event_watchers()
+                    "{watchers} event watchers already (events.watchers_max)"
                 )));
             }
             let (rx, seq, held) = st.watch_events(r.namespace_id, r.snapshot)?;
             (rx, seq, held, st.config().node.id, st.instance_id, std::time::Duration::from_millis(ev.stall_ms))
         };
         let (tx, out) = tokio::sync::mpsc::channel(1);
+        let (last_tx, last_rx) = tokio::sync::oneshot::channel();
         tokio::spawn(stream_events(
-            EventStream { ns: r.namespace_id, node, instance, stall, tx, store: Arc::clone(&self.store) },
+            EventStream {
+                ns: r.namespace_id,
+                node,
+                instance,
+                stall,
+                tx,
+                last: Some(last_tx),
+                store: Arc::downgrade(&self.store),
+            },
             rx,
             seq,
             r.snapshot.then_some(held),
         ));
-        Ok(Response::new(Box::pin(tokio_stream::wrappers::ReceiverStream::new(out))))
+        Ok(Response::new(Box::pin(EventsOut { rx: out, last: Some(last_rx) })))
     }
 
     async fn list_namespaces(
@@ -590,38 +600,107 @@ struct EventStream {
     node: u32,
     instance: u64,
     stall: std::time::Duration,
-    tx: tokio::sync::mpsc::Sender<Result<pb::KvEventBatch, Status>>,
-    store: Arc<Mutex<Store>>,
+    tx: tokio::sync::mpsc::Sender<pb::KvEventBatch>,
+    /// The status the stream ends with, delivered after the batches
+    /// already handed over (see [`EventsOut`]).
+    last: Option<tokio::sync::oneshot::Sender<Status>>,
+    /// Weak: a watch stream does not keep the store alive.
+    store: std::sync::Weak<Mutex<Store>>,
+}
+
+/// Why a send did not go through.
+enum Sent {
+    Ok,
+    /// The client went away.
+    Gone,
+    /// The client took nothing for `stall`.
+    Stalled,
 }
 
 impl EventStream {
-    fn batch(&self, events: Vec<pb::KvEvent>, snapshot: Option<u64>) -> pb::KvEventBatch {
+    fn batch(&self, events: Vec<pb::KvEvent>, snapshot: Option<(u64, bool)>) -> pb::KvEventBatch {
         pb::KvEventBatch {
             node_id: self.node,
             instance_id: self.instance,
             namespace_id: self.ns,
             events,
             snapshot: snapshot.is_some(),
-            snapshot_seq: snapshot.unwrap_or(0),
+            snapshot_seq: snapshot.map_or(0, |s| s.0),
+            snapshot_done: snapshot.is_some_and(|s| s.1),
         }
     }
 
-    /// Hands one item to the client's stream; false when the client is gone
-    /// or took nothing for `stall` (then it is cut off).
-    async fn send(&self, item: Result<pb::KvEventBatch, Status>) -> bool {
-        match tokio::time::timeout(self.stall, self.tx.send(item)).await {
-            Ok(Ok(())) => true,
-            Ok(Err(_)) => false,
-            Err(_) => {
-                tracing::warn!(namespace = self.ns, "event watcher cut off: it took no batch for {:?}", self.stall);
-                self.cut_off();
-                false
+    /// Hands one batch to the client's stream.
+    async fn send(&self, b: pb::KvEventBatch) -> Sent {
+        match tokio::time::timeout(self.stall, self.tx.send(b)).await {
+            Ok(Ok(())) => Sent::Ok,
+            Ok(Err(_)) => Sent::Gone,
+            Err(_) => Sent::Stalled,
+        }
+    }
+
+    /// Ends the stream with `status` after what was already handed over.
+    fn end(mut self, status: Status) {
+        if let Some(l) = self.last.take() {
+            let _ = l.send(status);
+        }
+    }
+
+    /// Cuts this watcher off (counted once), ending with RESOURCE_EXHAUSTED.
+    fn cut_off(self, why: String) {
+        tracing::warn!(namespace = self.ns, "event watcher cut off: {why}");
+        if let Some(st) = self.store.upgrade() {
+            st.lock().counters.events_cut_off += 1;
+        }
+        self.end(Status::resource_exhausted(format!(
+            "event watcher cut off: {why}; watch again with snapshot to resynchronise"
+        )));
+    }
+
+    /// Sends, and ends the stream if the send did not go through. False
+    /// when the stream is over.
+    async fn deliver(self, b: pb::KvEventBatch) -> Option<Self> {
+        match self.send(b).await {
+            Sent::Ok => Some(self),
+            Sent::Gone => None,
+            Sent::Stalled => {
+                let why = format!("it took no batch for {:?} (events.stall_ms)", self.stall);
+                self.cut_off(why);
+                None
             }
         }
     }
+}
 
-    fn cut_off(&self) {
-        self.store.lock().counters.events_cut_off += 1;
+/// The response stream of a watch: the batches the task hands over, then
+/// the status it ended with (if it set one), then the end.
+struct EventsOut {
+    rx: tokio::sync::mpsc::Receiver<pb::KvEventBatch>,
+    last: Option<tokio::sync::oneshot::Receiver<Status>>,
+}
+
+impl tokio_stream::Stream for EventsOut {
+    type Item = Result<pb::KvEventBatch, Status>;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::future::Future;
+        use std::task::Poll;
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(b)) => return Poll::Ready(Some(Ok(b))),
+            Poll::Pending => return Poll::Pending,
+            Poll::Ready(None) => {}
+        }
+        let Some(last) = self.last.as_mut() else { return Poll::Ready(None) };
+        match std::pin::Pin::new(last).poll(cx) {
+            Poll::Ready(r) => {
+                self.last = None;
+                Poll::Ready(r.ok().map(Err))
+            }
+            Poll::Pending => Poll::Pending,
+        }
     }
 }
 
@@ -642,8 +721,9 @@ fn pb_event(e: &crate::store::KvEvent) -> pb::KvEvent {
 }
 
 /// One watch stream: the snapshot (if asked), then live events of the
-/// namespace in batches of what is ready, until the client goes, stalls,
-/// or falls behind the ring (cut off with RESOURCE_EXHAUSTED).
+/// namespace in batches of what is ready, until the client goes (the
+/// stream just ends), stalls or falls behind the ring (cut off:
+/// RESOURCE_EXHAUSTED), or the daemon stops (UNAVAILABLE).
 async fn stream_events(
     s: EventStream,
     mut rx: tokio::sync::broadcast::Receiver<crate::store::KvEvent>,
@@ -651,49 +731,43 @@ async fn stream_events(
     held: Option<Vec<(Key, u64)>>,
 ) {
     use tokio::sync::broadcast::error::{RecvError, TryRecvError};
+    let mut s = s;
     if let Some(held) = held {
         let kind = pb::KvEventKind::Snapshot as i32;
-        let mut chunks = held.chunks(EVENT_BATCH_MAX).peekable();
-        if chunks.peek().is_none() && !s.send(Ok(s.batch(Vec::new(), Some(seq)))).await {
-            return;
-        }
-        for chunk in chunks {
+        let n = held.len().div_ceil(EVENT_BATCH_MAX).max(1);
+        for i in 0..n {
+            let chunk = &held[(i * EVENT_BATCH_MAX).min(held.len())..((i + 1) * EVENT_BATCH_MAX).min(held.len())];
             let events = chunk
                 .iter()
                 .map(|(k, v)| pb::KvEvent { kind, seq, key: Some(pb::Key { hi: k.hi(), lo: k.lo() }), version: *v })
                 .collect();
-            if !s.send(Ok(s.batch(events, Some(seq)))).await {
-                return;
+            let b = s.batch(events, Some((seq, i + 1 == n)));
+            match s.deliver(b).await {
+                Some(next) => s = next,
+                None => return,
             }
         }
     }
-    let lagged = |n: u64| {
-        Status::resource_exhausted(format!(
-            "event watcher too slow: {n} events passed it (events.buffer_events); \
-             watch again with snapshot to resynchronise"
-        ))
-    };
     loop {
         let first = tokio::select! {
             _ = s.tx.closed() => return,
             r = rx.recv() => r,
         };
         let mut events = Vec::new();
-        match first {
+        let mut lost = match first {
             Ok(e) => {
                 if e.ns == s.ns && e.seq > seq {
                     events.push(pb_event(&e));
                 }
+                None
             }
-            Err(RecvError::Lagged(n)) => {
-                tracing::warn!(namespace = s.ns, "event watcher cut off: {n} events passed it");
-                s.cut_off();
-                let _ = s.send(Err(lagged(n))).await;
+            Err(RecvError::Lagged(n)) => Some(n),
+            Err(RecvError::Closed) => {
+                s.end(Status::unavailable("the daemon is stopping"));
                 return;
             }
-            Err(RecvError::Closed) => return,
-        }
-        while events.len() < EVENT_BATCH_MAX {
+        };
+        while lost.is_none() && events.len() < EVENT_BATCH_MAX {
             match rx.try_recv() {
                 Ok(e) => {
                     if e.ns == s.ns && e.seq > seq {
@@ -701,16 +775,21 @@ async fn stream_events(
                     }
                 }
                 Err(TryRecvError::Empty) | Err(TryRecvError::Closed) => break,
-                Err(TryRecvError::Lagged(n)) => {
-                    tracing::warn!(namespace = s.ns, "event watcher cut off: {n} events passed it");
-                    s.cut_off();
-                    let _ = s.send(Err(lagged(n))).await;
-                    return;
-                }
+                Err(TryRecvError::Lagged(n)) => lost = Some(n),
             }
         }
-        if !events.is_empty() && !s.send(Ok(s.batch(events, None))).await {
+        if let Some(n) = lost {
+            // Free the ring slot and the watcher place at once.
+            drop(rx);
+            s.cut_off(format!("{n} events passed it (events.buffer_events)"));
             return;
+        }
+        if !events.is_empty() {
+            let b = s.batch(events, None);
+            match s.deliver(b).await {
+                Some(next) => s = next,
+                None => return,
+            }
         }
     }
 }

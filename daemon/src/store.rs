@@ -634,6 +634,12 @@ impl Store {
         Ok((rx, seq, held))
     }
 
+    /// Ends every watch stream (the daemon is stopping): their receivers
+    /// see the ring closed; new events go to a fresh ring.
+    pub fn close_events(&mut self) {
+        self.events = tokio::sync::broadcast::channel(self.cfg.events.buffer_events as usize).0;
+    }
+
     /// Watchers of KV events now.
     pub fn event_watchers(&self) -> usize {
         self.events.receiver_count()

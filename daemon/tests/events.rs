@@ -72,7 +72,7 @@ async fn stored_removed_evicted_in_order_and_snapshots_continue_without_gaps() {
     // A snapshot: the two blocks held, at seq 4; the live events go on at 5.
     let mut s = c.watch_events(&ns, true).await.unwrap();
     let b = s.message().await.unwrap().unwrap();
-    assert!(b.snapshot);
+    assert!(b.snapshot && b.snapshot_done);
     assert_eq!(b.snapshot_seq, 4);
     assert_eq!(b.node_id, 1);
     let mut held: Vec<Key> = b.events.iter().map(key).collect();
@@ -131,10 +131,42 @@ async fn a_watcher_that_falls_behind_is_cut_off_and_the_daemon_keeps_serving() {
         }
     };
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
-    assert!(status.message().contains("too slow"), "{status:?}");
+    assert!(status.message().contains("events passed it"), "{status:?}");
     let st = other.stats().await.unwrap();
     // The slow watcher; the second one, which reads nothing either, may be cut off too.
     assert!(st.event_watchers_cut_off >= 1, "counted: {}", st.event_watchers_cut_off);
+}
+
+/// A watcher that stops reading is cut off after `events.stall_ms` with
+/// RESOURCE_EXHAUSTED (not a silent end), after the batches already sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_watcher_ends_with_resource_exhausted() {
+    let cfg = format!("[events]\nstall_ms = 200\n{}", pool("p", "2MiB", "4KiB"));
+    let d = Daemon::start("events-stall", &cfg);
+    let c = d.client().await;
+    let ns = c.register_namespace("ev", 4096, "t").await.unwrap();
+    let mut w = c.watch_events(&ns, false).await.unwrap();
+    let other = Client::connect(&d.socket).await.unwrap();
+    // Put until the stream's flow-control window is full and the watcher's
+    // task has waited 200 ms on it (the daemon counts the cut-off).
+    let mut round = 0u128;
+    while other.stats().await.unwrap().event_watchers_cut_off == 0 {
+        assert!(round < 400, "no cut-off after {round} rounds of puts");
+        let keys: Vec<Key> = (0..256).map(|i| Key(round * 1000 + i + 1)).collect();
+        put(&other, &ns, &keys).await;
+        round += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let status = loop {
+        match tokio::time::timeout(Duration::from_secs(20), w.message()).await.expect("stream moves") {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("stream ended without a status"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("cut off"), "{status:?}");
+    assert_eq!(other.stats().await.unwrap().event_watchers_cut_off, 1, "counted once");
 }
 
 /// Clustered: a fetched copy is a STORED event where it lands, and an

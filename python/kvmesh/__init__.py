@@ -96,13 +96,15 @@ class EventBatch(NamedTuple):
     instance_id: int
     snapshot: bool
     snapshot_seq: int
+    snapshot_done: bool
     events: List[KvEvent]
 
 
 class EventStream:
     """A ``WatchEvents`` stream (``Client.watch_events``). Iterating yields
     ``KvEvent``s for ever; ``next_batch(timeout)`` returns an ``EventBatch``
-    or None after ``timeout`` seconds. Waiting releases the GIL."""
+    or None after ``timeout`` seconds. Waiting releases the GIL; one thread
+    reads at a time; ``close()`` from another thread wakes the reader."""
 
     __slots__ = ("_e",)
 
@@ -114,12 +116,13 @@ class EventStream:
         b = self._e.next_batch(ms)
         if b is None:
             return None
-        node, instance, snap, snap_seq, events = b
-        return EventBatch(node, instance, snap, snap_seq, [KvEvent(*e) for e in events])
+        node, instance, snap, snap_seq, snap_done, events = b
+        return EventBatch(node, instance, snap, snap_seq, snap_done, [KvEvent(*e) for e in events])
 
     def __iter__(self):
         while True:
-            b = self.next_batch()
+            # Short waits, so Ctrl-C (KeyboardInterrupt) gets through.
+            b = self.next_batch(timeout=0.5)
             if b is not None:
                 yield from b.events
 

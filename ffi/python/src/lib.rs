@@ -407,50 +407,101 @@ impl PyClient {
         let ns = self.ns(py, ns)?;
         let c = self.get(py)?;
         let stream = self.call(py, |c| c.call(c.inner().watch_events(&ns, snapshot)))?;
-        Ok(PyEvents { client: c, stream: Mutex::new(Some(stream)) })
+        Ok(PyEvents {
+            client: c,
+            stream: Mutex::new(Some(stream)),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            wake: Arc::new(tokio::sync::Notify::new()),
+        })
     }
 }
 
 /// A `WatchEvents` stream: `next_batch(timeout_ms)` waits (GIL released)
-/// for the next batch.
+/// for the next batch; `close()` from another thread wakes a waiting
+/// `next_batch`, which then raises.
 #[pyclass(module = "kvmesh._kvmesh", frozen, name = "Events")]
 struct PyEvents {
     client: blocking::Client,
+    /// Out of the option while a `next_batch` waits on it (the lock is
+    /// never held while waiting, nor while taking the GIL back).
     stream: Mutex<Option<tonic::Streaming<kvmesh_client::KvEventBatch>>>,
+    closed: std::sync::atomic::AtomicBool,
+    wake: Arc<tokio::sync::Notify>,
 }
 
 /// One batch as Python sees it: (node_id, instance_id, snapshot,
-/// snapshot_seq, [(kind, seq, key bytes, version)]).
-type PyEventBatch = (u32, u64, bool, u64, Vec<(String, u64, Vec<u8>, u64)>);
+/// snapshot_seq, snapshot_done, [(kind, seq, key bytes, version)]).
+type PyEventBatch = (u32, u64, bool, u64, bool, Vec<(String, u64, Vec<u8>, u64)>);
+
+enum Waited {
+    Batch(Option<kvmesh_client::KvEventBatch>),
+    Status(tonic::Status),
+    Timeout,
+    Closed,
+}
 
 #[pymethods]
 impl PyEvents {
     /// The next batch, or None when `timeout_ms` (0: wait for ever) passed
     /// first. Raises `ResourceExhausted` when the daemon cut this watcher
-    /// off, `DaemonUnavailable` when the stream ended.
+    /// off, `DaemonUnavailable` when the stream ended or was closed.
     #[pyo3(signature = (timeout_ms=0))]
     fn next_batch(&self, py: Python<'_>, timeout_ms: u64) -> PyResult<Option<PyEventBatch>> {
-        let mut guard = lock(&self.stream);
-        let Some(stream) = guard.as_mut() else {
-            return Err(error(py, "DaemonUnavailable", "the event stream has ended".into()));
+        use std::sync::atomic::Ordering;
+        if self.closed.load(Ordering::SeqCst) {
+            return Err(error(py, "DaemonUnavailable", "the event stream was closed".into()));
+        }
+        let Some(mut stream) = lock(&self.stream).take() else {
+            return Err(if self.closed.load(Ordering::SeqCst) {
+                error(py, "DaemonUnavailable", "the event stream was closed".into())
+            } else {
+                invalid(py, "another thread is waiting on this event stream (one reader at a time)")
+            });
         };
-        let c = self.client.clone();
-        let got = py.detach(|| {
+        let (c, wake) = (self.client.clone(), Arc::clone(&self.wake));
+        let waited = py.detach(|| {
             c.block_on(async {
-                if timeout_ms == 0 {
-                    Ok(stream.message().await)
-                } else {
-                    tokio::time::timeout(std::time::Duration::from_millis(timeout_ms), stream.message()).await
+                let msg = async {
+                    match stream.message().await {
+                        Ok(b) => Waited::Batch(b),
+                        Err(s) => Waited::Status(s),
+                    }
+                };
+                let limit = async {
+                    if timeout_ms == 0 {
+                        std::future::pending::<()>().await
+                    } else {
+                        tokio::time::sleep(std::time::Duration::from_millis(timeout_ms)).await
+                    }
+                };
+                tokio::select! {
+                    w = msg => w,
+                    _ = limit => Waited::Timeout,
+                    _ = wake.notified() => Waited::Closed,
                 }
             })
         });
-        let msg = match got {
-            Err(e) => return Err(client_error(py, e)),
-            Ok(Err(_elapsed)) => return Ok(None),
-            Ok(Ok(m)) => m,
+        let waited = match waited {
+            Ok(w) => w,
+            Err(e) => {
+                *lock(&self.stream) = Some(stream);
+                return Err(client_error(py, e));
+            }
         };
-        match msg {
-            Ok(Some(b)) => {
+        match waited {
+            Waited::Timeout => {
+                if !self.closed.load(Ordering::SeqCst) {
+                    *lock(&self.stream) = Some(stream);
+                }
+                Ok(None)
+            }
+            Waited::Closed => Err(error(py, "DaemonUnavailable", "the event stream was closed".into())),
+            Waited::Batch(None) => Err(error(py, "DaemonUnavailable", "the event stream ended".into())),
+            Waited::Status(status) => Err(client_error(py, ClientError::Rpc(status))),
+            Waited::Batch(Some(b)) => {
+                if !self.closed.load(Ordering::SeqCst) {
+                    *lock(&self.stream) = Some(stream);
+                }
                 let events = b
                     .events
                     .iter()
@@ -463,22 +514,17 @@ impl PyEvents {
                         (kind, e.seq, key, e.version)
                     })
                     .collect();
-                Ok(Some((b.node_id, b.instance_id, b.snapshot, b.snapshot_seq, events)))
-            }
-            Ok(None) => {
-                guard.take();
-                Err(error(py, "DaemonUnavailable", "the event stream ended".into()))
-            }
-            Err(status) => {
-                guard.take();
-                Err(client_error(py, ClientError::Rpc(status)))
+                Ok(Some((b.node_id, b.instance_id, b.snapshot, b.snapshot_seq, b.snapshot_done, events)))
             }
         }
     }
 
-    /// Ends the stream (the daemon frees the watcher).
+    /// Ends the stream (the daemon frees the watcher); a `next_batch`
+    /// waiting in another thread wakes and raises.
     fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
         lock(&self.stream).take();
+        self.wake.notify_one();
     }
 }
 
