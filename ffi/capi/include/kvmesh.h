@@ -58,6 +58,22 @@
 // cluster serves an older version.
 #define KVMESH_OVERWRITE 1
 
+// What happened to a block (`kvmesh_event_t.kind`): it became readable
+// here (a put, or a copy fetched from a peer).
+#define KVMESH_EVENT_STORED 1
+
+// Removed by an engine on a daemon without peers.
+#define KVMESH_EVENT_REMOVED 2
+
+// Evicted for space.
+#define KVMESH_EVENT_EVICTED 3
+
+// Dropped by the coherence protocol (clustered).
+#define KVMESH_EVENT_INVALIDATED 4
+
+// Held when the watch started (a snapshot).
+#define KVMESH_EVENT_SNAPSHOT 5
+
 // No CUDA driver, device or NVRTC here for a call on device memory (the
 // same call on host memory, `KVMESH_DEVICE_HOST`, works everywhere).
 #define KVMESH_E_NO_DEVICE (-8)
@@ -104,6 +120,10 @@ typedef struct kvmesh_batch_t kvmesh_batch_t;
 // A connection to the local kvmeshd (opaque).
 typedef struct kvmesh_client_t kvmesh_client_t;
 
+// A KV event stream (opaque): `kvmesh_watch_events`, `kvmesh_events_next`,
+// `kvmesh_events_close`.
+typedef struct kvmesh_events_t kvmesh_events_t;
+
 // The shape of an engine's paged KV cache.
 typedef struct {
   // `KVMESH_LAYOUT_*`.
@@ -142,6 +162,19 @@ typedef struct {
   // Low 64 bits.
   uint64_t lo;
 } kvmesh_key_t;
+
+// One KV event.
+typedef struct {
+  // `KVMESH_EVENT_*`.
+  uint32_t kind;
+  // Per (daemon, namespace) sequence number, from 1, without gaps
+  // (snapshot events carry the number the live events continue from).
+  uint64_t seq;
+  // The block.
+  kvmesh_key_t key;
+  // Its version.
+  uint64_t version;
+} kvmesh_event_t;
 
 // A block in GPU memory: `len` bytes at device address `ptr` (in this
 // process) of CUDA device `device`.
@@ -307,6 +340,42 @@ int32_t kvmesh_register_namespace_on(const kvmesh_client_t *client,
                                      const char *layout,
                                      const char *device,
                                      kvmesh_namespace_t *out);
+
+// Starts watching the KV events of namespace `ns` on this daemon (see
+// docs/OPERATING.md, "KV events"); with `snapshot` non-zero, the blocks
+// held now come first (`KVMESH_EVENT_SNAPSHOT`). `*out` is released with
+// `kvmesh_events_close`. Too many watchers: `KVMESH_E_EXHAUSTED`.
+//
+// # Safety
+// `client` is a live client; `out` is writable.
+int32_t kvmesh_watch_events(const kvmesh_client_t *client,
+                            uint32_t ns,
+                            uint32_t snapshot,
+                            kvmesh_events_t **out);
+
+// Takes up to `cap` events into `events`: `*n` of them (0 when
+// `timeout_ms` passed first; `timeout_ms` 0 waits for ever), and the
+// sending daemon's node id in `*node_id` (may be NULL). Events of one
+// batch beyond `cap` are kept for the next call. The watcher cut off (too
+// far behind, or not reading): `KVMESH_E_EXHAUSTED` — watch again with a
+// snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`.
+// One thread at a time per stream.
+//
+// # Safety
+// `ev` is a live stream; `events` has room for `cap` events; `n` is
+// writable; `node_id` is NULL or writable.
+int32_t kvmesh_events_next(kvmesh_events_t *ev,
+                           uint64_t timeout_ms,
+                           kvmesh_event_t *events,
+                           uintptr_t cap,
+                           uintptr_t *n,
+                           uint32_t *node_id);
+
+// Ends an event stream and releases it (NULL: nothing).
+//
+// # Safety
+// `ev` is NULL or a stream from `kvmesh_watch_events`, not used after.
+void kvmesh_events_close(kvmesh_events_t *ev);
 
 // Finds a registered namespace by name (`KVMESH_E_NOT_FOUND` if none).
 //

@@ -153,6 +153,47 @@ pub struct kvmesh_client_t {
     namespaces: Mutex<Vec<Arc<Namespace>>>,
 }
 
+/// A KV event stream (opaque): `kvmesh_watch_events`, `kvmesh_events_next`,
+/// `kvmesh_events_close`.
+pub struct kvmesh_events_t {
+    client: blocking::Client,
+    state: Mutex<EventsState>,
+}
+
+struct EventsState {
+    stream: Option<tonic::Streaming<kvmesh_client::KvEventBatch>>,
+    /// Events of the last batch not handed out yet.
+    pending: std::collections::VecDeque<kvmesh_event_t>,
+    node: u32,
+}
+
+/// What happened to a block (`kvmesh_event_t.kind`): it became readable
+/// here (a put, or a copy fetched from a peer).
+pub const KVMESH_EVENT_STORED: u32 = 1;
+/// Removed by an engine on a daemon without peers.
+pub const KVMESH_EVENT_REMOVED: u32 = 2;
+/// Evicted for space.
+pub const KVMESH_EVENT_EVICTED: u32 = 3;
+/// Dropped by the coherence protocol (clustered).
+pub const KVMESH_EVENT_INVALIDATED: u32 = 4;
+/// Held when the watch started (a snapshot).
+pub const KVMESH_EVENT_SNAPSHOT: u32 = 5;
+
+/// One KV event.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub struct kvmesh_event_t {
+    /// `KVMESH_EVENT_*`.
+    pub kind: u32,
+    /// Per (daemon, namespace) sequence number, from 1, without gaps
+    /// (snapshot events carry the number the live events continue from).
+    pub seq: u64,
+    /// The block.
+    pub key: kvmesh_key_t,
+    /// Its version.
+    pub version: u64,
+}
+
 /// A pinned batch of blocks (opaque).
 pub struct kvmesh_batch_t {
     client: blocking::Client,
@@ -705,6 +746,127 @@ pub unsafe extern "C" fn kvmesh_register_namespace_on(
         put_out(out, c.remember(&ns), "out")?;
         Ok(KVMESH_OK)
     })
+}
+
+/// Starts watching the KV events of namespace `ns` on this daemon (see
+/// docs/OPERATING.md, "KV events"); with `snapshot` non-zero, the blocks
+/// held now come first (`KVMESH_EVENT_SNAPSHOT`). `*out` is released with
+/// `kvmesh_events_close`. Too many watchers: `KVMESH_E_EXHAUSTED`.
+///
+/// # Safety
+/// `client` is a live client; `out` is writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_watch_events(
+    client: *const kvmesh_client_t,
+    ns: u32,
+    snapshot: u32,
+    out: *mut *mut kvmesh_events_t,
+) -> i32 {
+    guard("kvmesh_watch_events", || {
+        let c = handle(client, "client")?;
+        if out.is_null() {
+            return Err(Fail::invalid("out is NULL"));
+        }
+        let n = c.namespace(ns)?;
+        let stream = c.client.call(c.client.inner().watch_events(&n, snapshot != 0))?;
+        let e = Box::new(kvmesh_events_t {
+            client: c.client.clone(),
+            state: Mutex::new(EventsState { stream: Some(stream), pending: Default::default(), node: 0 }),
+        });
+        put_out(out, Box::into_raw(e), "out")?;
+        Ok(KVMESH_OK)
+    })
+}
+
+/// Takes up to `cap` events into `events`: `*n` of them (0 when
+/// `timeout_ms` passed first; `timeout_ms` 0 waits for ever), and the
+/// sending daemon's node id in `*node_id` (may be NULL). Events of one
+/// batch beyond `cap` are kept for the next call. The watcher cut off (too
+/// far behind, or not reading): `KVMESH_E_EXHAUSTED` — watch again with a
+/// snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`.
+/// One thread at a time per stream.
+///
+/// # Safety
+/// `ev` is a live stream; `events` has room for `cap` events; `n` is
+/// writable; `node_id` is NULL or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_events_next(
+    ev: *mut kvmesh_events_t,
+    timeout_ms: u64,
+    events: *mut kvmesh_event_t,
+    cap: usize,
+    n: *mut usize,
+    node_id: *mut u32,
+) -> i32 {
+    guard("kvmesh_events_next", || {
+        let e = handle(ev.cast_const(), "events")?;
+        let out = out_slice(events, cap)?.ok_or_else(|| Fail::invalid("events is NULL"))?;
+        if n.is_null() || cap == 0 {
+            return Err(Fail::invalid("n is NULL or cap is 0"));
+        }
+        let mut st = lock(&e.state, "event stream")?;
+        if st.pending.is_empty() {
+            let Some(stream) = st.stream.as_mut() else {
+                return Err(Fail(KVMESH_E_TRANSPORT, "the event stream has ended".into()));
+            };
+            let got = e.client.block_on(async {
+                if timeout_ms == 0 {
+                    Some(stream.message().await)
+                } else {
+                    tokio::time::timeout(std::time::Duration::from_millis(timeout_ms), stream.message()).await.ok()
+                }
+            })?;
+            match got {
+                None => {
+                    put_out(n, 0, "n")?;
+                    return Ok(KVMESH_OK);
+                }
+                Some(Ok(Some(b))) => {
+                    st.node = b.node_id;
+                    for x in &b.events {
+                        let key = x.key.map(|k| Key::from_parts(k.hi, k.lo)).unwrap_or(Key(0));
+                        st.pending.push_back(kvmesh_event_t {
+                            kind: x.kind as u32,
+                            seq: x.seq,
+                            key: key.into(),
+                            version: x.version,
+                        });
+                    }
+                }
+                Some(Ok(None)) => {
+                    st.stream = None;
+                    return Err(Fail(KVMESH_E_TRANSPORT, "the event stream ended".into()));
+                }
+                Some(Err(status)) => {
+                    st.stream = None;
+                    return Err(ClientError::Rpc(status).into());
+                }
+            }
+        }
+        let k = st.pending.len().min(cap);
+        for (slot, x) in out.iter_mut().zip(st.pending.drain(..k)) {
+            *slot = x;
+        }
+        put_out(n, k, "n")?;
+        out_opt(node_id, st.node);
+        Ok(KVMESH_OK)
+    })
+}
+
+/// Ends an event stream and releases it (NULL: nothing).
+///
+/// # Safety
+/// `ev` is NULL or a stream from `kvmesh_watch_events`, not used after.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_events_close(ev: *mut kvmesh_events_t) {
+    if ev.is_null() {
+        return;
+    }
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: `ev` came from `Box::into_raw` in `kvmesh_watch_events`
+        // and is released exactly once, here (the contract).
+        drop(unsafe { Box::from_raw(ev) });
+    }));
 }
 
 /// A block in GPU memory: `len` bytes at device address `ptr` (in this

@@ -114,6 +114,40 @@ int main(int argc, char **argv) {
     EXPECT(kvmesh_register_namespace(NULL, "x", BS, "x", &again), KVMESH_E_INVALID);
     EXPECT(kvmesh_register_namespace(c, "x", BS, "x", NULL), KVMESH_E_INVALID);
 
+    /* KV events: a watcher sees the puts in order, split across calls. */
+    {
+        kvmesh_namespace_t ens;
+        EXPECT(kvmesh_register_namespace(c, "capi-events", BS, "layout=capi", &ens), KVMESH_OK);
+        kvmesh_events_t *w = NULL;
+        EXPECT(kvmesh_watch_events(c, ens.id, 0, &w), KVMESH_OK);
+        kvmesh_key_t ek[3] = {{0, 11}, {0, 12}, {0, 13}};
+        uint8_t *edata = calloc(3, BS);
+        kvmesh_put_summary_t es;
+        EXPECT(kvmesh_put(c, ens.id, ek, 3, edata, 3 * (size_t)BS, 0, &es), KVMESH_OK);
+        free(edata);
+        kvmesh_event_t ev[2];
+        size_t en = 0;
+        uint32_t node = 0;
+        EXPECT(kvmesh_events_next(w, 10000, ev, 2, &en, &node), KVMESH_OK);
+        size_t total = en;
+        CHECK(en >= 1 && ev[0].kind == KVMESH_EVENT_STORED && ev[0].seq == 1 && ev[0].key.lo == 11,
+              "first event: n %zu kind %u seq %llu", en, ev[0].kind, (unsigned long long)ev[0].seq);
+        CHECK(node == 1, "node id %u", node);
+        while (total < 3) {
+            kvmesh_event_t one;
+            EXPECT(kvmesh_events_next(w, 10000, &one, 1, &en, NULL), KVMESH_OK);
+            CHECK(en == 1 && one.kind == KVMESH_EVENT_STORED && one.seq == total + 1, "event %zu in order", total + 1);
+            if (en != 1) break;
+            total += en;
+        }
+        EXPECT(kvmesh_events_next(w, 100, ev, 2, &en, NULL), KVMESH_OK);
+        CHECK(en == 0, "nothing more within 100 ms: %zu", en);
+        EXPECT(kvmesh_events_next(w, 100, ev, 0, &en, NULL), KVMESH_E_INVALID);
+        EXPECT(kvmesh_watch_events(c, 9999, 0, &w), KVMESH_E_NOT_FOUND);
+        kvmesh_events_close(w);
+        kvmesh_events_close(NULL);
+    }
+
     /* Keys derived from token ids, the documented rule. */
     uint32_t tokens[N * BLOCK_TOKENS + 5];
     for (size_t i = 0; i < sizeof tokens / sizeof tokens[0]; i++) tokens[i] = (uint32_t)(i * 7919u + 11u);
