@@ -83,9 +83,10 @@ fn drv(call: &'static str) -> impl FnOnce(result::DriverError) -> GpuError {
 pub fn driver() -> Result<(), GpuError> {
     static INIT: OnceLock<Result<(), GpuError>> = OnceLock::new();
     INIT.get_or_init(|| {
-        // SAFETY: only tries to dlopen the library names cudarc would use;
+        // Only tries to dlopen the library names cudarc would use;
         // loading libcuda runs its initialisers, which is what using CUDA
         // means; nothing is called through it here.
+        // SAFETY: a dlopen probe, nothing called.
         if !unsafe { sys::is_culib_present() } {
             return Err(GpuError::NoDriver("libcuda.so (the NVIDIA driver library) cannot be loaded".into()));
         }
@@ -391,9 +392,10 @@ impl Gpu {
         // On our stream, then wait for it: the bytes are on the device when
         // this returns (a plain cuMemcpyHtoD from pageable memory may return
         // while its DMA is still running, unordered with our stream).
-        // SAFETY: `dst` holds at least `src.len()` bytes of device memory
+        // `dst` holds at least `src.len()` bytes of device memory
         // (DeviceRange's contract, checked length); `src` is borrowed until
         // the stream is synchronised below.
+        // SAFETY: checked device range, `src` borrowed until synced.
         unsafe { result::memcpy_htod_async(dst.ptr, src, self.stream.cu_stream()) }
             .map_err(drv("cuMemcpyHtoDAsync"))?;
         self.synchronize()
@@ -405,9 +407,10 @@ impl Gpu {
             return Err(GpuError::Invalid(format!("{} bytes from a range of {}", dst.len(), src.len)));
         }
         self.bind()?;
-        // SAFETY: `src` holds at least `dst.len()` bytes of device memory;
+        // `src` holds at least `dst.len()` bytes of device memory;
         // `dst` is borrowed mutably until the stream (which orders the copy
         // after our kernels) is synchronised below.
+        // SAFETY: checked device range, `dst` borrowed until synced.
         unsafe { result::memcpy_dtoh_async(dst, src.ptr, self.stream.cu_stream()) }
             .map_err(drv("cuMemcpyDtoHAsync"))?;
         self.synchronize()
@@ -423,9 +426,10 @@ impl Gpu {
             )));
         }
         self.bind()?;
-        // SAFETY: both ranges hold `len` bytes of device memory that stay
+        // Both ranges hold `len` bytes of device memory that stay
         // allocated while the stream runs (DeviceRange's contract; our own
         // buffers synchronise before they free).
+        // SAFETY: both ranges hold `len` bytes while the stream runs.
         unsafe { result::memcpy_dtod_async(dst.ptr, src.ptr, len, self.stream.cu_stream()) }
             .map_err(drv("cuMemcpyDtoDAsync"))
     }
@@ -446,10 +450,11 @@ impl Gpu {
         let len = range.len as u64;
         let mut b = self.stream.launch_builder(&k.kvsum);
         b.arg(&range.ptr).arg(&len).arg(&mut out);
-        // SAFETY: kvsum_partial(const u8*, u64, u64*) takes exactly these
+        // kvsum_partial(const u8*, u64, u64*) takes exactly these
         // arguments; it reads `len` bytes at `ptr` (the range's contract)
         // and adds into the one u64 of `out`, which cudarc keeps alive and
         // orders by its events until the launch completes.
+        // SAFETY: signature matches; reads stay in the range.
         unsafe { b.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
         let s = self.stream.clone_dtoh(&out).map_err(drv("cuMemcpyDtoH"))?;
         Ok(crate::checksum::finish(s[0], len))
@@ -526,7 +531,7 @@ impl Gpu {
                 .arg(&d_tensors)
                 .arg(&d_pages)
                 .arg(&d_slots);
-            // SAFETY: kv_move_<unit>(u32, u32, u64, u32 x5, U* const*, const
+            // kv_move_<unit>(u32, u32, u64, u32 x5, U* const*, const
             // u64*, U* const*) takes exactly these arguments. `Plan::new`
             // checked every page < num_blocks, every tensor's length equal to
             // the shape's, every slot >= the block, every pointer and the row
@@ -534,6 +539,7 @@ impl Gpu {
             // each thread reads and writes inside the ranges the caller
             // vouched for. The pointer tables live in `d_*`, which cudarc
             // keeps until the launch completes.
+            // SAFETY: signature matches; `Plan::new` bounds every access.
             unsafe { b.launch(cfg) }.map_err(drv("cuLaunchKernel"))?;
         }
         self.synchronize()
@@ -557,9 +563,10 @@ impl Gpu {
         let size = self.round_to_granularity(&prop, bytes)?;
         self.bind()?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        // SAFETY: `prop` is a fully initialised allocation property for this
+        // `prop` is a fully initialised allocation property for this
         // device; `handle` receives the new allocation, released by
         // `GpuPool::drop` (or below on failure).
+        // SAFETY: initialised `prop`, `handle` released on drop.
         unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }.result().map_err(drv("cuMemCreate"))?;
         self.map_pool(handle, size, true, rdma)
     }
@@ -573,9 +580,10 @@ impl Gpu {
         self.bind()?;
         let mut handle: sys::CUmemGenericAllocationHandle = 0;
         let raw: RawFd = fd.as_raw_fd();
-        // SAFETY: for POSIX fd handles the driver takes the fd itself cast to
+        // For POSIX fd handles the driver takes the fd itself cast to
         // a pointer (CUDA driver API docs); it dups what it needs, the fd stays
         // ours.
+        // SAFETY: the fd is passed by value, stays ours.
         unsafe {
             sys::cuMemImportFromShareableHandle(
                 &mut handle,
@@ -765,9 +773,10 @@ impl Drop for GpuPool {
     fn drop(&mut self) {
         let _ = self.ctx.bind_to_thread();
         let _ = self.ctx.synchronize();
-        // SAFETY: unmap, free the reservation and release the handle, each
+        // Unmap, free the reservation and release the handle, each
         // once and in that order, only for what `map_pool` did; no work on
         // the pool is queued any more (synchronised above).
+        // SAFETY: each undone once, after the work drained.
         unsafe {
             if self.mapped {
                 let _ = sys::cuMemUnmap(self.range.ptr, self.range.len);

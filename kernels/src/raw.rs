@@ -92,12 +92,13 @@ pub unsafe fn move_pages(
                 let p = page(p)?;
                 match dir {
                     Direction::Gather => {
-                        // SAFETY: the caller vouches for `bytes` readable
+                        // The caller vouches for `bytes` readable
                         // bytes at each tensor pointer and `slot_bytes`
                         // writable, non-overlapping bytes at each slot, with
                         // no other writer during the call.
                         let views: Vec<&[u8]> = tensors
                             .iter()
+                            // SAFETY: caller-vouched tensor memory, read only.
                             .map(|&t| unsafe { std::slice::from_raw_parts(t as *const u8, bytes) })
                             .collect();
                         // SAFETY: as above (the slot, written).
@@ -105,9 +106,10 @@ pub unsafe fn move_pages(
                         shape.gather(&views, p, slot)?;
                     }
                     Direction::Scatter => {
-                        // SAFETY: as above: slot read, tensors written (the
+                        // As above: slot read, tensors written (the
                         // caller vouches they do not overlap each other or
                         // the slot).
+                        // SAFETY: caller-vouched slot memory, no other writer.
                         let slot = unsafe { std::slice::from_raw_parts(s as *const u8, slot_bytes) };
                         let mut views: Vec<&mut [u8]> = tensors
                             .iter()
@@ -125,9 +127,10 @@ pub unsafe fn move_pages(
             // The caller's writes (on its own streams of this context, e.g.
             // torch's) land before our kernel reads.
             gpu.sync_context()?;
-            // SAFETY: the caller vouches for the device memory behind every
+            // The caller vouches for the device memory behind every
             // pointer, for the sizes given, during the call (which
             // synchronises before it returns).
+            // SAFETY: caller-vouched device memory for the call.
             let t: Vec<DeviceRange> = tensors.iter().map(|&p| unsafe { DeviceRange::from_raw(p, bytes) }).collect();
             let pairs: Vec<(usize, DeviceRange)> = pages
                 .iter()

@@ -542,10 +542,11 @@ fn kv_move(
         let pg = array_arg(pages, n, "pages")?;
         let sl: Vec<u64> = array_arg(slots, n, "slots")?.into_iter().map(|p| p as u64).collect();
         let slot_bytes = usize::try_from(slot_bytes).map_err(|_| Fail::invalid("slot_bytes is too large"))?;
-        // SAFETY: the caller vouches (documented on kvmesh_kv_gather and
+        // The caller vouches (documented on kvmesh_kv_gather and
         // kvmesh_kv_scatter) for the memory behind every pointer, of the kind
         // `device` names and the sizes the shape and `slot_bytes` give,
         // writable where written, not overlapping, for the call.
+        // SAFETY: every pointer is the caller's, as documented.
         unsafe { kvmesh_kernels::raw::move_pages(&s, mem, dir, &t, &pg, &sl, slot_bytes) }?;
         Ok(KVMESH_OK)
     })

@@ -908,11 +908,12 @@ fn kv_move(
     let s = kv_shape(py, shape)?;
     let mem = Memory::from_code(device).ok_or_else(|| invalid(py, format!("device {device}")))?;
     let dir = if gather { Direction::Gather } else { Direction::Scatter };
-    // SAFETY: kvmesh.kernels passes the addresses of arrays it holds
+    // kvmesh.kernels passes the addresses of arrays it holds
     // references to for the whole call, after checking each one is
     // contiguous, of the memory kind `device` names, as long as the shape
     // needs (tensors) or `slot_bytes` (slots), and writable where written;
     // the GIL is released, but the arrays stay referenced by the caller.
+    // SAFETY: arrays held and checked by kvmesh.kernels.
     py.detach(|| unsafe { move_pages(&s, mem, dir, &tensors, &pages, &slots, slot_bytes) })
         .map_err(|e| gpu_error(py, e))
 }
