@@ -49,6 +49,15 @@ use kvmesh_proto::engine::v1 as pb;
 pub use kvmesh_proto::engine::v1::CoherenceStats;
 pub use kvmesh_proto::engine::v1::StatsResponse as Stats;
 pub use kvmesh_proto::engine::v1::{KvEvent, KvEventBatch, KvEventKind};
+
+/// The name of a KV event kind as tools print it: "stored", "removed",
+/// "evicted", "invalidated", "snapshot" (or "kind-N" for a number this
+/// library does not know).
+pub fn event_kind_name(kind: i32) -> String {
+    KvEventKind::try_from(kind)
+        .map(|k| k.as_str_name().trim_start_matches("KV_EVENT_KIND_").to_lowercase())
+        .unwrap_or_else(|_| format!("kind-{kind}"))
+}
 use pb::engine_client::EngineClient;
 use tokio::sync::{mpsc, oneshot};
 use tonic::transport::{Channel, Endpoint};
@@ -288,6 +297,15 @@ enum Bytes<R> {
     Device(Arc<ImportedGpu>, DeviceRange),
 }
 
+impl<R: Deref<Target = [u8]>> Bytes<R> {
+    fn len(&self) -> usize {
+        match self {
+            Bytes::Host(r) => r.len(),
+            Bytes::Device(_, r) => r.len(),
+        }
+    }
+}
+
 impl<R> Bytes<R> {
     fn device(&self) -> Option<DeviceBlock> {
         match self {
@@ -372,10 +390,7 @@ impl PinnedBlock {
     }
     /// Bytes of the block.
     pub fn len(&self) -> usize {
-        match &self.bytes {
-            Bytes::Host(r) => r.len(),
-            Bytes::Device(_, r) => r.len(),
-        }
+        self.bytes.len()
     }
     /// Whether the block is empty (never: blocks have at least one byte).
     pub fn is_empty(&self) -> bool {
@@ -494,10 +509,7 @@ impl WritableBlock {
     }
     /// Bytes of the block.
     pub fn len(&self) -> usize {
-        match &self.bytes {
-            Bytes::Host(r) => r.len(),
-            Bytes::Device(_, r) => r.len(),
-        }
+        self.bytes.len()
     }
     /// Whether the block is empty (never).
     pub fn is_empty(&self) -> bool {

@@ -27,6 +27,18 @@ async fn next_events(s: &mut tonic::Streaming<KvEventBatch>, n: usize) -> Vec<Kv
     out
 }
 
+/// Reads a stream to its end: the status it ended with (panics if it ends
+/// without one, or does not move for 20 s).
+async fn end_status(s: &mut tonic::Streaming<KvEventBatch>) -> tonic::Status {
+    loop {
+        match tokio::time::timeout(Duration::from_secs(20), s.message()).await.expect("stream moves") {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("stream ended without a status"),
+            Err(st) => return st,
+        }
+    }
+}
+
 fn kind(e: &KvEvent) -> KvEventKind {
     KvEventKind::try_from(e.kind).unwrap()
 }
@@ -123,13 +135,7 @@ async fn a_watcher_that_falls_behind_is_cut_off_and_the_daemon_keeps_serving() {
     assert_eq!(hit.prefix_len, 1, "the daemon still serves");
 
     // The slow watcher gets what was in flight, then the cut-off.
-    let status = loop {
-        match tokio::time::timeout(Duration::from_secs(20), slow.message()).await.expect("stream moves") {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("stream ended without a status"),
-            Err(s) => break s,
-        }
-    };
+    let status = end_status(&mut slow).await;
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains("events passed it"), "{status:?}");
     let st = other.stats().await.unwrap();
@@ -157,13 +163,7 @@ async fn a_stalled_watcher_ends_with_resource_exhausted() {
         round += 1;
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let status = loop {
-        match tokio::time::timeout(Duration::from_secs(20), w.message()).await.expect("stream moves") {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("stream ended without a status"),
-            Err(s) => break s,
-        }
-    };
+    let status = end_status(&mut w).await;
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     assert!(status.message().contains("cut off"), "{status:?}");
     assert_eq!(other.stats().await.unwrap().event_watchers_cut_off, 1, "counted once");

@@ -144,6 +144,30 @@ fn mul(dims: &[usize], what: &str) -> Result<usize, LayoutError> {
 }
 
 impl PagedKv {
+    /// The shape the bindings describe with codes ([`Layout::code`],
+    /// [`DType::from_code`]) and `[num_layers, num_blocks, block_tokens,
+    /// kv_heads, head_dim]` (`kv_heads` is ignored for MLA). Unknown codes
+    /// and dimensions beyond `usize` are errors; zeros are caught by the
+    /// size checks of every operation.
+    pub fn from_codes(layout: u32, dtype: u32, dims: [u64; 5]) -> Result<PagedKv, LayoutError> {
+        let layout = Layout::from_code(layout)
+            .ok_or_else(|| LayoutError::Shape(format!("layout code {layout} is not one of 0 to 4")))?;
+        let dtype = DType::from_code(dtype)
+            .ok_or_else(|| LayoutError::Shape(format!("dtype code {dtype} is not one of 0 to 2")))?;
+        let d = |i: usize| {
+            usize::try_from(dims[i]).map_err(|_| LayoutError::Shape(format!("dimension {} is too large", dims[i])))
+        };
+        Ok(PagedKv {
+            layout,
+            dtype,
+            num_layers: d(0)?,
+            num_blocks: d(1)?,
+            block_tokens: d(2)?,
+            kv_heads: if layout == Layout::Mla { 1 } else { d(3)? },
+            head_dim: d(4)?,
+        })
+    }
+
     fn kv(&self) -> usize {
         if self.layout == Layout::Mla { 1 } else { 2 }
     }

@@ -88,35 +88,33 @@ pub unsafe fn move_pages(
     let page = |p: u64| usize::try_from(p).map_err(|_| GpuError::Invalid(format!("page {p} out of range")));
     match mem {
         Memory::Host => {
-            for (&p, &s) in pages.iter().zip(slots) {
-                let p = page(p)?;
-                match dir {
-                    Direction::Gather => {
-                        // The caller vouches for `bytes` readable
-                        // bytes at each tensor pointer and `slot_bytes`
-                        // writable, non-overlapping bytes at each slot, with
-                        // no other writer during the call.
-                        let views: Vec<&[u8]> = tensors
-                            .iter()
-                            // SAFETY: caller-vouched tensor memory, read only.
-                            .map(|&t| unsafe { std::slice::from_raw_parts(t as *const u8, bytes) })
-                            .collect();
-                        // SAFETY: as above (the slot, written).
+            // The caller vouches for `bytes` bytes at each tensor pointer and
+            // `slot_bytes` at each slot, not overlapping, with no other writer
+            // during the call: read where read, written where written. The
+            // tensor views are made once for all pages.
+            match dir {
+                Direction::Gather => {
+                    let views: Vec<&[u8]> = tensors
+                        .iter()
+                        // SAFETY: caller-vouched tensor memory, read only.
+                        .map(|&t| unsafe { std::slice::from_raw_parts(t as *const u8, bytes) })
+                        .collect();
+                    for (&p, &s) in pages.iter().zip(slots) {
+                        // SAFETY: caller-vouched slot memory, written, no overlap.
                         let slot = unsafe { std::slice::from_raw_parts_mut(s as *mut u8, slot_bytes) };
-                        shape.gather(&views, p, slot)?;
+                        shape.gather(&views, page(p)?, slot)?;
                     }
-                    Direction::Scatter => {
-                        // As above: slot read, tensors written (the
-                        // caller vouches they do not overlap each other or
-                        // the slot).
-                        // SAFETY: caller-vouched slot memory, no other writer.
+                }
+                Direction::Scatter => {
+                    let mut views: Vec<&mut [u8]> = tensors
+                        .iter()
+                        // SAFETY: caller-vouched tensor memory, written, no overlap.
+                        .map(|&t| unsafe { std::slice::from_raw_parts_mut(t as *mut u8, bytes) })
+                        .collect();
+                    for (&p, &s) in pages.iter().zip(slots) {
+                        // SAFETY: caller-vouched slot memory, read only.
                         let slot = unsafe { std::slice::from_raw_parts(s as *const u8, slot_bytes) };
-                        let mut views: Vec<&mut [u8]> = tensors
-                            .iter()
-                            // SAFETY: as above.
-                            .map(|&t| unsafe { std::slice::from_raw_parts_mut(t as *mut u8, bytes) })
-                            .collect();
-                        shape.scatter(slot, p, &mut views)?;
+                        shape.scatter(slot, page(p)?, &mut views)?;
                     }
                 }
             }

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple, Sequence, Tuple
 from . import _kvmesh
 from .errors import InvalidArgument
 
-__all__ = ["KvShape", "gather", "scatter", "kvsum64", "LAYOUTS", "DTYPES"]
+__all__ = ["KvShape", "gather", "scatter", "kvsum64", "kvsum64_py", "LAYOUTS", "DTYPES"]
 
 LAYOUTS = {"nhd": 0, "hnd": 1, "flashinfer": 2, "mla": 3, "cross_layer": 4}
 DTYPES = {
@@ -184,3 +184,24 @@ def kvsum64(buf: Any) -> int:
     device memory, whose address must be 8-byte aligned)."""
     addr, n, device = _region(buf, False, "buf")
     return _kvmesh.kvsum64(device, addr, n)
+
+
+def kvsum64_py(data: bytes) -> int:
+    """``kvsum64`` written in Python from its definition (docs/GPU.md), for
+    checking the native and GPU implementations; slow (one word at a time)."""
+    m = (1 << 64) - 1
+
+    def fmix(k: int) -> int:
+        k ^= k >> 33
+        k = (k * 0xFF51AFD7ED558CCD) & m
+        k ^= k >> 33
+        k = (k * 0xC4CEB9FE1A85EC53) & m
+        k ^= k >> 33
+        return k
+
+    s = 0
+    for i in range(0, len(data), 8):
+        w = int.from_bytes(data[i : i + 8].ljust(8, b"\0"), "little")
+        s = (s + fmix(w ^ (((i // 8 + 1) * 0x9E3779B97F4A7C15) & m))) & m
+    seed = int.from_bytes(b"kvsum64\0", "little")
+    return fmix(s ^ ((len(data) * 0xC2B2AE3D27D4EB4F) & m) ^ seed)

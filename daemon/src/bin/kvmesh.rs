@@ -282,9 +282,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             let mut seen = 0u64;
             while let Some(batch) = stream.message().await.map_err(|e| Failure::Error(e.message().to_string()))? {
                 for e in &batch.events {
-                    let kind = kvmesh_client::KvEventKind::try_from(e.kind)
-                        .map(|k| k.as_str_name().trim_start_matches("KV_EVENT_KIND_").to_lowercase())
-                        .unwrap_or_else(|_| format!("kind-{}", e.kind));
+                    let kind = kvmesh_client::event_kind_name(e.kind);
                     let key = e.key.map(|k| kvmesh_client::Key::from_parts(k.hi, k.lo).to_string()).unwrap_or_default();
                     if json {
                         println!(

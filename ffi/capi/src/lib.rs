@@ -42,7 +42,7 @@ use kvmesh_client::{
 };
 
 use kvmesh_kernels::cuda::GpuError;
-use kvmesh_kernels::layout::{DType, Layout, PagedKv};
+use kvmesh_kernels::layout::PagedKv;
 use kvmesh_kernels::raw::{Direction, Memory};
 
 /// Version of this C ABI. Raised on any incompatible change to a function
@@ -178,6 +178,14 @@ pub const KVMESH_EVENT_EVICTED: u32 = 3;
 pub const KVMESH_EVENT_INVALIDATED: u32 = 4;
 /// Held when the watch started (a snapshot).
 pub const KVMESH_EVENT_SNAPSHOT: u32 = 5;
+
+// The kinds are the wire enum's numbers (copied through unchanged).
+const _: () = {
+    use kvmesh_client::KvEventKind as K;
+    assert!(KVMESH_EVENT_STORED == K::Stored as u32 && KVMESH_EVENT_REMOVED == K::Removed as u32);
+    assert!(KVMESH_EVENT_EVICTED == K::Evicted as u32 && KVMESH_EVENT_INVALIDATED == K::Invalidated as u32);
+    assert!(KVMESH_EVENT_SNAPSHOT == K::Snapshot as u32);
+};
 
 /// One KV event.
 #[repr(C)]
@@ -449,19 +457,8 @@ pub struct kvmesh_kv_shape_t {
 
 fn shape_arg(shape: *const kvmesh_kv_shape_t) -> Result<PagedKv, Fail> {
     let s = handle(shape, "shape")?;
-    let dim =
-        |v: u64, what: &str| usize::try_from(v).map_err(|_| Fail::invalid(format!("shape.{what} = {v} is too large")));
-    Ok(PagedKv {
-        layout: Layout::from_code(s.layout)
-            .ok_or_else(|| Fail::invalid(format!("shape.layout = {} is not a KVMESH_LAYOUT_*", s.layout)))?,
-        dtype: DType::from_code(s.dtype)
-            .ok_or_else(|| Fail::invalid(format!("shape.dtype = {} is not a KVMESH_DTYPE_*", s.dtype)))?,
-        num_layers: dim(s.num_layers, "num_layers")?,
-        num_blocks: dim(s.num_blocks, "num_blocks")?,
-        block_tokens: dim(s.block_tokens, "block_tokens")?,
-        kv_heads: if s.layout == KVMESH_LAYOUT_MLA { 1 } else { dim(s.kv_heads, "kv_heads")? },
-        head_dim: dim(s.head_dim, "head_dim")?,
-    })
+    let dims = [s.num_layers, s.num_blocks, s.block_tokens, s.kv_heads, s.head_dim];
+    PagedKv::from_codes(s.layout, s.dtype, dims).map_err(|e| Fail::invalid(format!("shape: {e}")))
 }
 
 /// Copies an array argument of `n` pointers or integers.

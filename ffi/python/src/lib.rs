@@ -506,9 +506,7 @@ impl PyEvents {
                     .events
                     .iter()
                     .map(|e| {
-                        let kind = kvmesh_client::KvEventKind::try_from(e.kind)
-                            .map(|k| k.as_str_name().trim_start_matches("KV_EVENT_KIND_").to_lowercase())
-                            .unwrap_or_else(|_| format!("kind-{}", e.kind));
+                        let kind = kvmesh_client::event_kind_name(e.kind);
                         let key =
                             e.key.map(|k| key_be_bytes(kvmesh_client::Key::from_parts(k.hi, k.lo))).unwrap_or_default();
                         (kind, e.seq, key, e.version)
@@ -865,18 +863,9 @@ fn kv_shape(
     py: Python<'_>,
     shape: (u32, u32, usize, usize, usize, usize, usize),
 ) -> PyResult<kvmesh_kernels::layout::PagedKv> {
-    use kvmesh_kernels::layout::{DType, Layout, PagedKv};
-    let (layout, dtype, num_layers, num_blocks, block_tokens, kv_heads, head_dim) = shape;
-    let layout = Layout::from_code(layout).ok_or_else(|| invalid(py, format!("layout code {layout}")))?;
-    Ok(PagedKv {
-        layout,
-        dtype: DType::from_code(dtype).ok_or_else(|| invalid(py, format!("dtype code {dtype}")))?,
-        num_layers,
-        num_blocks,
-        block_tokens,
-        kv_heads: if layout == Layout::Mla { 1 } else { kv_heads },
-        head_dim,
-    })
+    let (layout, dtype, l, b, t, h, d) = shape;
+    let dims = [l, b, t, h, d].map(|x| x as u64);
+    kvmesh_kernels::layout::PagedKv::from_codes(layout, dtype, dims).map_err(|e| invalid(py, e.to_string()))
 }
 
 /// `kvmesh._kvmesh.kv_sizes(shape)`: (block bytes, tensor count, tensor bytes).
