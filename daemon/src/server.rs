@@ -559,6 +559,15 @@ pub async fn run_with(
     let allow_uids: Arc<[u32]> = cfg.server.allow_uids.clone().into();
     let refusing = Arc::new(tokio::sync::Semaphore::new(16));
     let mode = if allow_uids.is_empty() { 0o600 } else { 0o666 };
+    // Signal handlers before the socket exists: once a client can see the
+    // daemon, SIGHUP/SIGTERM are ours (queued until the loop below reads
+    // them), never the default action that ends the process.
+    let signals = if handle_signals {
+        use tokio::signal::unix::{SignalKind, signal};
+        Some((signal(SignalKind::terminate())?, signal(SignalKind::interrupt())?, signal(SignalKind::hangup())?))
+    } else {
+        None
+    };
     let (listener, claim) = bind_socket(&path, default_location, mode)?;
     // The metrics port, bound before anything starts: a port in use is a
     // start-up error that names the field.
@@ -859,11 +868,7 @@ pub async fn run_with(
     let hup_store = Arc::clone(&store);
     // Signals become messages, so that a second SIGTERM can end a drain.
     let (sig_tx, mut sig_rx) = mpsc::channel::<&'static str>(4);
-    if handle_signals {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        let mut hup = signal(SignalKind::hangup())?;
+    if let Some((mut term, mut int, mut hup)) = signals {
         tokio::spawn(async move {
             loop {
                 let sig = tokio::select! {
