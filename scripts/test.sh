@@ -54,7 +54,7 @@ target/release/kvmesh-sim --seeds 2 --nodes 3 --background 100000 --check-every 
 # Each planted bug must be caught by an invariant it breaks (skipping the
 # ack wait breaks both S1 and S3; whichever the run meets first).
 for planted in skip-ack-wait:S1/S3 ack-without-invalidate:S3 skip-validation:DATA reuse-granted-slot:S4 \
-    coordinator-no-wait:M1 etcd-short-ttl:M1 leave-before-stop:M1; do
+    coordinator-no-wait:M1 etcd-short-ttl:M1 leave-before-stop:M1 lookup-counts-pending-put:LOOKUP; do
     bug=${planted%%:*}
     invariants=${planted##*:}
     rc=0

@@ -12,6 +12,7 @@ mod bindings;
 mod breakdown;
 mod coherence;
 mod events;
+mod lookup;
 mod peers;
 mod replay;
 mod scale;
@@ -82,6 +83,29 @@ enum Cmd {
         #[arg(long, default_value_t = 64)]
         batch: usize,
         /// Rounds (each: one with a watcher, one without).
+        #[arg(long, default_value_t = 3)]
+        rounds: usize,
+    },
+    /// Cluster-wide lookup of a batch of keys spread over a filled cluster
+    /// vs a local-only lookup of the same keys (interleaved): P50/P99 and
+    /// their ratios; every answer checked, nothing fetched.
+    Lookup {
+        /// Print only the final JSON line on stdout.
+        #[arg(long)]
+        json: bool,
+        /// Daemons in the cluster.
+        #[arg(long, default_value_t = 4)]
+        daemons: u32,
+        /// Blocks each daemon holds (4 KiB each) before measuring.
+        #[arg(long, default_value_t = 100_000)]
+        fill: usize,
+        /// Keys per lookup.
+        #[arg(long, default_value_t = 64)]
+        batch: usize,
+        /// Timed lookups of each kind, over all rounds.
+        #[arg(long, default_value_t = 3000)]
+        samples: usize,
+        /// Rounds (reported one by one).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
     },
@@ -457,6 +481,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(rpc(calls))
+        }
+        Cmd::Lookup { json, daemons, fill, batch, samples, rounds } => {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            rt.block_on(lookup::lookup(json, daemons, fill, batch, samples, rounds))
         }
         Cmd::Events { rate, seconds, batch, rounds } => {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

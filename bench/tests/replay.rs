@@ -85,6 +85,37 @@ fn replay_with_ample_capacity_hits_exactly_the_ideal_and_reads_no_wrong_byte() {
 }
 
 #[test]
+fn kv_aware_routing_serves_more_blocks_locally_than_round_robin_in_one_run() {
+    let trace = tmp("kv-aware.jsonl");
+    load(11, &trace);
+    let out_dir = tmp("kv-aware-out");
+    let out = bench()
+        .args(["replay", "--daemons", "3", "--pool-mib", "64", "--policy", "kv-aware,round-robin"])
+        .args(["--max-inflight", "1", "--speed", "4", "--json", "--out"])
+        .arg(&out_dir)
+        .arg(&trace)
+        .output()
+        .unwrap();
+    let s = summary(&out);
+    let (kv, rr) = (&s["runs"]["KvAware"], &s["runs"]["RoundRobin"]);
+    for r in [kv, rr] {
+        assert_eq!(r["wrong_bytes"], 0, "{s}");
+        assert_eq!(r["requests"], 200, "{s}");
+    }
+    assert!(kv["router"]["events"].as_u64().unwrap() > 0, "the router consumed events: {s}");
+    let share = |p: &str| s["policies"][p]["local_hit_share"].as_f64().unwrap();
+    assert!(
+        share("KvAware") > share("RoundRobin") && share("KvAware") > 0.0,
+        "kv-aware local share {} vs round-robin {}: {s}",
+        share("KvAware"),
+        share("RoundRobin")
+    );
+    assert!(out_dir.join("KvAware").join("timeseries.csv").exists() && out_dir.join("RoundRobin").join("timeseries.csv").exists());
+    let _ = std::fs::remove_dir_all(out_dir);
+    let _ = std::fs::remove_file(trace);
+}
+
+#[test]
 fn malformed_and_truncated_traces_are_refused_with_the_line() {
     let good = "{\"timestamp\":0,\"input_length\":600,\"output_length\":1,\"hash_ids\":[1,2]}\n";
     for (name, text, line, why) in [

@@ -341,6 +341,16 @@ pub struct LookupResult {
     pub present: Vec<bool>,
     /// Number of leading keys that are all present.
     pub prefix_len: u32,
+    /// One entry per key: the node (`[node] id`) holding it where present
+    /// (`None` where absent, or from a daemon too old to say).
+    pub nodes: Vec<Option<u32>>,
+    /// The answer covers the cluster (a clustered daemon asked the keys'
+    /// homes); false: the daemon's own copies only. A key reported present
+    /// was Valid on its node during the call (unless that node had just
+    /// dropped it); a later pin may still miss.
+    pub cluster_wide: bool,
+    /// Every home asked answered (cluster-wide answers only).
+    pub complete: bool,
 }
 
 /// Options of a pin.
@@ -855,17 +865,37 @@ impl Client {
 
     /// Per-key presence and the longest cached prefix. Pins nothing.
     pub async fn lookup(&self, ns: &Namespace, keys: &[Key]) -> Result<LookupResult> {
+        self.lookup_with(ns, keys, false).await
+    }
+
+    /// [`Client::lookup`] answered from the daemon's own copies only: on a
+    /// clustered daemon, no question to the keys' homes (a hint).
+    pub async fn lookup_local(&self, ns: &Namespace, keys: &[Key]) -> Result<LookupResult> {
+        self.lookup_with(ns, keys, true).await
+    }
+
+    async fn lookup_with(&self, ns: &Namespace, keys: &[Key], local_only: bool) -> Result<LookupResult> {
         self.check_batch(keys.len())?;
-        let r = pb::LookupRequest { namespace_id: ns.id, keys: pb_keys(keys) };
+        let r = pb::LookupRequest { namespace_id: ns.id, keys: pb_keys(keys), local_only };
         let resp = self.calls().lookup(r).await?;
-        if resp.present.len() != keys.len() {
+        let nodes_ok = resp.node.len() == keys.len() || resp.node.is_empty();
+        if resp.present.len() != keys.len() || !nodes_ok {
             return Err(ClientError::Protocol(format!(
-                "lookup answered {} of {} keys",
+                "lookup answered {} of {} keys ({} locations)",
                 resp.present.len(),
-                keys.len()
+                keys.len(),
+                resp.node.len()
             )));
         }
-        Ok(LookupResult { present: resp.present, prefix_len: resp.prefix_len })
+        let nodes =
+            resp.present.iter().enumerate().map(|(i, &p)| if p { resp.node.get(i).copied() } else { None }).collect();
+        Ok(LookupResult {
+            present: resp.present,
+            prefix_len: resp.prefix_len,
+            nodes,
+            cluster_wide: resp.cluster_wide,
+            complete: resp.complete,
+        })
     }
 
     /// Pins the cached keys with the daemon's default lease.

@@ -12,7 +12,7 @@
 //! (see `docs/COHERENCE.md`); after the faults stop and the network heals it
 //! checks liveness. Everything is a function of the seed.
 
-use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, VecDeque};
 
 use kvmesh_coherence::membership::{
     EtcdMember, KeepAlive, Membership, MembershipAction, StaticConfig, etcd_member_value, etcd_view, parse_etcd_view,
@@ -164,6 +164,10 @@ pub struct RunStats {
     pub drains: u64,
     /// Copies held across the cluster when the prefill ended (scale runs).
     pub prefilled: u64,
+    /// Cluster-wide lookups answered.
+    pub lookups: u64,
+    /// Keys those lookups reported present (on another node than the asker).
+    pub lookup_remote_hits: u64,
 }
 
 /// Small fast deterministic RNG (xorshift64*).
@@ -416,6 +420,8 @@ enum OpInfo {
     Get { key: BlockKey, start: u64 },
     Put { key: BlockKey },
     Invalidate,
+    /// Its keys and start are in `World::lookups`.
+    Lookup,
 }
 
 /// The simulated cluster.
@@ -449,6 +455,11 @@ pub struct World {
     truth: HashMap<(BlockKey, u64), u64>,
     max_committed: HashMap<BlockKey, u64>,
     completed: HashMap<BlockKey, Vec<(u64, u64)>>,
+    /// Lookups in flight: their keys and when they started (real time).
+    lookups: HashMap<(NodeId, u64, OpId), (Vec<BlockKey>, u64)>,
+    /// Every (node, key, version) that was ever a Valid copy: committed by
+    /// a put, or served as a hit.
+    ever_held: HashSet<(NodeId, BlockKey, u64)>,
     pending_fail: Option<(&'static str, String)>,
     /// Events fed to cores (paces the O(state) checks).
     drives: u64,
@@ -556,6 +567,8 @@ impl World {
             truth: HashMap::new(),
             max_committed: HashMap::new(),
             completed: HashMap::new(),
+            lookups: HashMap::new(),
+            ever_held: HashSet::new(),
             pending_fail: None,
             drives: 0,
             watched: BTreeSet::new(),
@@ -771,6 +784,7 @@ impl World {
                 );
             }
             Action::CommitSlot { slot, meta } => {
+                self.ever_held.insert((n, meta.key, meta.version));
                 let c = &mut self.nodes[n as usize].mem[slot.slot as usize];
                 c.header = meta;
                 c.trailer = meta;
@@ -795,6 +809,7 @@ impl World {
                 self.membership_actions(n, actions);
             }
             Action::ClientDone { op, outcome } => self.client_done(n, inc, op, outcome),
+            Action::LookupDone { op, found, complete: _ } => self.lookup_done(n, inc, op, found),
         }
     }
 
@@ -823,6 +838,13 @@ impl World {
             return;
         };
         self.note(format!("t={} n{n} op{op} {info:?} -> {outcome:?}", self.now));
+        if let OpInfo::Lookup = info {
+            // Refused (not a member, overloaded): an error, never an answer.
+            self.lookups.remove(&(n, inc, op));
+            if !matches!(outcome, Outcome::Error(_)) {
+                self.pending_fail.get_or_insert_with(|| ("LOOKUP", format!("node {n} ended lookup {op} with {outcome:?}")));
+            }
+        }
         if let (OpInfo::Put { key }, Outcome::Stored { version }) = (info, outcome) {
             match self.assigned_at.get(&(key, version)) {
                 Some(&at) => self.acked_puts.entry(key).or_default().push((self.now, at)),
@@ -840,6 +862,7 @@ impl World {
         }
         if let (OpInfo::Get { key, start }, Outcome::Hit { version, slot }) = (info, outcome) {
             self.stats.hits += 1;
+            self.ever_held.insert((n, key, version));
             // S7: a put reported stored before this read started is not
             // undone by an older version.
             match self.assigned_at.get(&(key, version)).copied() {
@@ -899,6 +922,64 @@ impl World {
         }
     }
 
+    /// LOOKUP: a key a lookup reported at node `h` with version `v`: `v`
+    /// is a version a home assigned; no change away from `v` (or a later
+    /// version) completed before the lookup started (`v` was current at
+    /// some moment of the call); and `h` held a Valid copy of `v` at some
+    /// point (the directory names real copies, never a pending put or a
+    /// node that never had it).
+    fn lookup_done(&mut self, n: NodeId, inc: u64, op: OpId, found: Vec<Option<(NodeId, u64)>>) {
+        let (Some(OpInfo::Lookup), Some((keys, start))) = (self.ops.remove(&(n, inc, op)), self.lookups.remove(&(n, inc, op)))
+        else {
+            self.pending_fail.get_or_insert_with(|| ("L2", format!("node {n} ended unknown lookup {op}")));
+            return;
+        };
+        self.note(format!("t={} n{n} op{op} lookup {:?} -> {found:?}", self.now, keys.iter().map(|k| k.key).collect::<Vec<_>>()));
+        self.stats.lookups += 1;
+        if found.len() != keys.len() {
+            self.pending_fail.get_or_insert_with(|| {
+                ("LOOKUP", format!("node {n}: {} answers for {} keys", found.len(), keys.len()))
+            });
+            return;
+        }
+        for (key, f) in keys.iter().zip(found) {
+            let Some((h, v)) = f else { continue };
+            if h != n {
+                self.stats.lookup_remote_hits += 1;
+            }
+            let fail = if !self.assigned_at.contains_key(&(*key, v)) {
+                Some(format!("node {n} reported {:?} at node {h} v{v:#x}, a version no home assigned", { key.key }))
+            } else if let Some(&(old, at)) =
+                self.completed.get(key).and_then(|l| l.iter().find(|(old, at)| v <= *old && *at < start))
+            {
+                Some(format!(
+                    "node {n} reported {:?} at node {h} v{v:#x} to a lookup started at {start}; a change away from v{old:#x} completed at {at}",
+                    { key.key }
+                ))
+            } else if !self.ever_held.contains(&(h, *key, v)) {
+                Some(format!("node {n} reported {:?} at node {h} v{v:#x}, a copy node {h} never held", { key.key }))
+            } else {
+                None
+            };
+            if let Some(f) = fail {
+                self.pending_fail.get_or_insert(("LOOKUP", f));
+                return;
+            }
+        }
+    }
+
+    fn client_lookup(&mut self, n: NodeId) {
+        self.next_op += 1;
+        let op = self.next_op;
+        let inc = self.nodes[n as usize].incarnation;
+        let len = self.rng.range(1, 9);
+        let keys: Vec<BlockKey> =
+            (0..len).map(|_| BlockKey { ns: 7, key: self.rng.below(self.cfg.keys as u64) as u128 }).collect();
+        self.ops.insert((n, inc, op), OpInfo::Lookup);
+        self.lookups.insert((n, inc, op), (keys.clone(), self.now));
+        self.drive(n, Event::ClientLookup { op, keys });
+    }
+
     fn client_op(&mut self) {
         let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
         if !self.up(n) || self.nodes[n as usize].paused_until > self.now {
@@ -913,8 +994,10 @@ impl World {
         };
         self.stats.ops += 1;
         let roll = self.rng.below(100);
-        if roll < 55 {
+        if roll < 47 {
             self.client_get(n, key);
+        } else if roll < 55 {
+            self.client_lookup(n);
         } else if roll < 80 {
             self.client_put(n, key);
         } else if roll < 88 {
@@ -1423,6 +1506,7 @@ impl World {
         self.nodes[node as usize].session = None;
         self.nodes[node as usize].etcd = None;
         self.ops.retain(|(n, i, _), _| !(*n == node && *i == inc));
+        self.lookups.retain(|(n, i, _), _| !(*n == node && *i == inc));
         self.pins.retain(|(n, _, _), _| *n != node);
         let down = if self.rng.chance(0.8) { self.rng.range(1_000, 60_000) } else { self.rng.range(60_000, 300_000) };
         self.nodes[node as usize].down_until = self.now + down;

@@ -56,7 +56,7 @@ fn scale_seeds_pass_and_agree_with_a_full_scan() {
 /// them (a bug caught by accident, under another name, is a checker that
 /// does not check what it claims). Skipping the ack wait breaks S1 (two
 /// Valid versions) and S3 (a change completed while a holder serves).
-const PLANTED: [(&str, &str); 7] = [
+const PLANTED: [(&str, &str); 8] = [
     ("skip-ack-wait", "S1/S3"),
     ("ack-without-invalidate", "S3"),
     ("skip-validation", "DATA"),
@@ -64,6 +64,7 @@ const PLANTED: [(&str, &str); 7] = [
     ("coordinator-no-wait", "M1"),
     ("etcd-short-ttl", "M1"),
     ("leave-before-stop", "M1"),
+    ("lookup-counts-pending-put", "LOOKUP"),
 ];
 
 #[test]

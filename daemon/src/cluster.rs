@@ -86,6 +86,9 @@ pub enum OpResult {
     Invalidated,
     /// Failed.
     Error(ErrorKind),
+    /// A cluster-wide lookup: per key, the node holding it; whether every
+    /// home answered.
+    Located(Vec<Option<NodeId>>, bool),
 }
 
 /// An engine call to feed the core (the op id is assigned on submission).
@@ -93,6 +96,7 @@ enum Call {
     Get(BlockKey),
     Put(BlockKey, CoreSlot, u64),
     Invalidate(BlockKey),
+    Lookup(Vec<BlockKey>),
 }
 
 enum WaitKind {
@@ -455,6 +459,11 @@ impl Cluster {
 
     fn execute(self: &Arc<Self>, g: &mut Inner, a: Action, queue: &mut VecDeque<Event>) {
         match a {
+            Action::LookupDone { op, found, complete } => {
+                if let Some(w) = g.waiters.remove(&op) {
+                    let _ = w.tx.send(OpResult::Located(found.into_iter().map(|f| f.map(|(n, _)| n)).collect(), complete));
+                }
+            }
             Action::Send { to, mut batch } => {
                 tracing::trace!(to, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "send batch");
                 self.note_grants(g, to, &mut batch);
@@ -1235,6 +1244,7 @@ impl Cluster {
                     Call::Get(key) => Event::ClientGet { op, key },
                     Call::Put(key, slot, checksum) => Event::ClientPut { op, key, slot, checksum },
                     Call::Invalidate(key) => Event::ClientInvalidate { op, key },
+                    Call::Lookup(keys) => Event::ClientLookup { op, keys },
                 };
                 self.feed_locked_at(&mut g, ev, now);
             }
@@ -1285,6 +1295,19 @@ impl Cluster {
                 _ => None,
             })
             .collect()
+    }
+
+    /// Where `keys` are Valid in the cluster (see `Event::ClientLookup`):
+    /// per key the node holding it, and whether every home answered.
+    /// Nothing is pinned, granted or moved.
+    pub async fn lookup(self: &Arc<Self>, fingerprint: u64, keys: &[Key]) -> Result<(Vec<Option<NodeId>>, bool), String> {
+        let keys = keys.iter().map(|&k| block_key(fingerprint, k)).collect();
+        let rxs = self.submit(vec![(WaitKind::Other, Call::Lookup(keys))]);
+        match self.collect(rxs).await.pop() {
+            Some(OpResult::Located(found, complete)) => Ok((found, complete)),
+            Some(OpResult::Error(e)) => Err(error_text(e)),
+            other => Err(format!("unexpected outcome {other:?}")),
+        }
     }
 
     /// Publishes written slots (checksummed) as the keys' next versions.
@@ -1574,6 +1597,9 @@ impl Cluster {
             peer_auth_refusals: self.peers.auth_refusals(),
             lease_lapses: m.lease_lapses,
             copies_dropped_lapsed: m.copies_dropped_lapsed,
+            lookups: m.lookups,
+            lookups_incomplete: m.lookups_incomplete,
+            lookup_questions_answered: m.lookup_questions_answered,
         }
     }
 

@@ -400,6 +400,17 @@ impl prometheus_client::collector::Collector for Snapshot {
                     "Copies dropped because the lease lapsed.",
                     c.copies_dropped_lapsed,
                 ),
+                ("coherence_lookups", "Cluster-wide lookups started here.", c.lookups),
+                (
+                    "coherence_lookups_incomplete",
+                    "Cluster-wide lookups that ended before every home answered (keys of the others reported absent).",
+                    c.lookups_incomplete,
+                ),
+                (
+                    "coherence_lookup_questions_answered",
+                    "Lookup questions this daemon answered as a home.",
+                    c.lookup_questions_answered,
+                ),
                 (
                     "coherence_peer_auth_refusals",
                     "Peer calls refused for who made them (not a configured peer, or a TLS certificate for another node).",

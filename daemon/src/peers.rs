@@ -635,6 +635,19 @@ impl pb::peer_server::Peer for PeerService {
         Ok(Response::new(cluster.serve_stream(req.into_inner(), auth).await?))
     }
 
+    type WatchEventsStream = crate::service::EventsStream;
+
+    async fn watch_events(
+        &self,
+        req: Request<pb::WatchEventsRequest>,
+    ) -> Result<Response<Self::WatchEventsStream>, Status> {
+        let certs = req.peer_certs();
+        let r = req.into_inner();
+        self.peers.authenticate(certs.as_deref().map(Vec::as_slice), r.node_id)?;
+        let ns = self.peers.store.lock().namespace_by_name(&r.namespace)?.id;
+        Ok(Response::new(crate::service::watch_events(&self.peers.store, ns, r.snapshot)?))
+    }
+
     async fn list_keys(&self, req: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
         // No node id in the request: with TLS, the certificate must name
         // one of the configured peers.

@@ -147,8 +147,36 @@ impl pb::engine_server::Engine for EngineService {
     async fn lookup(&self, req: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
         self.admitted(session_of(&req)?)?;
         let r = req.into_inner();
-        let (present, prefix_len) = self.store.lock().lookup(r.namespace_id, &keys(&r.keys))?;
-        Ok(Response::new(pb::LookupResponse { present, prefix_len }))
+        let ks = keys(&r.keys);
+        let (cluster, fingerprint, me) = {
+            let mut st = self.store.lock();
+            let me = st.config().node.id;
+            match &self.cluster {
+                Some(c) if !r.local_only => {
+                    st.check_batch(ks.len())?;
+                    (c, st.namespace_info(r.namespace_id)?.fingerprint, me)
+                }
+                // A single daemon's index, or a clustered daemon's own
+                // copies (a hint: nothing asked of the cluster).
+                _ => {
+                    let (present, prefix_len) = st.lookup(r.namespace_id, &ks)?;
+                    let node = present.iter().map(|&p| if p { me } else { 0 }).collect();
+                    return Ok(Response::new(pb::LookupResponse {
+                        present,
+                        prefix_len,
+                        node,
+                        cluster_wide: false,
+                        complete: true,
+                    }));
+                }
+            }
+        };
+        let (found, complete) = cluster.lookup(fingerprint, &ks).await.map_err(Status::unavailable)?;
+        let present: Vec<bool> = found.iter().map(|f| f.is_some()).collect();
+        let prefix_len = present.iter().take_while(|&&p| p).count() as u32;
+        let node = found.iter().map(|f| f.unwrap_or(0)).collect();
+        self.store.lock().count_lookup(&present);
+        Ok(Response::new(pb::LookupResponse { present, prefix_len, node, cluster_wide: true, complete }))
     }
 
     async fn pin(&self, req: Request<pb::PinRequest>) -> Result<Response<pb::PinResponse>, Status> {
@@ -394,8 +422,7 @@ impl pb::engine_server::Engine for EngineService {
         Ok(Response::new(pb::InvalidateResponse { invalidated, failed, first_error }))
     }
 
-    type WatchEventsStream =
-        std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::KvEventBatch, Status>> + Send + 'static>>;
+    type WatchEventsStream = EventsStream;
 
     async fn watch_events(
         &self,
@@ -403,36 +430,7 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<Self::WatchEventsStream>, Status> {
         let _ = session_of(&req)?;
         let r = req.into_inner();
-        let (rx, seq, held, node, instance, stall) = {
-            let mut st = self.store.lock();
-            let ev = st.config().events.clone();
-            let watchers = st.event_watchers();
-            if watchers >= ev.watchers_max as usize {
-                st.counters.resource_exhausted += 1;
-                return Err(Status::resource_exhausted(format!(
-                    "{watchers} event watchers already (events.watchers_max)"
-                )));
-            }
-            let (rx, seq, held) = st.watch_events(r.namespace_id, r.snapshot)?;
-            (rx, seq, held, st.config().node.id, st.instance_id, std::time::Duration::from_millis(ev.stall_ms))
-        };
-        let (tx, out) = tokio::sync::mpsc::channel(1);
-        let (last_tx, last_rx) = tokio::sync::oneshot::channel();
-        tokio::spawn(stream_events(
-            EventStream {
-                ns: r.namespace_id,
-                node,
-                instance,
-                stall,
-                tx,
-                last: Some(last_tx),
-                store: Arc::downgrade(&self.store),
-            },
-            rx,
-            seq,
-            r.snapshot.then_some(held),
-        ));
-        Ok(Response::new(Box::pin(EventsOut { rx: out, last: Some(last_rx) })))
+        Ok(Response::new(watch_events(&self.store, r.namespace_id, r.snapshot)?))
     }
 
     async fn list_namespaces(
@@ -606,6 +604,50 @@ struct EventStream {
     last: Option<tokio::sync::oneshot::Sender<Status>>,
     /// Weak: a watch stream does not keep the store alive.
     store: std::sync::Weak<Mutex<Store>>,
+}
+
+/// The stream `WatchEvents` answers with.
+pub(crate) type EventsStream =
+    std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::KvEventBatch, Status>> + Send + 'static>>;
+
+/// A stream of KV events of namespace `ns` (its id here), with a snapshot
+/// first when asked: what `WatchEvents` answers, on the engine socket and on
+/// the peer port (`peers.rs`).
+pub(crate) fn watch_events(
+    store: &Arc<Mutex<Store>>,
+    ns: u32,
+    snapshot: bool,
+) -> Result<EventsStream, Status> {
+    let (rx, seq, held, node, instance, stall) = {
+        let mut st = store.lock();
+        let ev = st.config().events.clone();
+        let watchers = st.event_watchers();
+        if watchers >= ev.watchers_max as usize {
+            st.counters.resource_exhausted += 1;
+            return Err(Status::resource_exhausted(format!(
+                "{watchers} event watchers already (events.watchers_max)"
+            )));
+        }
+        let (rx, seq, held) = st.watch_events(ns, snapshot)?;
+        (rx, seq, held, st.config().node.id, st.instance_id, std::time::Duration::from_millis(ev.stall_ms))
+    };
+    let (tx, out) = tokio::sync::mpsc::channel(1);
+    let (last_tx, last_rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(stream_events(
+        EventStream {
+            ns,
+            node,
+            instance,
+            stall,
+            tx,
+            last: Some(last_tx),
+            store: Arc::downgrade(store),
+        },
+        rx,
+        seq,
+        snapshot.then_some(held),
+    ));
+    Ok(Box::pin(EventsOut { rx: out, last: Some(last_rx) }))
 }
 
 /// Why a send did not go through.

@@ -1069,13 +1069,18 @@ impl Store {
     pub fn lookup(&mut self, ns: u32, keys: &[Key]) -> Result<(Vec<bool>, u32), Error> {
         self.namespace(ns)?;
         self.check_batch(keys.len())?;
-        self.counters.lookups += 1;
         let present: Vec<bool> = keys.iter().map(|&k| self.valid_slot(ns, k).is_some()).collect();
         let prefix = present.iter().take_while(|&&p| p).count() as u32;
+        self.count_lookup(&present);
+        Ok((present, prefix))
+    }
+
+    /// Counts a lookup's answer (`lookups`, `hits`, `misses`).
+    pub fn count_lookup(&mut self, present: &[bool]) {
+        self.counters.lookups += 1;
         let hits = present.iter().filter(|&&p| p).count() as u64;
         self.counters.hits += hits;
-        self.counters.misses += keys.len() as u64 - hits;
-        Ok((present, prefix))
+        self.counters.misses += present.len() as u64 - hits;
     }
 
     fn new_lease(&mut self, deadline: Instant, session: SessionId, kind: LeaseKind) -> u64 {

@@ -220,3 +220,45 @@ fn the_cli_prints_events() {
     assert_eq!(v["key"], Key(7).to_string());
     assert_eq!(v["seq"], 1);
 }
+
+/// Routers on other hosts watch over the peer port, authenticated like a
+/// peer: a configured peer's id is served, another id refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_on_the_peer_port_for_authenticated_callers() {
+    use kvmesh_proto::peer::v1 as pp;
+    let ports = [free_port(), free_port()];
+    let p = pool("p", "8MiB", "4KiB");
+    let a = Daemon::start("pevents-a", &peer_config(1, &ports, "tcp", &p));
+    let b = Daemon::start("pevents-b", &peer_config(2, &ports, "tcp", &p));
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let cb = b.client().await;
+    let nb = cb.register_namespace("pev", 4096, "t").await.unwrap();
+    put(&cb, &nb, &[Key(1)]).await;
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://127.0.0.1:{}", ports[1]))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    let mut router = pp::peer_client::PeerClient::new(ch);
+    let ask = |node_id: u32, namespace: &str| pp::WatchEventsRequest {
+        node_id,
+        namespace: namespace.to_string(),
+        snapshot: true,
+    };
+    // Not a configured peer: refused.
+    let err = router.watch_events(ask(99, "pev")).await.err().expect("node 99 refused");
+    assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
+    // An unknown namespace: NOT_FOUND.
+    let err = router.watch_events(ask(1, "nope")).await.err().expect("unknown namespace refused");
+    assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
+    // Node 1's identity (no TLS here; with TLS its certificate): the
+    // snapshot, then the live events, as on the engine socket.
+    let mut s = router.watch_events(ask(1, "pev")).await.unwrap().into_inner();
+    let snap = s.message().await.unwrap().unwrap();
+    assert!(snap.snapshot && snap.snapshot_done && snap.node_id == 2, "{snap:?}");
+    assert_eq!(snap.events.iter().map(key).collect::<Vec<_>>(), vec![Key(1)]);
+    put(&cb, &nb, &[Key(2)]).await;
+    let ev = next_events(&mut s, 1).await;
+    assert_eq!((kind(&ev[0]), key(&ev[0]), ev[0].seq), (KvEventKind::Stored, Key(2), snap.snapshot_seq + 1));
+}

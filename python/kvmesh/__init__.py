@@ -56,6 +56,7 @@ __all__ = [
     "EventStream",
     "EventBatch",
     "KvEvent",
+    "Location",
 ] + errors.__all__
 
 
@@ -68,6 +69,20 @@ class PutSummary(NamedTuple):
     lost: int
     refused: int
     first_refusal: Optional[str]
+
+
+class Location(NamedTuple):
+    """Where keys are cached (``Client.locate``)."""
+
+    #: Leading keys all cached.
+    prefix_len: int
+    #: Per key: the node id (``[node] id``) holding it, or None.
+    nodes: List[Optional[int]]
+    #: The answer covers the cluster (each key's home was asked); False:
+    #: the daemon's own copies only.
+    cluster_wide: bool
+    #: Every home asked answered.
+    complete: bool
 
 
 class InvalidateSummary(NamedTuple):
@@ -375,6 +390,14 @@ class Client:
     def contains(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> List[bool]:
         """Per key: cached or not. Pins nothing."""
         return self._c.lookup(ns, keys)[1]
+
+    def locate(self, ns: NamespaceLike, keys: Sequence[KeyLike], local_only: bool = False) -> Location:
+        """Where ``keys`` are cached: on a clustered daemon, cluster-wide
+        (each key's home is asked; nothing is pinned, granted or moved)
+        unless ``local_only``. A key reported at a node was Valid there
+        during the call (unless that node had just dropped it); a later pin
+        may still miss."""
+        return Location(*self._c.locate(ns, keys, local_only))
 
     def pin(self, ns: NamespaceLike, keys: Sequence[KeyLike], lease_ms: int = 0, stop_at_first_miss: bool = False) -> Batch:
         """Pins the cached keys for reading in place (see ``Batch``)."""

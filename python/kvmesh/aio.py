@@ -22,7 +22,7 @@ import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterable, List, Optional, Sequence, Tuple
 
-from . import Batch, Client, KeyLike, NamespaceLike, PutSummary
+from . import Batch, Client, KeyLike, Location, NamespaceLike, PutSummary
 
 __all__ = ["AsyncClient"]
 
@@ -41,6 +41,9 @@ class AsyncClient:
 
     async def lookup(self, ns: NamespaceLike, keys: Sequence[KeyLike]) -> int:
         return await self._run(self.sync.lookup, ns, keys)
+
+    async def locate(self, ns: NamespaceLike, keys: Sequence[KeyLike], local_only: bool = False) -> Location:
+        return await self._run(self.sync.locate, ns, keys, local_only)
 
     async def pin(self, ns: NamespaceLike, keys: Sequence[KeyLike], lease_ms: int = 0, stop_at_first_miss: bool = False) -> Batch:
         return await self._run(self.sync.pin, ns, keys, lease_ms, stop_at_first_miss)

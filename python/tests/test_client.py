@@ -49,6 +49,11 @@ def test_round_trip_of_random_blocks_in_every_key_form(client, ns):
     assert client.put(ns, zip(raw, blocks)).existed == 6
     assert client.lookup(ns, raw) == 6
     assert client.lookup("pytest", forms) == 6, "namespace by name, keys in any form"
+    # Where: a single daemon answers from its own copies, with its node id.
+    loc = client.locate(ns, raw[:2] + fresh_keys(1) + raw[2:3])
+    assert loc.prefix_len == 2 and not loc.cluster_wide and loc.complete, loc
+    assert loc.nodes[2] is None and loc.nodes[0] == loc.nodes[1] == loc.nodes[3] is not None, loc
+    assert client.locate(ns, raw, local_only=True).prefix_len == 6
     with client.pin(ns, raw) as batch:
         assert len(batch) == 6 and batch.hits == 6
         assert batch.keys == raw

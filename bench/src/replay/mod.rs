@@ -3,6 +3,7 @@
 
 pub(crate) mod model;
 pub(crate) mod plot;
+pub(crate) mod router;
 pub(crate) mod run;
 pub(crate) mod synth;
 pub(crate) mod trace;

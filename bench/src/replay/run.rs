@@ -26,6 +26,10 @@ pub(crate) enum Policy {
     /// The daemon chosen by a hash of the first block id (requests sharing a
     /// first block meet on one node).
     PrefixAffinity,
+    /// A router fed by every daemon's KV events: the daemon holding the
+    /// longest prefix of the request's blocks (ties: fewest requests in
+    /// flight).
+    KvAware,
 }
 
 /// Options shared by `replay` and `load --replay`.
@@ -58,9 +62,10 @@ pub(crate) struct ReplayOpts {
     /// A request that starts more than this after its arrival is late.
     #[arg(long, default_value_t = 10)]
     pub(crate) late_ms: u64,
-    /// Daemon choice per request.
-    #[arg(long, value_enum, default_value = "prefix-affinity")]
-    pub(crate) policy: Policy,
+    /// Daemon choice per request; several (comma-separated) replay the
+    /// trace once per policy, each on a fresh cluster, in one run.
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "prefix-affinity")]
+    pub(crate) policy: Vec<Policy>,
     /// Pins are held for this many µs per missing token (a simulated
     /// prefill) before the missing blocks are put.
     #[arg(long, default_value_t = 0.0)]
@@ -196,6 +201,8 @@ fn pick(policy: Policy, i: usize, r: &Request, n: usize, seed: u64) -> usize {
         Policy::RoundRobin => i % n,
         Policy::Random => h(i as u64),
         Policy::PrefixAffinity => r.hash_ids.first().map_or(i % n, |&id| h(id)),
+        // Chosen when the request starts (`Router::pick`).
+        Policy::KvAware => 0,
     }
 }
 
@@ -226,7 +233,9 @@ async fn one_request(
     };
     let t = Instant::now();
     let local = match &backend {
-        Backend::Kvmesh(client, ns) => match client.lookup(ns, &plan.keys).await {
+        // This daemon's own copies: the local part of the prefix (a
+        // cluster-wide lookup would count blocks held elsewhere).
+        Backend::Kvmesh(client, ns) => match client.lookup_local(ns, &plan.keys).await {
             Ok(l) => l.prefix_len as usize,
             Err(e) => {
                 sh.error("lookup", Some(format!("{:?}", e.kind())));
@@ -399,8 +408,46 @@ fn ops_json(hists: &[Histogram<u64>]) -> serde_json::Value {
     serde_json::Value::Object(m)
 }
 
-/// Replays `requests`; prints tables on stderr and the JSON summary last.
+/// Replays `requests` once per policy of `o.policy` (each on a fresh
+/// cluster); prints tables on stderr; returns the JSON summary (with
+/// several policies, one summary per policy and their local hit shares).
 pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) -> anyhow::Result<serde_json::Value> {
+    let mut policies = o.policy.clone();
+    policies.dedup();
+    match policies.as_slice() {
+        [] => bail!("--policy: give at least one"),
+        [p] => return run_policy(requests, o, *p, &o.out, skipped_lines),
+        _ if !o.sockets.is_empty() => {
+            bail!("several policies need fresh clusters: give one --policy with --sockets")
+        }
+        _ => {}
+    }
+    let mut runs = serde_json::Map::new();
+    let mut shares = serde_json::Map::new();
+    for &p in &policies {
+        let name = format!("{p:?}");
+        let out = o.out.join(&name);
+        let j = run_policy(requests.clone(), o, p, &out, skipped_lines)?;
+        let share = |k: &str| j[k].as_f64().or_else(|| j[k].as_u64().map(|v| v as f64)).unwrap_or(0.0);
+        let blocks = share("blocks");
+        let local = if blocks > 0.0 { share("local_hits") / blocks } else { 0.0 };
+        shares.insert(name.clone(), serde_json::json!({"local_hit_share": local, "hit_ratio": j["hit_ratio"]}));
+        runs.insert(name, j);
+    }
+    eprintln!("replay: local hit share by policy (blocks served from the daemon the request was sent to):");
+    for (name, s) in &shares {
+        eprintln!("  {name:>16}: local {:.3}  all hits {:.3}", s["local_hit_share"].as_f64().unwrap_or(0.0), s["hit_ratio"].as_f64().unwrap_or(0.0));
+    }
+    Ok(serde_json::json!({"bench": "replay", "policies": shares, "runs": runs}))
+}
+
+fn run_policy(
+    requests: Vec<Request>,
+    o: &ReplayOpts,
+    policy: Policy,
+    out: &Path,
+    skipped_lines: usize,
+) -> anyhow::Result<serde_json::Value> {
     if !(o.speed > 0.0 && o.speed.is_finite()) {
         bail!("--speed must be a positive number, got {}", o.speed);
     }
@@ -415,7 +462,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         requests.truncate(o.limit);
     }
     let block_bytes = o.bytes_per_token * o.block_tokens;
-    std::fs::create_dir_all(&o.out).with_context(|| format!("create {}", o.out.display()))?;
+    std::fs::create_dir_all(out).with_context(|| format!("create {}", out.display()))?;
 
     // The cluster under test.
     let (_daemons, sockets): (Vec<DaemonProc>, Vec<PathBuf>) = if o.sockets.is_empty() {
@@ -460,7 +507,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         .map(|(i, r)| {
             Arc::new(Plan {
                 keys: r.hash_ids.iter().map(|&id| key_of(id)).collect(),
-                daemon: pick(o.policy, i, r, n_daemons, o.policy_seed),
+                daemon: pick(policy, i, r, n_daemons, o.policy_seed),
                 input_tokens: r.input_length,
                 ideal: ideal[i],
                 lru: lru[i],
@@ -478,12 +525,22 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         total_blocks,
         block_bytes,
         n_daemons,
-        o.policy,
+        policy,
         o.speed,
         span_ms / 1e3
     );
     let backends: Vec<Backend> = clients.iter().zip(&nss).map(|(c, n)| Backend::Kvmesh(c.clone(), n.clone())).collect();
-    let run = drive(&rt, &requests, &plans, o, &backends, block_bytes, "kvmesh");
+    let router = match policy {
+        Policy::KvAware => Some(rt.block_on(super::router::Router::start(&clients, &nss))?),
+        _ => None,
+    };
+    let run = drive(&rt, &requests, &plans, o, &backends, block_bytes, "kvmesh", router.as_ref());
+    let router_json = router.map(|r| {
+        r.stop();
+        let (events, resyncs) = (r.events.load(Ordering::Relaxed), r.resyncs.load(Ordering::Relaxed));
+        eprintln!("kv-aware router: {events} events applied, {resyncs} resynchronisations");
+        serde_json::json!({"events": events, "resyncs": resyncs})
+    });
     drop(backends);
     drop(clients);
     let refs = Refs { requests: requests.len(), blocks: total_blocks, ideal_hits, lru_hits, block_bytes };
@@ -497,7 +554,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
                 anyhow::Ok(c.get_multiplexed_async_connection().await?)
             })?;
             eprintln!("replay: the same trace against redis-server (maxmemory {capacity} B, allkeys-lru)");
-            let d = drive(&rt, &requests, &plans, o, &[Backend::Redis(conn)], block_bytes, "redis");
+            let d = drive(&rt, &requests, &plans, o, &[Backend::Redis(conn)], block_bytes, "redis", None);
             let j = result_json(&d, &refs);
             print_result("redis", &d, &refs);
             Some((d, j))
@@ -507,7 +564,7 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
     let hists = run.sh.hists.lock().clone();
     let seconds = run.sh.seconds.lock().clone();
     // Outputs: CSV, plots, summary.
-    let csv = o.out.join("timeseries.csv");
+    let csv = out.join("timeseries.csv");
     {
         use std::io::Write;
         let mut w = std::io::BufWriter::new(std::fs::File::create(&csv)?);
@@ -539,13 +596,14 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
         w.flush()?;
     }
     let base_hists = baseline.as_ref().map(|(d, _)| d.sh.hists.lock().clone());
-    let plots = write_plots(&o.out, &hists, base_hists.as_deref(), &seconds)?;
+    let plots = write_plots(out, &hists, base_hists.as_deref(), &seconds)?;
     let mut summary = serde_json::json!({
         "bench": "replay",
         "requests": requests.len(),
         "skipped_lines": skipped_lines,
         "daemons": n_daemons,
-        "policy": format!("{:?}", o.policy),
+        "policy": format!("{:?}", policy),
+        "router": router_json,
         "speed": o.speed,
         "block_bytes": block_bytes,
         "blocks": total_blocks,
@@ -584,7 +642,8 @@ struct Driven {
 }
 
 /// Replays `requests` open-loop against `backends` (request i goes to
-/// `backends[plan.daemon % len]`).
+/// `backends[plan.daemon % len]`, or where `router` picks).
+#[allow(clippy::too_many_arguments)]
 fn drive(
     rt: &tokio::runtime::Runtime,
     requests: &[Request],
@@ -593,6 +652,7 @@ fn drive(
     backends: &[Backend],
     block_bytes: u64,
     label: &str,
+    router: Option<&Arc<super::router::Router>>,
 ) -> Driven {
     let t0 = Instant::now() + Duration::from_millis(50);
     let sh = Arc::new(Shared {
@@ -637,11 +697,21 @@ fn drive(
                 s.started += 1;
                 s.late += is_late as u64;
             });
-            let (sh2, backend, plan) =
-                (Arc::clone(&sh), backends[plan.daemon % backends.len()].clone(), Arc::clone(plan));
+            let daemon = match router {
+                Some(r) => r.pick(&plan.keys) % backends.len(),
+                None => plan.daemon % backends.len(),
+            };
+            let router = router.cloned();
+            if let Some(r) = &router {
+                r.begin(daemon);
+            }
+            let (sh2, backend, plan) = (Arc::clone(&sh), backends[daemon].clone(), Arc::clone(plan));
             let (pf, bt) = (o.prefill_us_per_token, o.block_tokens);
             tasks.spawn(async move {
                 one_request(sh2, backend, plan, block_bytes as usize, pf, bt, due).await;
+                if let Some(r) = router {
+                    r.end(daemon);
+                }
                 drop(permit);
             });
             while tasks.try_join_next().is_some() {}

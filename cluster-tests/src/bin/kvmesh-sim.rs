@@ -101,6 +101,7 @@ fn main() -> std::process::ExitCode {
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
     let mut locate_grants = 0u64;
+    let (mut lookups, mut lookup_remote_hits) = (0u64, 0u64);
     let mut drains = 0u64;
     let mut prefilled = 0u64;
     let mut violations = 0u64;
@@ -120,6 +121,8 @@ fn main() -> std::process::ExitCode {
                 invalidated += s.invalidated;
                 vfail += s.validation_failures;
                 locate_grants += s.locate_grants;
+                lookups += s.lookups;
+                lookup_remote_hits += s.lookup_remote_hits;
                 crashes += s.crashes;
                 drains += s.drains;
                 epochs += s.epochs;
@@ -144,7 +147,8 @@ fn main() -> std::process::ExitCode {
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
         "{seeds_run} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
-         {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {crashes} crashes, \
+         {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {lookups} lookups ({lookup_remote_hits} keys found on \
+         other nodes), {crashes} crashes, \
          {drains} drains, {epochs} epochs",
         events as f64 / secs
     );

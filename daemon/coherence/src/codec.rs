@@ -285,6 +285,23 @@ fn encode_msg(w: &mut W, m: &Msg) {
             }
         }
         Msg::AnnounceAck => w.u8(17),
+        Msg::LookupReq { op, keys } => {
+            w.u8(18);
+            w.u64(*op);
+            w.u32(keys.len() as u32);
+            for k in keys {
+                w.key(k);
+            }
+        }
+        Msg::LookupResp { op, found } => {
+            w.u8(19);
+            w.u64(*op);
+            w.u32(found.len() as u32);
+            for (v, h) in found {
+                w.u64(*v);
+                w.u32(*h);
+            }
+        }
     }
 }
 
@@ -343,6 +360,24 @@ fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
             Msg::Announce { round, part, parts, entries }
         }
         17 => Msg::AnnounceAck,
+        18 => {
+            let op = r.u64()?;
+            let n = r.count(24, DECODE_ENTRIES_MAX)?;
+            let mut keys = Vec::with_capacity(n);
+            for _ in 0..n {
+                keys.push(r.key()?);
+            }
+            Msg::LookupReq { op, keys }
+        }
+        19 => {
+            let op = r.u64()?;
+            let n = r.count(12, DECODE_ENTRIES_MAX)?;
+            let mut found = Vec::with_capacity(n);
+            for _ in 0..n {
+                found.push((r.u64()?, r.u32()?));
+            }
+            Msg::LookupResp { op, found }
+        }
         t => return Err(DecodeError::Tag(t)),
     })
 }
@@ -384,6 +419,9 @@ mod tests {
             },
             Msg::Announce { round: 1, part: 0, parts: 1, entries: vec![] },
             Msg::AnnounceAck,
+            Msg::LookupReq { op: 18, keys: vec![key, BlockKey { ns: 3, key: 4 }] },
+            Msg::LookupReq { op: 19, keys: vec![] },
+            Msg::LookupResp { op: 18, found: vec![(0, 0), ((2 << 32) | 1, 5)] },
         ]
     }
 

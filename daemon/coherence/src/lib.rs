@@ -232,6 +232,10 @@ pub enum Bug {
     /// A draining daemon asks the membership to remove it before its core
     /// has stopped serving (read by drivers: the daemon and the simulator).
     LeaveBeforeStop,
+    /// A lookup reports a key this node is still writing (its put not yet
+    /// answered by the home) as present here: a Pending slot counted as
+    /// Valid.
+    LookupCountsPendingPut,
 }
 
 impl Bug {
@@ -245,11 +249,12 @@ impl Bug {
             "coordinator-no-wait" => Bug::CoordinatorNoWait,
             "etcd-short-ttl" => Bug::EtcdShortTtl,
             "leave-before-stop" => Bug::LeaveBeforeStop,
+            "lookup-counts-pending-put" => Bug::LookupCountsPendingPut,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 7] = [
+    pub const NAMES: [&'static str; 8] = [
         "skip-ack-wait",
         "skip-validation",
         "reuse-granted-slot",
@@ -257,6 +262,7 @@ impl Bug {
         "coordinator-no-wait",
         "etcd-short-ttl",
         "leave-before-stop",
+        "lookup-counts-pending-put",
     ];
 }
 
@@ -292,6 +298,17 @@ pub enum Event {
         slot: SlotRef,
         /// Checksum of the new content.
         checksum: u64,
+    },
+    /// An engine asks where `keys` are Valid in the cluster, without
+    /// pinning, granting or moving anything: local copies answer here,
+    /// the rest is one `LookupReq` per home. Ends with
+    /// `Action::LookupDone` (or `ClientDone` with an error when this node
+    /// may not serve).
+    ClientLookup {
+        /// Operation id.
+        op: OpId,
+        /// Blocks, in the caller's order (repeats allowed).
+        keys: Vec<BlockKey>,
     },
     /// An engine asks that no node serve the current version of `key`.
     ClientInvalidate {
@@ -424,6 +441,22 @@ pub enum Action {
     KeepAlive {
         /// Local send time (echoed in `Event::KeepAliveAck`).
         sent_at: Time,
+    },
+    /// A cluster-wide lookup ended. For each key asked, in order: a node
+    /// with a Valid copy and its version, or `None`. A key reported at
+    /// node `n` with version `v`: `v` was the key's current version (no
+    /// change in progress at its home) when this node (`n` itself) or the
+    /// key's home answered, and `n` held a Valid copy of it then, or had
+    /// just dropped it with the news still on its way to the home. A
+    /// later pin may miss.
+    LookupDone {
+        /// The call.
+        op: OpId,
+        /// Per key: `(node, version)` or absent.
+        found: Vec<Option<(NodeId, u64)>>,
+        /// Every home asked answered (otherwise the keys of those that did
+        /// not were reported absent: deadline, view change or leave).
+        complete: bool,
     },
     /// A client call ended.
     ClientDone {

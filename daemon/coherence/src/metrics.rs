@@ -118,6 +118,13 @@ pub struct Metrics {
     pub lease_lapses: u64,
     /// Copies dropped that way.
     pub copies_dropped_lapsed: u64,
+    /// Cluster-wide lookups started here.
+    pub lookups: u64,
+    /// Lookups that ended before every home answered (deadline, view
+    /// change, leave): the keys not answered were reported absent.
+    pub lookups_incomplete: u64,
+    /// Home: lookup questions answered (one per asker per lookup).
+    pub lookup_questions_answered: u64,
 }
 
 impl Metrics {

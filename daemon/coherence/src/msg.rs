@@ -106,4 +106,11 @@ pub enum Msg {
     Announce { round: u64, part: u32, parts: u32, entries: Vec<(BlockKey, u64, u64)> },
     /// Home -> holder: announce received.
     AnnounceAck,
+    /// Asker -> home: where are these keys Valid? (a cluster-wide lookup:
+    /// no pin, no grant, nothing moves).
+    LookupReq { op: OpId, keys: Vec<BlockKey> },
+    /// Home -> asker: for each key asked, in order, `(version, holder)`
+    /// of a registered holder other than the asker, or `(0, 0)` when the
+    /// key is held nowhere else, changing, or the directory is not ready.
+    LookupResp { op: OpId, found: Vec<(u64, crate::NodeId)> },
 }

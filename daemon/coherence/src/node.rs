@@ -171,6 +171,15 @@ enum OpKind {
         key: BlockKey,
         last_sent: Time,
     },
+    /// A cluster-wide lookup waiting for the homes in `asked`.
+    Lookup {
+        keys: Vec<BlockKey>,
+        found: Vec<Option<(NodeId, u64)>>,
+        /// Homes not answered yet, and the indices of the keys each was
+        /// asked about (the question is resent to them until the deadline).
+        asked: BTreeMap<NodeId, Vec<u32>>,
+        last_sent: Time,
+    },
 }
 
 #[derive(Debug)]
@@ -525,7 +534,9 @@ impl Node {
             .ops
             .iter()
             .filter_map(|(&id, o)| match o.kind {
-                OpKind::Put { last_sent, .. } | OpKind::Invalidate { last_sent, .. } => Some((last_sent + rt, id)),
+                OpKind::Put { last_sent, .. }
+                | OpKind::Invalidate { last_sent, .. }
+                | OpKind::Lookup { last_sent, .. } => Some((last_sent + rt, id)),
                 _ => None,
             })
             .collect();
@@ -602,6 +613,7 @@ impl Node {
             Event::ClientGet { op, key } => self.client_get(op, key),
             Event::ClientPut { op, key, slot, checksum } => self.client_put(op, key, slot, checksum),
             Event::ClientInvalidate { op, key } => self.client_invalidate(op, key),
+            Event::ClientLookup { op, keys } => self.client_lookup(op, keys),
             Event::Unpin { slot } => {
                 if let Some(h) = self.slots.get_mut(&slot) {
                     h.pins = h.pins.saturating_sub(1);
@@ -695,9 +707,9 @@ impl Node {
 
     fn resend_time(&self, op: &Op) -> Option<Time> {
         match op.kind {
-            OpKind::Put { last_sent, .. } | OpKind::Invalidate { last_sent, .. } => {
-                Some(last_sent + self.cfg.retransmit_us)
-            }
+            OpKind::Put { last_sent, .. }
+            | OpKind::Invalidate { last_sent, .. }
+            | OpKind::Lookup { last_sent, .. } => Some(last_sent + self.cfg.retransmit_us),
             _ => None,
         }
     }
@@ -874,6 +886,102 @@ impl Node {
         self.send(home, Msg::InvalidateReq { op, key });
     }
 
+    fn client_lookup(&mut self, op: OpId, keys: Vec<BlockKey>) {
+        if !self.admit(op) {
+            return;
+        }
+        self.metrics.lookups += 1;
+        let me = self.id;
+        let mut found = vec![None; keys.len()];
+        let mut asked: BTreeMap<NodeId, Vec<u32>> = BTreeMap::new();
+        for (i, k) in keys.iter().enumerate() {
+            if let Some(c) = self.copies.get(k) {
+                found[i] = Some((me, c.version));
+            } else if self.cfg.bug == Some(Bug::LookupCountsPendingPut) && self.writes.contains_key(k) {
+                found[i] = Some((me, 0));
+            } else {
+                match self.view.home_of(k) {
+                    Some(h) if h == me => found[i] = self.lookup_at_home(me, k),
+                    Some(h) => asked.entry(h).or_default().push(i as u32),
+                    None => {}
+                }
+            }
+        }
+        if asked.is_empty() {
+            self.actions.push(Action::LookupDone { op, found, complete: true });
+            return;
+        }
+        for (&h, idx) in &asked {
+            let question = idx.iter().map(|&i| keys[i as usize]).collect();
+            self.send(h, Msg::LookupReq { op, keys: question });
+            // An engine call waits for it: no flush delay.
+            self.flush_peer(h);
+        }
+        let deadline = self.now + self.cfg.op_timeout_us;
+        self.insert_op(op, Op { deadline, kind: OpKind::Lookup { keys, found, asked, last_sent: self.now } });
+    }
+
+    /// A home's answer to a lookup of `key` by `asker`: a copy it holds
+    /// itself (checked against its own state, so exact now), else a
+    /// registered holder other than the asker (the asker has no copy; a
+    /// registration of it is stale). Nothing while the key changes, the
+    /// directory rebuilds or this node may not serve.
+    fn lookup_at_home(&self, asker: NodeId, key: &BlockKey) -> Option<(NodeId, u64)> {
+        if !self.ready || !self.is_home(key) || !self.serving() {
+            return None;
+        }
+        let e = self.dir.get(key)?;
+        if e.change.is_some() {
+            return None;
+        }
+        if e.holders.contains(self.id) && self.copies.get(key).is_some_and(|c| c.version == e.version) {
+            return Some((self.id, e.version));
+        }
+        e.holders.ids().find(|&h| h != asker && h != self.id).map(|h| (h, e.version))
+    }
+
+    fn on_lookup_resp(&mut self, from: NodeId, op: OpId, answers: Vec<(u64, NodeId)>) {
+        let me = self.id;
+        let epoch = self.view.epoch;
+        let Some(Op { kind: OpKind::Lookup { found, asked, .. }, .. }) = self.ops.get_mut(&op) else { return };
+        // Only the home asked answers, once, about exactly what it was asked.
+        let Some(idx) = asked.get(&from) else { return };
+        if idx.len() != answers.len() {
+            self.metrics.peer_refusals += 1;
+            return;
+        }
+        let mut refused = 0;
+        for (&i, &(version, holder)) in idx.iter().zip(&answers) {
+            if version == 0 {
+                continue;
+            }
+            // H1: a holder in the view, not the asker (the home leaves the
+            // asker out), a version of this epoch or an earlier one.
+            if holder == me || self.view.member(holder).is_none() || version >> 32 > epoch {
+                refused += 1;
+                continue;
+            }
+            found[i as usize] = Some((holder, version));
+        }
+        asked.remove(&from);
+        let finished = asked.is_empty();
+        self.metrics.peer_refusals += refused;
+        if finished {
+            self.finish_lookup(op);
+        }
+    }
+
+    /// Ends a lookup with what it has (keys of homes that did not answer
+    /// are absent).
+    fn finish_lookup(&mut self, op: OpId) {
+        let Some(Op { kind: OpKind::Lookup { found, asked, .. }, .. }) = self.remove_op(op) else { return };
+        let complete = asked.is_empty();
+        if !complete {
+            self.metrics.lookups_incomplete += 1;
+        }
+        self.actions.push(Action::LookupDone { op, found, complete });
+    }
+
     fn evict(&mut self, key: BlockKey) {
         if !self.can_evict(&key) {
             return;
@@ -990,6 +1098,19 @@ impl Node {
         {
             self.timers.resends.remove(&(t, id));
             let Some(o) = self.ops.get_mut(&id) else { continue };
+            if let OpKind::Lookup { keys, asked, last_sent, .. } = &mut o.kind {
+                *last_sent = now;
+                let questions: Vec<(NodeId, Msg)> = asked
+                    .iter()
+                    .map(|(&h, idx)| (h, Msg::LookupReq { op: id, keys: idx.iter().map(|&i| keys[i as usize]).collect() }))
+                    .collect();
+                self.timers.resends.insert((now + self.cfg.retransmit_us, id));
+                for (h, m) in questions {
+                    self.send(h, m);
+                    self.flush_peer(h);
+                }
+                continue;
+            }
             let m = match &mut o.kind {
                 OpKind::Put { key, checksum, copy, last_sent, .. } => {
                     *last_sent = now;
@@ -1140,6 +1261,7 @@ impl Node {
                 self.remove_op(id);
                 self.done(id, Outcome::Error(ErrorKind::Timeout));
             }
+            OpKind::Lookup { .. } => self.finish_lookup(id),
         }
     }
 
@@ -1154,6 +1276,14 @@ impl Node {
             return;
         }
         self.view = v;
+        // Lookups end with what they have: the homes they asked are gone
+        // or rebuilding (a new-epoch home answers nothing until it is
+        // ready), and a caller wants an answer now, not at the deadline.
+        let lookups: Vec<OpId> =
+            self.ops.iter().filter(|(_, o)| matches!(o.kind, OpKind::Lookup { .. })).map(|(&id, _)| id).collect();
+        for id in lookups {
+            self.finish_lookup(id);
+        }
         // Queued messages were meant for the old epoch: drop them; whatever
         // matters is retransmitted.
         self.out.clear();
@@ -1298,6 +1428,14 @@ impl Node {
                     self.timers.announces.remove(&(sent + self.cfg.retransmit_us, from));
                 }
             }
+            Msg::LookupReq { op, keys } => {
+                let found = keys.iter().map(|k| self.lookup_at_home(from, k).map_or((0, 0), |(h, v)| (v, h))).collect();
+                self.metrics.lookup_questions_answered += 1;
+                self.send(from, Msg::LookupResp { op, found });
+                // An engine call waits for it: no flush delay.
+                self.flush_peer(from);
+            }
+            Msg::LookupResp { op, found } => self.on_lookup_resp(from, op, found),
         }
     }
 

@@ -140,6 +140,23 @@ enum Cmd {
         /// Output file.
         outfile: PathBuf,
     },
+    /// Where blocks are cached: on a clustered daemon, cluster-wide (each
+    /// key's home is asked; nothing is pinned or moved): the prefix of the
+    /// keys that are all present, and for each key the node holding it.
+    Lookup {
+        /// Namespace.
+        #[arg(long)]
+        namespace: String,
+        /// This daemon's own copies only (no question to the cluster).
+        #[arg(long)]
+        local: bool,
+        /// Print JSON ({"prefix_len":..,"blocks":[{"key":..,"node":..}]}).
+        #[arg(long)]
+        json: bool,
+        /// Keys, in prefix order (32 hex digits each).
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
     /// Make sure no daemon of the cluster serves the current version of
     /// these keys, or of every key of the namespace when none are given.
     /// Returns when none does (exit 1 if some could not be invalidated).
@@ -518,6 +535,40 @@ async fn run(args: Args) -> Result<(), Failure> {
             std::fs::write(&outfile, &buf)
                 .map_err(|e| Failure::Error(format!("cannot write {}: {e}", outfile.display())))?;
             println!("wrote {key} ({} bytes) to {}", buf.len(), outfile.display());
+        }
+        Cmd::Lookup { namespace, local, json, keys } => {
+            let keys = keys.iter().map(|k| parse_key(k)).collect::<Result<Vec<_>, _>>()?;
+            let client = connect(args.socket).await?;
+            let ns = client.namespace(&namespace).await?;
+            let r = if local { client.lookup_local(&ns, &keys).await? } else { client.lookup(&ns, &keys).await? };
+            if json {
+                let blocks: Vec<_> = keys
+                    .iter()
+                    .zip(&r.nodes)
+                    .map(|(k, n)| serde_json::json!({"key": k.to_string(), "node": n}))
+                    .collect();
+                let v = serde_json::json!({
+                    "prefix_len": r.prefix_len,
+                    "cluster_wide": r.cluster_wide,
+                    "complete": r.complete,
+                    "blocks": blocks,
+                });
+                println!("{v}");
+            } else {
+                let scope = match (r.cluster_wide, r.complete) {
+                    (false, _) => "this daemon only",
+                    (true, true) => "cluster-wide",
+                    (true, false) => "cluster-wide, INCOMPLETE: some homes did not answer",
+                };
+                println!("prefix {} of {} keys ({scope})", r.prefix_len, keys.len());
+                for (k, (&p, n)) in keys.iter().zip(r.present.iter().zip(&r.nodes)) {
+                    match (p, n) {
+                        (true, Some(n)) => println!("{k}  node {n}"),
+                        (true, None) => println!("{k}  present"),
+                        _ => println!("{k}  -"),
+                    }
+                }
+            }
         }
         Cmd::Invalidate { namespace, keys } => {
             let keys = keys.iter().map(|k| parse_key(k)).collect::<Result<Vec<_>, _>>()?;

@@ -77,6 +77,15 @@ pub const KVMESH_E_INTERNAL: i32 = -7;
 
 /// `kvmesh_pin` flag: stop at the first miss (a prefix fetch).
 pub const KVMESH_PIN_STOP_AT_FIRST_MISS: u32 = 1;
+/// `kvmesh_lookup_where` flag: the daemon's own copies only (on a
+/// clustered daemon, no question to the keys' homes).
+pub const KVMESH_LOOKUP_LOCAL_ONLY: u32 = 1;
+/// `kvmesh_lookup_where` info bit: the answer covers the cluster.
+pub const KVMESH_LOOKUP_CLUSTER_WIDE: u32 = 1;
+/// `kvmesh_lookup_where` info bit: every home asked answered.
+pub const KVMESH_LOOKUP_COMPLETE: u32 = 2;
+/// `kvmesh_lookup_where`: the node of a key cached nowhere.
+pub const KVMESH_NODE_NONE: u32 = u32::MAX;
 /// `kvmesh_allocate` / `kvmesh_put` flag: write a new version even when the
 /// key is cached (mutable keys); the commit returns once no daemon of the
 /// cluster serves an older version.
@@ -932,6 +941,61 @@ pub unsafe extern "C" fn kvmesh_lookup(
             for (d, &s) in p.iter_mut().zip(&r.present) {
                 *d = s as u8;
             }
+        }
+        put_out(prefix_len, r.prefix_len, "prefix_len")?;
+        Ok(KVMESH_OK)
+    })
+}
+
+/// Where `n` keys are cached. On a clustered daemon the answer covers the
+/// cluster (each key's home is asked; nothing is pinned, granted or moved)
+/// unless `flags` has `KVMESH_LOOKUP_LOCAL_ONLY`. `*prefix_len`: leading
+/// keys all cached; `nodes` (NULL, or room for `n`): per key the node id
+/// (`[node] id`) holding it, or `KVMESH_NODE_NONE`; `info` (NULL or
+/// writable): `KVMESH_LOOKUP_CLUSTER_WIDE` | `KVMESH_LOOKUP_COMPLETE`. A
+/// key reported at a node was Valid there during the call (unless that
+/// node had just dropped it); a later pin may miss.
+///
+/// # Safety
+/// `client` is a live client; `keys` holds `n` keys; `prefix_len` is
+/// writable; `nodes` is NULL or writable for `n` values; `info` is NULL
+/// or writable.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_lookup_where(
+    client: *const kvmesh_client_t,
+    ns: u32,
+    keys: *const kvmesh_key_t,
+    n: usize,
+    flags: u32,
+    prefix_len: *mut u32,
+    nodes: *mut u32,
+    info: *mut u32,
+) -> i32 {
+    guard("kvmesh_lookup_where", || {
+        let c = handle(client, "client")?;
+        let ns = c.namespace(ns)?;
+        let keys = keys_arg(keys, n)?;
+        if prefix_len.is_null() {
+            return Err(Fail::invalid("prefix_len is NULL"));
+        }
+        if flags & !KVMESH_LOOKUP_LOCAL_ONLY != 0 {
+            return Err(Fail::invalid(format!("flags {flags:#x}: only KVMESH_LOOKUP_LOCAL_ONLY is known")));
+        }
+        let nodes = out_slice(nodes, n)?;
+        let inner = c.client.inner();
+        let r = if flags & KVMESH_LOOKUP_LOCAL_ONLY != 0 {
+            c.client.call(inner.lookup_local(&ns, &keys))?
+        } else {
+            c.client.call(inner.lookup(&ns, &keys))?
+        };
+        if let Some(out) = nodes {
+            for (d, s) in out.iter_mut().zip(&r.nodes) {
+                *d = s.unwrap_or(KVMESH_NODE_NONE);
+            }
+        }
+        if !info.is_null() {
+            let bits = (r.cluster_wide as u32 * KVMESH_LOOKUP_CLUSTER_WIDE) | (r.complete as u32 * KVMESH_LOOKUP_COMPLETE);
+            put_out(info, bits, "info")?;
         }
         put_out(prefix_len, r.prefix_len, "prefix_len")?;
         Ok(KVMESH_OK)

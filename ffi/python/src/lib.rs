@@ -254,6 +254,25 @@ impl PyClient {
         Ok((r.prefix_len, r.present))
     }
 
+    /// (prefix_len, per-key node or None, cluster_wide, complete).
+    #[pyo3(signature = (ns, keys, local_only=false))]
+    #[allow(clippy::type_complexity)]
+    fn locate(
+        &self,
+        py: Python<'_>,
+        ns: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        local_only: bool,
+    ) -> PyResult<(u32, Vec<Option<u32>>, bool, bool)> {
+        let ns = self.ns(py, ns)?;
+        let keys = keys_of(py, keys)?;
+        let r = self.call(py, |c| {
+            let inner = c.inner();
+            if local_only { c.call(inner.lookup_local(&ns, &keys)) } else { c.call(inner.lookup(&ns, &keys)) }
+        })?;
+        Ok((r.prefix_len, r.nodes, r.cluster_wide, r.complete))
+    }
+
     #[pyo3(signature = (ns, keys, lease_ms=0, stop_at_first_miss=false))]
     fn pin(
         &self,

@@ -191,6 +191,17 @@ int main(int argc, char **argv) {
     holes[3].lo ^= 1; /* not cached */
     EXPECT(kvmesh_lookup(c, ns.id, holes, N, &prefix, present), KVMESH_OK);
     CHECK(prefix == 3 && present[3] == 0 && present[4] == 1, "prefix %u present[3]=%u", prefix, present[3]);
+    /* Where: a single daemon answers from its own copies (node id 1). */
+    uint32_t nodes[N], info = 99;
+    EXPECT(kvmesh_lookup_where(c, ns.id, holes, N, 0, &prefix, nodes, &info), KVMESH_OK);
+    CHECK(prefix == 3 && nodes[0] == 1 && nodes[3] == KVMESH_NODE_NONE && nodes[4] == 1 &&
+              info == KVMESH_LOOKUP_COMPLETE,
+          "prefix %u nodes %u %u %u info %u", prefix, nodes[0], nodes[3], nodes[4], info);
+    EXPECT(kvmesh_lookup_where(c, ns.id, holes, N, KVMESH_LOOKUP_LOCAL_ONLY, &prefix, NULL, NULL), KVMESH_OK);
+    CHECK(prefix == 3, "prefix %u", prefix);
+    EXPECT(kvmesh_lookup_where(c, ns.id, holes, N, 0x10, &prefix, nodes, &info), KVMESH_E_INVALID);
+    CHECK(has(kvmesh_last_error(), "flags"), "message: %s", kvmesh_last_error());
+    EXPECT(kvmesh_lookup_where(c, ns.id, holes, N, 0, NULL, nodes, &info), KVMESH_E_INVALID);
     EXPECT(kvmesh_lookup(c, ns.id, keys, N, NULL, present), KVMESH_E_INVALID);
     EXPECT(kvmesh_lookup(c, ns.id, NULL, N, &prefix, present), KVMESH_E_INVALID);
     EXPECT(kvmesh_lookup(c, 4242, keys, N, &prefix, present), KVMESH_E_NOT_FOUND);

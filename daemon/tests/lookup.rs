@@ -1,0 +1,116 @@
+//! Cluster-wide lookup on real daemons: a block put on A is reported by a
+//! lookup on B as present on A, without B fetching anything; after an
+//! invalidation it is no longer reported; a local-only lookup sees only
+//! B's own copies; the CLI prints the same answer.
+
+mod common;
+
+use common::{Daemon, block_bytes, free_port, peer_config, pool, run_cli};
+use kvmesh_client::{Client, Key, Namespace};
+
+async fn put(c: &Client, ns: &Namespace, keys: &[Key]) {
+    let blocks: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 4096)).collect();
+    let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(blocks.iter().map(|b| &b[..])).collect();
+    let s = c.put(ns, &items).await.unwrap();
+    assert_eq!(s.stored as usize, keys.len());
+}
+
+/// Fetches, remote misses and Valid copies of a daemon: what a lookup must
+/// not move.
+async fn moved(c: &Client) -> (u64, u64, u64) {
+    let s = c.stats().await.unwrap();
+    let co = s.coherence.expect("clustered");
+    (s.remote_fetched, s.remote_misses, co.copies)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookup_on_one_daemon_finds_blocks_held_by_the_others_without_moving_them() {
+    let ports = [free_port(), free_port(), free_port()];
+    let p = pool("p", "8MiB", "4KiB");
+    let a = Daemon::start("lookup-a", &peer_config(1, &ports, "tcp", &p));
+    let b = Daemon::start("lookup-b", &peer_config(2, &ports, "tcp", &p));
+    let c = Daemon::start("lookup-c", &peer_config(3, &ports, "tcp", &p));
+    for d in [&a, &b, &c] {
+        d.wait_peers(2).await;
+    }
+    let (ca, cb, cc) = (a.client().await, b.client().await, c.client().await);
+    let na = ca.register_namespace("lk", 4096, "t").await.unwrap();
+    let nb = cb.register_namespace("lk", 4096, "t").await.unwrap();
+    let nc = cc.register_namespace("lk", 4096, "t").await.unwrap();
+    // A prefix of 6 blocks: 0..4 on A, 4 and 5 on C; key 6 nowhere, key 7
+    // (after the gap) on A.
+    let on_a = [Key(100), Key(101), Key(102), Key(103), Key(107)];
+    let on_c = [Key(104), Key(105)];
+    put(&ca, &na, &on_a).await;
+    put(&cc, &nc, &on_c).await;
+    let ask: Vec<Key> = (100..108).map(Key).collect();
+
+    let before = moved(&cb).await;
+    let r = cb.lookup(&nb, &ask).await.unwrap();
+    assert!(r.cluster_wide && r.complete, "{r:?}");
+    assert_eq!(r.prefix_len, 6, "{r:?}");
+    assert_eq!(r.present, vec![true, true, true, true, true, true, false, true]);
+    assert_eq!(r.nodes, vec![Some(1), Some(1), Some(1), Some(1), Some(3), Some(3), None, Some(1)]);
+    assert_eq!(moved(&cb).await, before, "a lookup fetches nothing, pins nothing, makes no copy");
+    let s = cb.stats().await.unwrap().coherence.unwrap();
+    assert!(s.lookups >= 1 && s.lookups_incomplete == 0, "{s:?}");
+
+    // The daemon's own copies only: B has none.
+    let local = cb.lookup_local(&nb, &ask).await.unwrap();
+    assert!(!local.cluster_wide && local.prefix_len == 0 && local.present.iter().all(|&p| !p), "{local:?}");
+    // A's local view: its own five.
+    let local_a = ca.lookup_local(&na, &ask).await.unwrap();
+    assert_eq!(local_a.nodes, vec![Some(1), Some(1), Some(1), Some(1), None, None, None, Some(1)]);
+
+    // B fetches key 100: now B answers it from its own copy.
+    let got = cb.pin(&nb, &[Key(100)]).await.unwrap();
+    assert!(got[0].is_some());
+    drop(got);
+    let r = cb.lookup(&nb, &ask[..2]).await.unwrap();
+    assert_eq!(r.nodes, vec![Some(2), Some(1)], "B's own copy first");
+
+    // Invalidated (from C): no daemon reports keys 100 and 104 any more.
+    let s = cc.invalidate(&nc, &[Key(100), Key(104)]).await.unwrap();
+    assert_eq!((s.invalidated, s.failed), (2, 0), "{s:?}");
+    for (cl, ns) in [(&ca, &na), (&cb, &nb), (&cc, &nc)] {
+        let r = cl.lookup(ns, &ask).await.unwrap();
+        assert!(!r.present[0] && !r.present[4], "{r:?}");
+        assert!(r.present[1] && r.present[5], "{r:?}");
+        assert_eq!(r.prefix_len, 0);
+    }
+
+    // The CLI, as JSON and as text.
+    let keys: Vec<String> = ask.iter().map(|k| k.to_string()).collect();
+    let mut args = vec!["lookup", "--namespace", "lk", "--json"];
+    args.extend(keys.iter().map(|s| s.as_str()));
+    let (code, out, err) = run_cli(&b.socket, &args);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).unwrap();
+    assert_eq!(v["prefix_len"], 0, "{v}");
+    assert_eq!(v["cluster_wide"], true);
+    let nodes: Vec<serde_json::Value> = v["blocks"].as_array().unwrap().iter().map(|b| b["node"].clone()).collect();
+    assert_eq!(nodes, serde_json::json!([null, 1, 1, 1, null, 3, null, 1]).as_array().unwrap().clone(), "{v}");
+    assert_eq!(v["blocks"][1]["key"], keys[1]);
+    let (code, out, err) = run_cli(&b.socket, &["lookup", "--namespace", "lk", &keys[1], &keys[2]]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("prefix 2 of 2 keys (cluster-wide)") && out.contains(&format!("{}  node 1", keys[1])), "{out}");
+    // Bad input: an error that names it, nothing else.
+    let (code, _, err) = run_cli(&b.socket, &["lookup", "--namespace", "lk", "xyz"]);
+    assert_ne!(code, 0);
+    assert!(!err.is_empty());
+    let (code, _, err) = run_cli(&b.socket, &["lookup", "--namespace", "nope", &keys[1]]);
+    assert_ne!(code, 0, "{err}");
+}
+
+/// A single daemon answers from its index (cluster_wide false), with its
+/// own node id for what it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_single_daemon_answers_from_its_own_copies() {
+    let d = Daemon::start("lookup-single", &format!("[node]\nid = 9\n{}", pool("p", "4MiB", "4KiB")));
+    let c = d.client().await;
+    let ns = c.register_namespace("lk", 4096, "t").await.unwrap();
+    put(&c, &ns, &[Key(1), Key(2)]).await;
+    let r = c.lookup(&ns, &[Key(1), Key(2), Key(3)]).await.unwrap();
+    assert_eq!((r.prefix_len, r.cluster_wide, r.complete), (2, false, true));
+    assert_eq!(r.nodes, vec![Some(9), Some(9), None]);
+}
