@@ -34,7 +34,9 @@ pub(crate) async fn lookup(
     let procs = crate::start_sm_cluster(
         "lookup",
         daemons,
-        &format!("[[pools]]\nname = \"p4k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n"),
+        &format!(
+            "[[pools]]\nname = \"p4k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n"
+        ),
     )?;
     let mut clients = Vec::new();
     for (_, sock) in &procs {
@@ -90,7 +92,7 @@ pub(crate) async fn lookup(
             let want = batch_at(s);
             let keys: Vec<Key> = want.iter().map(|w| w.0).collect();
             // Interleaved: which goes first alternates.
-            for cluster in if s % 2 == 0 { [true, false] } else { [false, true] } {
+            for cluster in if s.is_multiple_of(2) { [true, false] } else { [false, true] } {
                 let t = Instant::now();
                 let res = if cluster { asker.lookup(ns, &keys).await? } else { asker.lookup_local(ns, &keys).await? };
                 let us = t.elapsed().as_nanos() as u64 / 1000;

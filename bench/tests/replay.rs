@@ -110,7 +110,10 @@ fn kv_aware_routing_serves_more_blocks_locally_than_round_robin_in_one_run() {
         share("KvAware"),
         share("RoundRobin")
     );
-    assert!(out_dir.join("KvAware").join("timeseries.csv").exists() && out_dir.join("RoundRobin").join("timeseries.csv").exists());
+    assert!(
+        out_dir.join("KvAware").join("timeseries.csv").exists()
+            && out_dir.join("RoundRobin").join("timeseries.csv").exists()
+    );
     let _ = std::fs::remove_dir_all(out_dir);
     let _ = std::fs::remove_file(trace);
 }

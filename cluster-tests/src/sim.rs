@@ -417,8 +417,13 @@ impl Ord for Queued {
 
 #[derive(Clone, Copy, Debug)]
 enum OpInfo {
-    Get { key: BlockKey, start: u64 },
-    Put { key: BlockKey },
+    Get {
+        key: BlockKey,
+        start: u64,
+    },
+    Put {
+        key: BlockKey,
+    },
     Invalidate,
     /// Its keys and start are in `World::lookups`.
     Lookup,
@@ -457,8 +462,10 @@ pub struct World {
     completed: HashMap<BlockKey, Vec<(u64, u64)>>,
     /// Lookups in flight: their keys and when they started (real time).
     lookups: HashMap<(NodeId, u64, OpId), (Vec<BlockKey>, u64)>,
-    /// Every (node, key, version) that was ever a Valid copy: committed by
-    /// a put, or served as a hit.
+    /// Every (node, key, version) that was ever a Valid copy (committed by
+    /// a put, served as a hit) or registered at its home as one (a put the
+    /// home completed, a fetch it registered: the node may not have it
+    /// yet, or have given it up).
     ever_held: HashSet<(NodeId, BlockKey, u64)>,
     pending_fail: Option<(&'static str, String)>,
     /// Events fed to cores (paces the O(state) checks).
@@ -678,6 +685,9 @@ impl World {
         let next = core.next_timeout();
         let inc = core.incarnation();
         for t in traces {
+            if let Trace::Registered { key, version, holder } = t {
+                self.ever_held.insert((holder, key, version));
+            }
             if let Trace::ChangeCompleted { key, old_version, new_version } = t {
                 self.completed.entry(key).or_default().push((old_version, self.now));
                 self.pending_s3.push((key, old_version));
@@ -842,7 +852,8 @@ impl World {
             // Refused (not a member, overloaded): an error, never an answer.
             self.lookups.remove(&(n, inc, op));
             if !matches!(outcome, Outcome::Error(_)) {
-                self.pending_fail.get_or_insert_with(|| ("LOOKUP", format!("node {n} ended lookup {op} with {outcome:?}")));
+                self.pending_fail
+                    .get_or_insert_with(|| ("LOOKUP", format!("node {n} ended lookup {op} with {outcome:?}")));
             }
         }
         if let (OpInfo::Put { key }, Outcome::Stored { version }) = (info, outcome) {
@@ -925,16 +936,22 @@ impl World {
     /// LOOKUP: a key a lookup reported at node `h` with version `v`: `v`
     /// is a version a home assigned; no change away from `v` (or a later
     /// version) completed before the lookup started (`v` was current at
-    /// some moment of the call); and `h` held a Valid copy of `v` at some
-    /// point (the directory names real copies, never a pending put or a
-    /// node that never had it).
+    /// some moment of the call); and `h` held a Valid copy of `v`, or its
+    /// home registered `h` as holding it, at some point (the answer is the
+    /// directory's, never a put the home has not answered or a node it
+    /// never registered).
     fn lookup_done(&mut self, n: NodeId, inc: u64, op: OpId, found: Vec<Option<(NodeId, u64)>>) {
-        let (Some(OpInfo::Lookup), Some((keys, start))) = (self.ops.remove(&(n, inc, op)), self.lookups.remove(&(n, inc, op)))
+        let (Some(OpInfo::Lookup), Some((keys, start))) =
+            (self.ops.remove(&(n, inc, op)), self.lookups.remove(&(n, inc, op)))
         else {
             self.pending_fail.get_or_insert_with(|| ("L2", format!("node {n} ended unknown lookup {op}")));
             return;
         };
-        self.note(format!("t={} n{n} op{op} lookup {:?} -> {found:?}", self.now, keys.iter().map(|k| k.key).collect::<Vec<_>>()));
+        self.note(format!(
+            "t={} n{n} op{op} lookup {:?} -> {found:?}",
+            self.now,
+            keys.iter().map(|k| k.key).collect::<Vec<_>>()
+        ));
         self.stats.lookups += 1;
         if found.len() != keys.len() {
             self.pending_fail.get_or_insert_with(|| {
@@ -957,7 +974,10 @@ impl World {
                     { key.key }
                 ))
             } else if !self.ever_held.contains(&(h, *key, v)) {
-                Some(format!("node {n} reported {:?} at node {h} v{v:#x}, a copy node {h} never held", { key.key }))
+                Some(format!(
+                    "node {n} reported {:?} at node {h} v{v:#x}, a copy node {h} never held nor was registered for",
+                    { key.key }
+                ))
             } else {
                 None
             };

@@ -461,7 +461,8 @@ impl Cluster {
         match a {
             Action::LookupDone { op, found, complete } => {
                 if let Some(w) = g.waiters.remove(&op) {
-                    let _ = w.tx.send(OpResult::Located(found.into_iter().map(|f| f.map(|(n, _)| n)).collect(), complete));
+                    let _ =
+                        w.tx.send(OpResult::Located(found.into_iter().map(|f| f.map(|(n, _)| n)).collect(), complete));
                 }
             }
             Action::Send { to, mut batch } => {
@@ -1300,7 +1301,11 @@ impl Cluster {
     /// Where `keys` are Valid in the cluster (see `Event::ClientLookup`):
     /// per key the node holding it, and whether every home answered.
     /// Nothing is pinned, granted or moved.
-    pub async fn lookup(self: &Arc<Self>, fingerprint: u64, keys: &[Key]) -> Result<(Vec<Option<NodeId>>, bool), String> {
+    pub async fn lookup(
+        self: &Arc<Self>,
+        fingerprint: u64,
+        keys: &[Key],
+    ) -> Result<(Vec<Option<NodeId>>, bool), String> {
         let keys = keys.iter().map(|&k| block_key(fingerprint, k)).collect();
         let rxs = self.submit(vec![(WaitKind::Other, Call::Lookup(keys))]);
         match self.collect(rxs).await.pop() {

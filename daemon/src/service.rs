@@ -148,13 +148,13 @@ impl pb::engine_server::Engine for EngineService {
         self.admitted(session_of(&req)?)?;
         let r = req.into_inner();
         let ks = keys(&r.keys);
-        let (cluster, fingerprint, me) = {
+        let (cluster, fingerprint) = {
             let mut st = self.store.lock();
             let me = st.config().node.id;
             match &self.cluster {
                 Some(c) if !r.local_only => {
                     st.check_batch(ks.len())?;
-                    (c, st.namespace_info(r.namespace_id)?.fingerprint, me)
+                    (c, st.namespace_info(r.namespace_id)?.fingerprint)
                 }
                 // A single daemon's index, or a clustered daemon's own
                 // copies (a hint: nothing asked of the cluster).
@@ -613,20 +613,14 @@ pub(crate) type EventsStream =
 /// A stream of KV events of namespace `ns` (its id here), with a snapshot
 /// first when asked: what `WatchEvents` answers, on the engine socket and on
 /// the peer port (`peers.rs`).
-pub(crate) fn watch_events(
-    store: &Arc<Mutex<Store>>,
-    ns: u32,
-    snapshot: bool,
-) -> Result<EventsStream, Status> {
+pub(crate) fn watch_events(store: &Arc<Mutex<Store>>, ns: u32, snapshot: bool) -> Result<EventsStream, Status> {
     let (rx, seq, held, node, instance, stall) = {
         let mut st = store.lock();
         let ev = st.config().events.clone();
         let watchers = st.event_watchers();
         if watchers >= ev.watchers_max as usize {
             st.counters.resource_exhausted += 1;
-            return Err(Status::resource_exhausted(format!(
-                "{watchers} event watchers already (events.watchers_max)"
-            )));
+            return Err(Status::resource_exhausted(format!("{watchers} event watchers already (events.watchers_max)")));
         }
         let (rx, seq, held) = st.watch_events(ns, snapshot)?;
         (rx, seq, held, st.config().node.id, st.instance_id, std::time::Duration::from_millis(ev.stall_ms))
@@ -634,15 +628,7 @@ pub(crate) fn watch_events(
     let (tx, out) = tokio::sync::mpsc::channel(1);
     let (last_tx, last_rx) = tokio::sync::oneshot::channel();
     tokio::spawn(stream_events(
-        EventStream {
-            ns,
-            node,
-            instance,
-            stall,
-            tx,
-            last: Some(last_tx),
-            store: Arc::downgrade(store),
-        },
+        EventStream { ns, node, instance, stall, tx, last: Some(last_tx), store: Arc::downgrade(store) },
         rx,
         seq,
         snapshot.then_some(held),

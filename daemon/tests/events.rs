@@ -247,10 +247,10 @@ async fn events_on_the_peer_port_for_authenticated_callers() {
         snapshot: true,
     };
     // Not a configured peer: refused.
-    let err = router.watch_events(ask(99, "pev")).await.err().expect("node 99 refused");
+    let err = router.watch_events(ask(99, "pev")).await.expect_err("node 99 refused");
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err}");
     // An unknown namespace: NOT_FOUND.
-    let err = router.watch_events(ask(1, "nope")).await.err().expect("unknown namespace refused");
+    let err = router.watch_events(ask(1, "nope")).await.expect_err("unknown namespace refused");
     assert_eq!(err.code(), tonic::Code::NotFound, "{err}");
     // Node 1's identity (no TLS here; with TLS its certificate): the
     // snapshot, then the live events, as on the engine socket.

@@ -93,7 +93,10 @@ async fn lookup_on_one_daemon_finds_blocks_held_by_the_others_without_moving_the
     assert_eq!(v["blocks"][1]["key"], keys[1]);
     let (code, out, err) = run_cli(&b.socket, &["lookup", "--namespace", "lk", &keys[1], &keys[2]]);
     assert_eq!(code, 0, "{err}");
-    assert!(out.contains("prefix 2 of 2 keys (cluster-wide)") && out.contains(&format!("{}  node 1", keys[1])), "{out}");
+    assert!(
+        out.contains("prefix 2 of 2 keys (cluster-wide)") && out.contains(&format!("{}  node 1", keys[1])),
+        "{out}"
+    );
     // Bad input: an error that names it, nothing else.
     let (code, _, err) = run_cli(&b.socket, &["lookup", "--namespace", "lk", "xyz"]);
     assert_ne!(code, 0);

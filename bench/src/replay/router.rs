@@ -151,9 +151,7 @@ impl Router {
                 }
             }
         }
-        (0..n)
-            .min_by_key(|&d| (std::cmp::Reverse(prefix[d]), self.inflight[d].load(Ordering::Relaxed), d))
-            .unwrap_or(0)
+        (0..n).min_by_key(|&d| (std::cmp::Reverse(prefix[d]), self.inflight[d].load(Ordering::Relaxed), d)).unwrap_or(0)
     }
 
     /// A request started on / left daemon `d`.

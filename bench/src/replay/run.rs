@@ -436,7 +436,11 @@ pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) 
     }
     eprintln!("replay: local hit share by policy (blocks served from the daemon the request was sent to):");
     for (name, s) in &shares {
-        eprintln!("  {name:>16}: local {:.3}  all hits {:.3}", s["local_hit_share"].as_f64().unwrap_or(0.0), s["hit_ratio"].as_f64().unwrap_or(0.0));
+        eprintln!(
+            "  {name:>16}: local {:.3}  all hits {:.3}",
+            s["local_hit_share"].as_f64().unwrap_or(0.0),
+            s["hit_ratio"].as_f64().unwrap_or(0.0)
+        );
     }
     Ok(serde_json::json!({"bench": "replay", "policies": shares, "runs": runs}))
 }

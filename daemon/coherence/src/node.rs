@@ -261,6 +261,16 @@ pub enum Trace {
         /// Version.
         version: u64,
     },
+    /// This home registered `holder` as holding `version` of `key` (a
+    /// completed put, an accepted fetch registration, an announce).
+    Registered {
+        /// Block.
+        key: BlockKey,
+        /// Version.
+        version: u64,
+        /// The node registered.
+        holder: NodeId,
+    },
     /// This home completed a change of `key` away from `old_version`.
     ChangeCompleted {
         /// Block.
@@ -270,6 +280,14 @@ pub enum Trace {
         /// New version (overwrite) or `None` (invalidation).
         new_version: Option<u64>,
     },
+}
+
+/// The holder a locate answer names, if any.
+fn result_holder(r: &LocateResult) -> Option<NodeId> {
+    match r {
+        LocateResult::Found { holder, .. } => Some(*holder),
+        _ => None,
+    }
 }
 
 /// Read-only view of a home's directory entry (for drivers and checkers).
@@ -707,9 +725,9 @@ impl Node {
 
     fn resend_time(&self, op: &Op) -> Option<Time> {
         match op.kind {
-            OpKind::Put { last_sent, .. }
-            | OpKind::Invalidate { last_sent, .. }
-            | OpKind::Lookup { last_sent, .. } => Some(last_sent + self.cfg.retransmit_us),
+            OpKind::Put { last_sent, .. } | OpKind::Invalidate { last_sent, .. } | OpKind::Lookup { last_sent, .. } => {
+                Some(last_sent + self.cfg.retransmit_us)
+            }
             _ => None,
         }
     }
@@ -1102,7 +1120,9 @@ impl Node {
                 *last_sent = now;
                 let questions: Vec<(NodeId, Msg)> = asked
                     .iter()
-                    .map(|(&h, idx)| (h, Msg::LookupReq { op: id, keys: idx.iter().map(|&i| keys[i as usize]).collect() }))
+                    .map(|(&h, idx)| {
+                        (h, Msg::LookupReq { op: id, keys: idx.iter().map(|&i| keys[i as usize]).collect() })
+                    })
                     .collect();
                 self.timers.resends.insert((now + self.cfg.retransmit_us, id));
                 for (h, m) in questions {
@@ -1401,6 +1421,9 @@ impl Node {
                     && self.dir.get(&key).is_some_and(|e| e.version == version && e.change.is_none());
                 if ok {
                     self.dir.get_mut(&key).expect("checked").holders.insert(from, copy);
+                    if self.cfg.trace {
+                        self.trace.push(Trace::Registered { key, version, holder: from });
+                    }
                 }
                 self.send(from, Msg::AddHolderResp { op, key, version, copy, ok });
             }
@@ -1568,6 +1591,9 @@ impl Node {
             ChangeKind::Overwrite { writer, op, copy, .. } => {
                 e.version = next;
                 e.holders = Holders::single(writer, copy);
+                if self.cfg.trace {
+                    self.trace.push(Trace::Registered { key, version: next, holder: writer });
+                }
                 let forget = self.now + 2 * self.cfg.op_timeout_us;
                 self.published.insert((writer, op), (key, next, forget));
                 self.published_expiry.push_back((forget, writer, op));
@@ -1774,9 +1800,18 @@ impl Node {
             self.metrics.peer_refusals += 1; // a holder outside the view
         }
         let Some((stage, _, _)) = self.get_stage(op) else { return };
+        // A grant from the home itself may answer the locate (a duplicate
+        // of it, handled once the home's copy was current) rather than the
+        // grant request sent now: trust any grant of it only from when the
+        // locate was sent (the earlier request), or the reader would count
+        // the holder's lease from later than the holder started it (S4).
+        let asked_at = match *stage {
+            GetStage::Locating { sent_at, .. } if result_holder(&result) == Some(from) => sent_at,
+            _ => now,
+        };
         match result {
             LocateResult::Found { version, holder } if holder != me && known => {
-                *stage = GetStage::Granting { holder, version, sent_at: now };
+                *stage = GetStage::Granting { holder, version, sent_at: asked_at };
                 self.send(holder, Msg::GrantReq { op, key, version });
             }
             _ => self.finish_get(op, Outcome::Miss),
@@ -1912,7 +1947,13 @@ impl Node {
         }
         // Parts of a round older than one under way are ignored; a newer
         // round starts over (its parts may split the copies differently).
-        if !self.announced.contains(&h) {
+        // A part already taken (a duplicate, or any part once the holder
+        // counts as announced) registers nothing again: since it was taken,
+        // the holder may have dropped those copies and told us, and a
+        // change may have retired their version; registering them again
+        // would bring a retired version back into the directory (a late
+        // fetch registration of it would then be accepted).
+        let fresh = !self.announced.contains(&h) && {
             let rx = self.announce_rx.entry(h).or_insert((round, parts, BTreeSet::new()));
             if round < rx.0 {
                 return;
@@ -1920,8 +1961,8 @@ impl Node {
             if round > rx.0 || parts != rx.1 {
                 *rx = (round, parts, BTreeSet::new());
             }
-            rx.2.insert(part);
-        }
+            rx.2.insert(part)
+        };
         for (key, version, copy) in entries {
             if !self.is_home(&key) {
                 continue;
@@ -1935,6 +1976,9 @@ impl Node {
                 // of must not stay Valid).
                 self.metrics.peer_refusals += 1;
                 self.send(h, Msg::Invalidate { key, version, change: 0 });
+                continue;
+            }
+            if !fresh {
                 continue;
             }
             let e = self.dir.entry(key).or_default();

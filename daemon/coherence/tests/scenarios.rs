@@ -21,7 +21,12 @@ struct Net {
     keepalives: Vec<(NodeId, u64)>,
     /// Read deadlines of the reads started, in order.
     read_deadlines: Vec<u64>,
+    /// Lookups ended: (node, op) -> per key (node, version).
+    lookups: BTreeMap<(NodeId, u64), Found>,
 }
+
+/// What a lookup answered: per key, (node, version) or nothing.
+type Found = Vec<Option<(NodeId, u64)>>;
 
 fn key(k: u128) -> BlockKey {
     BlockKey { ns: 1, key: k }
@@ -40,6 +45,7 @@ impl Net {
             freed: Vec::new(),
             keepalives: Vec::new(),
             read_deadlines: Vec::new(),
+            lookups: BTreeMap::new(),
         };
         let view =
             View { epoch: 1, members: (0..n as NodeId).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
@@ -73,6 +79,10 @@ impl Net {
                     self.freed.push((n, slot));
                 }
                 Action::KeepAlive { sent_at } => self.keepalives.push((n, sent_at)),
+                Action::LookupDone { op, found, complete } => {
+                    assert!(complete, "every home answers on this network");
+                    self.lookups.insert((n, op), found);
+                }
             }
         }
     }
@@ -653,4 +663,124 @@ fn a_grant_is_released_only_by_its_reader() {
     assert!(matches!(net.outcome(1, 2), Some(Outcome::Hit { .. })));
     assert_eq!(net.nodes[holder as usize].metrics().grants_outstanding, 0);
     net.nodes[holder as usize].check_incremental().unwrap();
+}
+
+#[test]
+fn a_lookup_reports_where_blocks_are_without_moving_them() {
+    let mut net = Net::new(3, Config::default());
+    // Keys homed at each node, put on node 0; key 9 nowhere.
+    let ks: Vec<BlockKey> =
+        (0..3).map(|h| (100..).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(h)).unwrap()).collect();
+    for (i, &k) in ks.iter().enumerate() {
+        net.put(0, 10 + i as u64, k, 7);
+    }
+    net.settle();
+    let copies_before: Vec<usize> = net.nodes.iter().map(|n| n.copy_count()).collect();
+    let ask = vec![ks[0], ks[1], ks[2], key(9), ks[1]];
+    net.drive(2, Event::ClientLookup { op: 50, keys: ask.clone() });
+    net.settle();
+    let found = net.lookups.get(&(2, 50)).expect("the lookup ended").clone();
+    let nodes: Vec<Option<NodeId>> = found.iter().map(|f| f.map(|(n, _)| n)).collect();
+    assert_eq!(nodes, vec![Some(0), Some(0), Some(0), None, Some(0)]);
+    for (f, k) in found.iter().zip(&ask) {
+        if let Some((_, v)) = f {
+            assert_eq!(Some(*v), net.nodes[0].copy_of(k).map(|c| c.0), "the current version");
+        }
+    }
+    assert!(net.reads.is_empty(), "nothing read");
+    assert_eq!(net.nodes.iter().map(|n| n.copy_count()).collect::<Vec<_>>(), copies_before, "nothing copied");
+    // Node 0 answers its own copies itself, with no question on the wire.
+    net.drive(0, Event::ClientLookup { op: 51, keys: ks.clone() });
+    assert!(net.wire.is_empty(), "answered locally");
+    assert_eq!(
+        net.lookups[&(0, 51)],
+        ks.iter().map(|k| Some((0, net.nodes[0].copy_of(k).unwrap().0))).collect::<Vec<_>>()
+    );
+    // Invalidated: no longer reported.
+    net.drive(1, Event::ClientInvalidate { op: 52, key: ks[1] });
+    net.settle();
+    net.drive(2, Event::ClientLookup { op: 53, keys: ask });
+    net.settle();
+    let nodes: Vec<Option<NodeId>> = net.lookups[&(2, 53)].iter().map(|f| f.map(|(n, _)| n)).collect();
+    assert_eq!(nodes, vec![Some(0), None, Some(0), None, None]);
+}
+
+/// Found by the simulator (LOOKUP, seed 401): a part of an announce
+/// delivered again after the holder counted as announced registered its
+/// entries again, bringing back a version an invalidation had retired
+/// (and a late fetch registration of it would have been accepted).
+#[test]
+fn a_late_duplicate_announce_does_not_bring_back_a_retired_version() {
+    let mut net = Net::new(2, Config::default());
+    let k = (0..).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(1)).unwrap();
+    net.put(0, 1, k, 5);
+    net.settle();
+    let view = View { epoch: 2, members: (0..2).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
+    net.drive(0, Event::View(view.clone()));
+    net.drive(1, Event::View(view));
+    net.flush();
+    let dup: Vec<(NodeId, NodeId, Batch)> = net
+        .wire
+        .iter()
+        .filter(|(f, t, b)| (*f, *t) == (0, 1) && b.msgs.iter().any(|m| matches!(m, Msg::Announce { .. })))
+        .cloned()
+        .collect();
+    assert!(!dup.is_empty(), "node 0 announced its copy to node 1");
+    net.settle();
+    assert!(net.nodes[1].directory_ready());
+    // The copy is invalidated: the entry goes.
+    net.drive(1, Event::ClientInvalidate { op: 2, key: k });
+    net.settle();
+    assert_eq!(net.outcome(1, 2), Some(Outcome::Invalidated));
+    assert!(net.nodes[1].directory().all(|(dk, _)| dk != k));
+    // The old announce arrives again.
+    for (from, to, batch) in dup {
+        net.drive(to, Event::Receive { from, batch });
+    }
+    net.settle();
+    assert!(net.nodes[1].directory().all(|(dk, _)| dk != k), "a retired version came back into the directory");
+    net.drive(1, Event::ClientLookup { op: 3, keys: vec![k] });
+    assert_eq!(net.lookups[&(1, 3)], vec![None]);
+}
+
+/// Found by the simulator (S4, 6 nodes, seed 277): a home answered a locate
+/// with itself as the holder, then (a duplicate of the locate) with a grant
+/// of its own copy; the reader trusted that grant from when it sent its
+/// grant request, later than the holder's lease started. A grant from the
+/// home is trusted from the locate.
+#[test]
+fn a_grant_from_the_home_is_trusted_from_the_locate_not_later() {
+    let cfg = Config::default();
+    let mut net = Net::new(3, cfg.clone());
+    let k = (0..).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(1)).unwrap();
+    net.put(1, 1, k, 5);
+    net.settle();
+    let (version, slot) = net.nodes[1].copy_of(&k).expect("node 1 holds its put");
+    let meta = net.mem[&(1, slot)];
+    let asked = net.now;
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    net.wire.clear(); // the locate is lost on the way
+    net.now += 30_000;
+    // What a home may send for one locate delivered twice: itself as the
+    // holder, then a grant of its copy (started when it handled the
+    // duplicate, no later than now).
+    let epoch = net.nodes[2].view().epoch;
+    let batch = Batch {
+        epoch,
+        incarnation: 1,
+        msgs: vec![
+            Msg::LocateResp { op: 2, key: k, result: kvmesh_coherence::LocateResult::Found { version, holder: 1 } },
+            Msg::GrantResp {
+                op: 2,
+                result: kvmesh_coherence::GrantResult::Granted { slot, meta, lease_us: cfg.grant_lease_us, grant: 9 },
+            },
+        ],
+    };
+    net.drive(2, Event::Receive { from: 1, batch });
+    let deadline = *net.read_deadlines.last().expect("the read started");
+    assert!(
+        deadline <= asked + cfg.grant_lease_us,
+        "read trusted until {deadline}, past the lease of a grant asked for at {asked} ({} us)",
+        cfg.grant_lease_us
+    );
 }

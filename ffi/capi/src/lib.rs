@@ -994,7 +994,8 @@ pub unsafe extern "C" fn kvmesh_lookup_where(
             }
         }
         if !info.is_null() {
-            let bits = (r.cluster_wide as u32 * KVMESH_LOOKUP_CLUSTER_WIDE) | (r.complete as u32 * KVMESH_LOOKUP_COMPLETE);
+            let bits =
+                (r.cluster_wide as u32 * KVMESH_LOOKUP_CLUSTER_WIDE) | (r.complete as u32 * KVMESH_LOOKUP_COMPLETE);
             put_out(info, bits, "info")?;
         }
         put_out(prefix_len, r.prefix_len, "prefix_len")?;

@@ -84,7 +84,10 @@ impl World {
         for a in acts {
             match a {
                 Action::Send { to, batch } if to != HOSTILE => self.wire.push_back((n, to, batch)),
-                Action::Send { .. } | Action::ClientDone { .. } | Action::KeepAlive { .. } => {}
+                Action::Send { .. }
+                | Action::ClientDone { .. }
+                | Action::LookupDone { .. }
+                | Action::KeepAlive { .. } => {}
                 Action::StartRead { op, from, remote, .. } => self.reads.push((n, op, from, remote)),
                 Action::CommitSlot { slot, meta } => {
                     self.mem.insert((n, slot), meta);
@@ -508,7 +511,11 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                         .encode_to_vec(),
                     ),
                     call(7, epb::CommitRequest { slots: vec![slot0] }.encode_to_vec()),
-                    call(3, epb::LookupRequest { namespace_id: 0, keys: vec![key(1), key(2)] }.encode_to_vec()),
+                    call(
+                        3,
+                        epb::LookupRequest { namespace_id: 0, keys: vec![key(1), key(2)], local_only: false }
+                            .encode_to_vec(),
+                    ),
                     call(
                         4,
                         epb::PinRequest {
