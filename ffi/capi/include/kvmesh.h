@@ -53,6 +53,19 @@
 // `kvmesh_pin` flag: stop at the first miss (a prefix fetch).
 #define KVMESH_PIN_STOP_AT_FIRST_MISS 1
 
+// `kvmesh_lookup_where` flag: the daemon's own copies only (on a
+// clustered daemon, no question to the keys' homes).
+#define KVMESH_LOOKUP_LOCAL_ONLY 1
+
+// `kvmesh_lookup_where` info bit: the answer covers the cluster.
+#define KVMESH_LOOKUP_CLUSTER_WIDE 1
+
+// `kvmesh_lookup_where` info bit: every home asked answered.
+#define KVMESH_LOOKUP_COMPLETE 2
+
+// `kvmesh_lookup_where`: the node of a key cached nowhere.
+#define KVMESH_NODE_NONE UINT32_MAX
+
 // `kvmesh_allocate` / `kvmesh_put` flag: write a new version even when the
 // key is cached (mutable keys); the commit returns once no daemon of the
 // cluster serves an older version.
@@ -399,6 +412,28 @@ int32_t kvmesh_lookup(const kvmesh_client_t *client,
                       uintptr_t n,
                       uint32_t *prefix_len,
                       uint8_t *present);
+
+// Where `n` keys are cached. On a clustered daemon the answer covers the
+// cluster (each key's home is asked; nothing is pinned, granted or moved)
+// unless `flags` has `KVMESH_LOOKUP_LOCAL_ONLY`. `*prefix_len`: leading
+// keys all cached; `nodes` (NULL, or room for `n`): per key the node id
+// (`[node] id`) holding it, or `KVMESH_NODE_NONE`; `info` (NULL or
+// writable): `KVMESH_LOOKUP_CLUSTER_WIDE` | `KVMESH_LOOKUP_COMPLETE`. A
+// key reported at a node was Valid there during the call (unless that
+// node had just dropped it); a later pin may miss.
+//
+// # Safety
+// `client` is a live client; `keys` holds `n` keys; `prefix_len` is
+// writable; `nodes` is NULL or writable for `n` values; `info` is NULL
+// or writable.
+int32_t kvmesh_lookup_where(const kvmesh_client_t *client,
+                            uint32_t ns,
+                            const kvmesh_key_t *keys,
+                            uintptr_t n,
+                            uint32_t flags,
+                            uint32_t *prefix_len,
+                            uint32_t *nodes,
+                            uint32_t *info);
 
 // Pins the cached keys among `n` for reading in place. `lease_ms` 0 asks
 // the daemon's default lease; `flags` may hold
