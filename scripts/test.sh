@@ -105,6 +105,10 @@ echo "== rpc benchmark smoke run (gRPC and the fast path on one daemon; fails if
 cargo run --locked -q -p kvmesh-bench -- rpc --calls 20 | tail -1 | cut -c1-200 >&2
 # KV events under a paced put load: the bench fails on any gap in the sequence numbers.
 cargo run --locked -q -p kvmesh-bench -- events --rate 2000 --seconds 0.5 --rounds 1 | tail -1 | cut -c1-200 >&2
+cargo run --locked -q -p kvmesh-bench -- events --rate 2000 --seconds 0.5 --rounds 1 --daemons 3 | tail -1 | cut -c1-200 >&2
+# Cluster-wide lookups on a small filled cluster: the bench fails on any answer
+# that names the wrong daemon, on an incomplete answer, or on a fetch.
+cargo run --locked -q -p kvmesh-bench -- lookup --daemons 3 --fill 2000 --batch 16 --samples 60 --rounds 2 | tail -1 | cut -c1-200 >&2
 echo "== Debian package: build, install (dpkg -i), run as the kvmesh user, drain, purge" >&2
 bash scripts/test-deb.sh
 echo "== all tests passed" >&2

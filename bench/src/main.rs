@@ -85,6 +85,10 @@ enum Cmd {
         /// Rounds (each: one with a watcher, one without).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// Daemons (more than 1: a cluster over shared memory, the load
+        /// shared evenly, one watcher per daemon).
+        #[arg(long, default_value_t = 1)]
+        daemons: u32,
     },
     /// Cluster-wide lookup of a batch of keys spread over a filled cluster
     /// vs a local-only lookup of the same keys (interleaved): P50/P99 and
@@ -486,9 +490,9 @@ fn main() -> anyhow::Result<()> {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
             rt.block_on(lookup::lookup(json, daemons, fill, batch, samples, rounds))
         }
-        Cmd::Events { rate, seconds, batch, rounds } => {
+        Cmd::Events { rate, seconds, batch, rounds, daemons } => {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            rt.block_on(events::events(rate, seconds, batch, rounds))
+            rt.block_on(events::events(rate, seconds, batch, rounds, daemons))
         }
         Cmd::Local { json, pool_mib, block_kib, batch, bytes_mib, pin_batches_min } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

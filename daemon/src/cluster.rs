@@ -113,6 +113,14 @@ struct Waiter {
     read_done: Option<Instant>,
 }
 
+/// This daemon's way to one peer: the open coherence stream's queue when
+/// there is one, else the relay the link task forwards from once the
+/// stream is up.
+struct Link {
+    relay: mpsc::Sender<pb::Frame>,
+    stream: Mutex<Option<mpsc::Sender<pb::Frame>>>,
+}
+
 struct Inner {
     node: Node,
     next_op: OpId,
@@ -184,7 +192,7 @@ pub struct Cluster {
     inner: Mutex<Inner>,
     store: Arc<Mutex<Store>>,
     peers: Arc<Peers>,
-    links: HashMap<NodeId, mpsc::Sender<pb::Frame>>,
+    links: HashMap<NodeId, Link>,
     /// Per peer: the state of this daemon's stream to it.
     link_stats: HashMap<NodeId, LinkStats>,
     /// Histograms of gets and transfers (rendered by `/metrics`).
@@ -340,7 +348,7 @@ impl Cluster {
         let mut link_rx = Vec::new();
         for e in peers.entries() {
             let (tx, rx) = mpsc::channel(cfg.peer_queue_frames);
-            links.insert(e.id, tx);
+            links.insert(e.id, Link { relay: tx, stream: Mutex::new(None) });
             link_stats.insert(e.id, LinkStats::default());
             link_rx.push((e.clone(), rx));
         }
@@ -667,8 +675,17 @@ impl Cluster {
 
     fn send_frame(&self, to: NodeId, f: pb::Frame) {
         match self.links.get(&to) {
-            Some(tx) => {
-                if tx.try_send(f).is_err() {
+            Some(link) => {
+                // Straight into the open stream (no relay task in between:
+                // one wake-up less per message); through the relay while no
+                // stream is open. One lock for both, so frames keep their
+                // order across the switch.
+                let stream = link.stream.lock();
+                let sent = match stream.as_ref() {
+                    Some(tx) => tx.try_send(f).is_ok(),
+                    None => link.relay.try_send(f).is_ok(),
+                };
+                if !sent {
                     self.counters.queue_drops.fetch_add(1, Ordering::Relaxed);
                     if let Some(l) = self.link_stats.get(&to) {
                         l.queue_drops.fetch_add(1, Ordering::Relaxed);
@@ -968,7 +985,7 @@ impl Cluster {
             .tcp_nodelay(true);
         let channel = ep.connect().await.map_err(|e| format!("connect: {e}"))?;
         let mut client = pb::peer_client::PeerClient::new(channel).max_decoding_message_size(64 << 20);
-        let (tx, out) = mpsc::channel::<pb::Frame>(256);
+        let (tx, out) = mpsc::channel::<pb::Frame>(self.cfg.peer_queue_frames);
         let hello = pb::StreamHello { node_id: self.id, incarnation: self.incarnation };
         tx.send(pb::Frame { body: Some(pb::frame::Body::Hello(hello)) }).await.map_err(|e| e.to_string())?;
         let resp = tokio::time::timeout(
@@ -980,6 +997,26 @@ impl Cluster {
         .map_err(|s| format!("exchange: {}", s.message()))?;
         let mut inbound = resp.into_inner();
         tracing::info!(peer = entry.id, "coherence stream up");
+        // From now on frames go straight into the stream: what the relay
+        // holds first, under the lock senders take, so none overtakes it.
+        let link = self.links.get(&entry.id).ok_or_else(|| "no link to this peer".to_string())?;
+        {
+            let mut stream = link.stream.lock();
+            while let Ok(f) = rx.try_recv() {
+                if tx.try_send(f).is_err() {
+                    self.counters.queue_drops.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            *stream = Some(tx.clone());
+        }
+        // Back to the relay when this stream ends, however it ends.
+        struct Unpublish<'a>(&'a Link);
+        impl Drop for Unpublish<'_> {
+            fn drop(&mut self) {
+                *self.0.stream.lock() = None;
+            }
+        }
+        let _unpublish = Unpublish(link);
         let stats = self.link_stats.get(&entry.id);
         if let Some(l) = stats {
             l.up.store(true, Ordering::Relaxed);
