@@ -135,7 +135,7 @@ async fn the_dashboard_and_alerts_use_only_served_metrics() {
     );
     let c = d.client().await;
     let ns = c.register_namespace("names", 4096, "x").await.unwrap();
-    c.lookup(&ns, &[Key(1)]).await.unwrap();
+    c.lookup_local(&ns, &[Key(1)]).await.unwrap();
     let (_, _, text) = tokio::task::spawn_blocking(move || get(port, "/metrics", "*/*")).await.unwrap();
     let served: std::collections::HashSet<String> = text
         .lines()
