@@ -112,7 +112,7 @@ def main() -> None:
                         raw.append(time.perf_counter() - t0)
             # The loaded pages are the saved ones.
             for i in (0, a.blocks - 1):
-                if not all(np.array_equal(s[:, i], d[:, a.blocks + 1 + i]) for s, d in zip(src, dst)):
+                if not all(np.array_equal(s.view(np.uint16)[:, i], d.view(np.uint16)[:, a.blocks + 1 + i]) for s, d in zip(src, dst)):
                     sys.exit(f"block {i} loaded wrong")
         mc, mr = statistics.median(conn), statistics.median(raw)
         mib = a.blocks * packing.block_bytes / (1 << 20)

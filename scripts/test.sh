@@ -33,6 +33,8 @@ echo "== tests" >&2
 cargo test --workspace --locked
 echo "== Python package: built from source with pip into target/pyvenv, pytest against a real kvmeshd" >&2
 scripts/python-test.sh
+# The connector's load path end to end on a small prefix (bytes checked; timing ignored).
+target/pyvenv/bin/python python/bench_connector.py target/debug/kvmeshd --blocks 4 --rounds 1 --iters 1 | cut -c1-200 >&2
 echo "== CUDA kernels: the source compiles with NVRTC (from the Python registry; no GPU or driver needed)" >&2
 if [[ ! -d target/nvrtc/nvidia ]]; then
     target/pyvenv/bin/python -m pip install -q --disable-pip-version-check --target target/nvrtc "nvidia-cuda-nvrtc>=13,<14" ||
