@@ -37,7 +37,7 @@ if [[ "${1:-}" == "--build" ]]; then
     cp -r "$site" "$BUNDLE/python/kvmesh"
     find "$BUNDLE/python" -name '__pycache__' -prune -exec rm -rf {} +
     find "$BUNDLE/python" -name '*.so' -exec strip {} \;
-    cp python/gpu_check.py python/gpu_daemon_check.py "$BUNDLE/python/"
+    cp python/gpu_check.py python/gpu_daemon_check.py python/gpu_connector_check.py "$BUNDLE/python/"
     du -sh "$BUNDLE" >&2
     echo "gpu-check: bundle in $BUNDLE" >&2
     exit 0
@@ -95,6 +95,8 @@ echo "python: $py_json" >&2
 # The daemon with a GPU pool, and the Python client against it.
 dm_json='{"check":"daemon-gpu","skipped":"no GPU driver (the Rust check skipped)"}'
 dm_rc=77
+cn_json='{"check":"connector-gpu","skipped":"no GPU driver (the Rust check skipped)"}'
+cn_rc=77
 if [[ $rust_rc -ne 77 ]] && command -v python3 >/dev/null; then
     dir=$(mktemp -d)
     cat >"$dir/kvmeshd.toml" <<TOML
@@ -105,6 +107,11 @@ name = "gpu0"
 device = "cuda:${KVMESH_GPU:-0}"
 bytes = "256MiB"
 slot_payload_bytes = 1048576
+[[pools]]
+name = "host0"
+bytes = "64MiB"
+slot_payload_bytes = 1048576
+mlock = false
 TOML
     LD_LIBRARY_PATH="$PWD/$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
         "$BUNDLE/kvmeshd" --config "$dir/kvmeshd.toml" >"$dir/kvmeshd.log" 2>&1 &
@@ -113,21 +120,25 @@ TOML
     set +e
     dm_json=$(PYTHONPATH="$BUNDLE/python" timeout 180 python3 "$BUNDLE/python/gpu_daemon_check.py" "$dir/kvmeshd.sock" | tail -1)
     dm_rc=$?
+    cn_json=$(PYTHONPATH="$BUNDLE/python" timeout 180 python3 "$BUNDLE/python/gpu_connector_check.py" "$dir/kvmeshd.sock" | tail -1)
+    cn_rc=$?
     set -e
     kill "$dpid" 2>/dev/null || true
     wait "$dpid" 2>/dev/null || true
-    if [[ $dm_rc -ne 0 && $dm_rc -ne 77 ]]; then
+    if [[ $dm_rc -ne 0 && $dm_rc -ne 77 ]] || [[ $cn_rc -ne 0 && $cn_rc -ne 77 ]]; then
         echo "kvmeshd log:" >&2
         tail -30 "$dir/kvmeshd.log" >&2
     fi
     rm -rf "$dir"
 fi
 echo "daemon: $dm_json" >&2
+echo "connector: $cn_json" >&2
 ok=false
-if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) && ( $dm_rc -eq 0 || $dm_rc -eq 77 ) ]]; then ok=true; fi
+if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) && ( $dm_rc -eq 0 || $dm_rc -eq 77 ) && ( $cn_rc -eq 0 || $cn_rc -eq 77 ) ]]; then ok=true; fi
 [[ -n "$rust_json" ]] || rust_json='null'
 [[ -n "$py_json" ]] || py_json='null'
 [[ -n "$dm_json" ]] || dm_json='null'
-echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"daemon_rc\":$dm_rc,\"rust\":$rust_json,\"python\":$py_json,\"daemon\":$dm_json}"
+[[ -n "$cn_json" ]] || cn_json='null'
+echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"daemon_rc\":$dm_rc,\"connector_rc\":$cn_rc,\"rust\":$rust_json,\"python\":$py_json,\"daemon\":$dm_json,\"connector\":$cn_json}"
 if [[ $rust_rc -eq 77 ]]; then exit 77; fi
 $ok

@@ -123,6 +123,12 @@ class Packing:
         self.block_bytes = self.page_bytes * chunk_blocks
 
     def _views(self, block: Any, n: int) -> List[Any]:
+        if n == 1:
+            return [block]
+        if not hasattr(block, "__getitem__") and hasattr(block, "__cuda_array_interface__"):
+            import torch  # a kvmesh.DeviceView of a GPU pool: sliced as a tensor
+
+            block = torch.as_tensor(block, device=f"cuda:{getattr(block, 'device_id', 0)}")
         return [block[i * self.page_bytes : (i + 1) * self.page_bytes] for i in range(n)]
 
     def save(self, tensors: Sequence[Any], pages: Sequence[int], block: Any) -> None:
