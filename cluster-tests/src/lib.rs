@@ -1,10 +1,10 @@
 //! Multi-node tests of kvmesh.
 //!
-//! Today: the deterministic simulator of the coherence core ([`sim`], run
-//! by the `kvmesh-sim` binary and by `tests/sim.rs`). Later: tests that start
-//! several `kvmeshd` processes (on loopback or in network namespaces the
-//! test creates), inject faults (kill -9, partitions, restarts) and check
-//! that no engine ever reads a wrong or stale block.
+//! The deterministic simulator of the coherence core ([`sim`], run by the
+//! `kvmesh-sim` binary and by `tests/sim.rs`), and `kvmesh-nemesis`: real
+//! `kvmeshd` processes and etcd in network namespaces it creates, faults
+//! (partitions, pauses, kills, drains) and a checker that no engine ever
+//! read a wrong or stale block (docs/NEMESIS.md).
 #![forbid(unsafe_code)]
 
 pub mod sim;

@@ -58,6 +58,10 @@ struct Args {
     /// Mean seconds between faults.
     #[arg(long, default_value_t = 4.0)]
     fault_every_s: f64,
+    /// Plant a coherence bug in every daemon (`KVMESH_TEST_BUG`, e.g.
+    /// `ack-without-invalidate`): the checker must then find stale reads.
+    #[arg(long)]
+    plant_bug: Option<String>,
 }
 
 /// Block of `key` at writer sequence `seq`, checkable completely.
@@ -135,7 +139,7 @@ impl Net {
         sh(&["ip", "netns", "add", &hub])?;
         sh(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"])?;
         sh(&["ip", "-n", &hub, "link", "set", "br0", "up"])?;
-        for i in 0..=nodes {
+        for i in 0..=self.nodes {
             let ns = net.ns(i);
             sh(&["ip", "netns", "add", &ns])?;
             sh(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
@@ -171,11 +175,12 @@ struct Proc {
 }
 
 impl Proc {
-    fn spawn(ns: &str, argv: &[String], log: &Path) -> Result<Proc, String> {
+    fn spawn(ns: &str, argv: &[String], log: &Path, env: &[(String, String)]) -> Result<Proc, String> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(|e| e.to_string())?;
         let child = Command::new("ip")
             .args(["netns", "exec", ns])
             .args(argv)
+            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
@@ -262,6 +267,8 @@ struct Shared {
     hits_quiet: AtomicU64,
     /// Nemesis events: (ms since start, text).
     events: Mutex<Vec<(u64, String)>>,
+    /// Pin call latencies (µs) of reads that answered, per minute of the run.
+    latency_us: Mutex<Vec<Vec<u32>>>,
 }
 
 impl Shared {
@@ -308,7 +315,17 @@ async fn reader(socket: PathBuf, sh: Arc<Shared>, seed: u64) {
         let floors: Vec<u64> = keys.iter().map(|k| sh.acked[k].load(Ordering::SeqCst)).collect();
         let start = sh.ms();
         let faulty = sh.faulty.load(Ordering::Relaxed);
+        let t = Instant::now();
         let res = tokio::time::timeout(Duration::from_secs(5), c.pin(ns, &keys)).await;
+        if matches!(res, Ok(Ok(_))) {
+            let us = t.elapsed().as_micros().min(u32::MAX as u128) as u32;
+            let minute = (start / 60_000) as usize;
+            let mut l = sh.latency_us.lock();
+            if l.len() <= minute {
+                l.resize_with(minute + 1, Vec::new);
+            }
+            l[minute].push(us);
+        }
         let (reads, hits) = if faulty { (&sh.reads_fault, &sh.hits_fault) } else { (&sh.reads_quiet, &sh.hits_quiet) };
         match res {
             Ok(Ok(blocks)) => {
@@ -322,10 +339,15 @@ async fn reader(socket: PathBuf, sh: Arc<Shared>, seed: u64) {
                     sh.tally.hits.fetch_add(1, Ordering::Relaxed);
                     hits.fetch_add(1, Ordering::Relaxed);
                     match check(*k, &b[..]) {
-                        Err(e) => sh.offend(&sh.tally.wrong, format!("wrong bytes from {}: {e}", socket.display()), start),
+                        Err(e) => {
+                            sh.offend(&sh.tally.wrong, format!("wrong bytes from {}: {e}", socket.display()), start)
+                        }
                         Ok(seq) if seq < *floor => sh.offend(
                             &sh.tally.stale,
-                            format!("stale read from {}: {k} sequence {seq}, {floor} was acknowledged before", socket.display()),
+                            format!(
+                                "stale read from {}: {k} sequence {seq}, {floor} was acknowledged before",
+                                socket.display()
+                            ),
                             start,
                         ),
                         Ok(_) => {}
@@ -391,6 +413,7 @@ struct Cluster {
     etcd: Proc,
     daemons: Vec<Proc>,
     sockets: Vec<PathBuf>,
+    env: Vec<(String, String)>,
 }
 
 impl Cluster {
@@ -417,7 +440,7 @@ impl Cluster {
         let cfg = self.dir.join(format!("kvmeshd-{id}.toml"));
         std::fs::write(&cfg, self.config(id)).map_err(|e| e.to_string())?;
         let argv = vec![self.kvmeshd.display().to_string(), "--config".into(), cfg.display().to_string()];
-        let p = Proc::spawn(&self.net.ns(id), &argv, &self.dir.join(format!("kvmeshd-{id}.log")))?;
+        let p = Proc::spawn(&self.net.ns(id), &argv, &self.dir.join(format!("kvmeshd-{id}.log")), &self.env)?;
         self.daemons[id as usize - 1] = p;
         Ok(())
     }
@@ -521,7 +544,7 @@ async fn run(a: Args) -> Result<bool, String> {
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let etcd = Proc::spawn(&net.ns(0), &etcd_argv, &dir.join("etcd.log"))?;
+    let etcd = Proc::spawn(&net.ns(0), &etcd_argv, &dir.join("etcd.log"), &[])?;
     let sockets: Vec<PathBuf> = (1..=a.daemons).map(|i| dir.join(format!("kvmeshd-{i}.sock"))).collect();
     let mut cl = Cluster {
         net,
@@ -530,6 +553,7 @@ async fn run(a: Args) -> Result<bool, String> {
         etcd,
         daemons: (0..a.daemons).map(|_| Proc { child: None }).collect(),
         sockets: sockets.clone(),
+        env: a.plant_bug.iter().map(|b| ("KVMESH_TEST_BUG".to_string(), b.clone())).collect(),
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     for id in 1..=a.daemons {
@@ -554,6 +578,7 @@ async fn run(a: Args) -> Result<bool, String> {
         reads_quiet: AtomicU64::new(0),
         hits_quiet: AtomicU64::new(0),
         events: Mutex::new(Vec::new()),
+        latency_us: Mutex::new(Vec::new()),
     });
     let mut tasks = Vec::new();
     let n = a.daemons as usize;
@@ -690,6 +715,18 @@ async fn run(a: Args) -> Result<bool, String> {
         if r == 0 { serde_json::Value::Null } else { serde_json::json!(h.load(Ordering::Relaxed) as f64 / r as f64) }
     };
     let fault_count: u64 = faults.values().sum();
+    let p99_by_minute: Vec<f64> = sh
+        .latency_us
+        .lock()
+        .iter_mut()
+        .map(|v| {
+            if v.is_empty() {
+                return 0.0;
+            }
+            v.sort_unstable();
+            v[(v.len() * 99 / 100).min(v.len() - 1)] as f64 / 1000.0
+        })
+        .collect();
     println!(
         "{}",
         serde_json::json!({
@@ -701,12 +738,20 @@ async fn run(a: Args) -> Result<bool, String> {
             "wrong_bytes": wrong, "stale_reads": stale, "lost_puts": stale,
             "faults": faults, "faults_total": fault_count,
             "availability": {"during_faults": ratio(&sh.hits_fault, &sh.reads_fault), "quiet": ratio(&sh.hits_quiet, &sh.reads_quiet)},
-            "healed": healed.is_ok(),
+            "healed": healed.is_ok(), "planted_bug": a.plant_bug,
             "rss_mib_start": rss_start, "rss_mib_minute2": rss_min2, "rss_mib_end": rss_end,
+            "read_p99_ms_by_minute": p99_by_minute,
         })
     );
     if let Err(e) = &healed {
         eprintln!("nemesis: the cluster did not heal: {e}");
     }
-    Ok(wrong == 0 && stale == 0 && healed.is_ok())
+    let clean = wrong == 0 && stale == 0 && healed.is_ok();
+    drop(cl); // processes and namespaces
+    if clean {
+        let _ = std::fs::remove_dir_all(&dir);
+    } else {
+        eprintln!("nemesis: logs of the daemons and etcd kept in {}", dir.display());
+    }
+    Ok(clean)
 }
