@@ -19,6 +19,7 @@
 //! (not root, no `ip` or `etcd`).
 //!
 //!     kvmesh-nemesis --kvmeshd target/release/kvmeshd --minutes 10 --seed 1
+#![forbid(unsafe_code)]
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
