@@ -7,4 +7,5 @@
 //! read a wrong or stale block (docs/NEMESIS.md).
 #![forbid(unsafe_code)]
 
+pub mod blocks;
 pub mod sim;

@@ -15,42 +15,8 @@ use std::time::{Duration, Instant};
 
 use common::{Daemon, TempDir, free_port, peer_config, peer_config_tls, pool};
 use kvmesh_client::{Client, CommitOutcome, Key, Namespace};
+use kvmesh_cluster_tests::blocks::{BLOCK, check, content};
 use rand::{Rng, SeedableRng};
-
-const BLOCK: usize = 4096;
-
-/// Block of `key` at writer sequence `seq`: key and seq up front, the rest
-/// derived from both, so a read can be checked completely.
-fn content(key: Key, seq: u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity(BLOCK);
-    v.extend_from_slice(&key.0.to_le_bytes());
-    v.extend_from_slice(&seq.to_le_bytes());
-    let mut x = (key.0 as u64) ^ ((key.0 >> 64) as u64).rotate_left(17) ^ seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while v.len() < BLOCK {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(BLOCK);
-    v
-}
-
-/// The writer sequence of a block read for `key`, or why it is wrong.
-fn check(key: Key, bytes: &[u8]) -> Result<u64, String> {
-    if bytes.len() != BLOCK {
-        return Err(format!("{key}: {} bytes", bytes.len()));
-    }
-    let k = u128::from_le_bytes(bytes[..16].try_into().unwrap());
-    if k != key.0 {
-        return Err(format!("{key}: block of another key {k:x}"));
-    }
-    let seq = u64::from_le_bytes(bytes[16..24].try_into().unwrap());
-    if bytes != content(key, seq) {
-        return Err(format!("{key}: bytes differ from version seq {seq}"));
-    }
-    Ok(seq)
-}
 
 #[derive(Default)]
 struct Tally {

@@ -30,10 +30,10 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use kvmesh_client::{Allocation, Client, CommitOutcome, Key, Namespace};
+use kvmesh_cluster_tests::blocks::{BLOCK, check, content};
 use kvmesh_cluster_tests::sim::Rng;
 use parking_lot::Mutex;
 
-const BLOCK: usize = 4096;
 const SUBNET: &str = "10.213.0";
 
 #[derive(Parser, Debug, Clone)]
@@ -63,37 +63,6 @@ struct Args {
     /// `ack-without-invalidate`): the checker must then find stale reads.
     #[arg(long)]
     plant_bug: Option<String>,
-}
-
-/// Block of `key` at writer sequence `seq`, checkable completely.
-fn content(key: Key, seq: u64) -> Vec<u8> {
-    let mut v = Vec::with_capacity(BLOCK);
-    v.extend_from_slice(&key.0.to_le_bytes());
-    v.extend_from_slice(&seq.to_le_bytes());
-    let mut x = (key.0 as u64) ^ ((key.0 >> 64) as u64).rotate_left(17) ^ seq.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    while v.len() < BLOCK {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(BLOCK);
-    v
-}
-
-fn check(key: Key, bytes: &[u8]) -> Result<u64, String> {
-    if bytes.len() != BLOCK {
-        return Err(format!("{key}: {} bytes", bytes.len()));
-    }
-    let k = u128::from_le_bytes(bytes[..16].try_into().expect("16 bytes"));
-    if k != key.0 {
-        return Err(format!("{key}: the block of another key {k:032x}"));
-    }
-    let seq = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
-    if bytes != content(key, seq) {
-        return Err(format!("{key}: bytes differ from sequence {seq}"));
-    }
-    Ok(seq)
 }
 
 /// Runs a command; its failure is an error with its output.
@@ -299,18 +268,23 @@ async fn connect(socket: &Path) -> Option<(Client, Namespace)> {
     Some((c, ns))
 }
 
+/// The connection, made again when it was dropped (`None`, after a short
+/// pause, while the daemon does not answer).
+async fn connected<'a>(conn: &'a mut Option<(Client, Namespace)>, socket: &Path) -> Option<&'a (Client, Namespace)> {
+    if conn.is_none() {
+        *conn = connect(socket).await;
+        if conn.is_none() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    conn.as_ref()
+}
+
 async fn reader(socket: PathBuf, sh: Arc<Shared>, seed: u64) {
     let mut rng = Rng::new(seed);
     let mut conn: Option<(Client, Namespace)> = None;
     while !sh.stop.load(Ordering::Relaxed) {
-        if conn.is_none() {
-            conn = connect(&socket).await;
-            if conn.is_none() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        }
-        let (c, ns) = conn.as_ref().expect("connected");
+        let Some((c, ns)) = connected(&mut conn, &socket).await else { continue };
         let keys: Vec<Key> = (0..8).map(|_| sh.keys[rng.below(sh.keys.len() as u64) as usize]).collect();
         // What had been acknowledged before this read started.
         let floors: Vec<u64> = keys.iter().map(|k| sh.acked[k].load(Ordering::SeqCst)).collect();
@@ -370,14 +344,7 @@ async fn writer(socket: PathBuf, sh: Arc<Shared>, keys: Vec<Key>, seed: u64) {
     let mut seqs: HashMap<Key, u64> = keys.iter().map(|k| (*k, 0)).collect();
     let mut conn: Option<(Client, Namespace)> = None;
     while !sh.stop.load(Ordering::Relaxed) {
-        if conn.is_none() {
-            conn = connect(&socket).await;
-            if conn.is_none() {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        }
-        let (c, ns) = conn.as_ref().expect("connected");
+        let Some((c, ns)) = connected(&mut conn, &socket).await else { continue };
         let key = keys[rng.below(keys.len() as u64) as usize];
         // A sequence is never reused, even when its put failed (it may
         // still have been stored).
