@@ -9,7 +9,9 @@
 //! writer overwriting its share of mutable keys with content derived from
 //! (key, sequence), and readers pinning random batches and checking every
 //! byte. A seeded nemesis: one daemon cut off (its link down: from the
-//! others and from etcd), a daemon paused (SIGSTOP), killed (SIGKILL) and
+//! others and from etcd), a split (a minority or a majority of the daemons,
+//! with or without etcd, apart from the rest), a daemon paused (SIGSTOP),
+//! killed (SIGKILL) and
 //! restarted, drained (SIGTERM) and restarted, etcd paused. The checker:
 //! wrong bytes, stale reads (a read that started after a put of a later
 //! sequence was acknowledged returned an older one: a lost acknowledged
@@ -107,8 +109,12 @@ impl Net {
         let net = self;
         let hub = net.hub();
         sh(&["ip", "netns", "add", &hub])?;
-        sh(&["ip", "-n", &hub, "link", "add", "br0", "type", "bridge"])?;
-        sh(&["ip", "-n", &hub, "link", "set", "br0", "up"])?;
+        // Two bridges: every link is on br0; a split moves some to br1
+        // (each side still reaches its own members, not the other side).
+        for br in ["br0", "br1"] {
+            sh(&["ip", "-n", &hub, "link", "add", br, "type", "bridge"])?;
+            sh(&["ip", "-n", &hub, "link", "set", br, "up"])?;
+        }
         for i in 0..=self.nodes {
             let ns = net.ns(i);
             sh(&["ip", "netns", "add", &ns])?;
@@ -127,6 +133,11 @@ impl Net {
     /// joins it again.
     fn link(&self, i: u32, up: bool) -> Result<(), String> {
         sh(&["ip", "-n", &self.hub(), "link", "set", &Net::hub_link(i), if up { "up" } else { "down" }])
+    }
+
+    /// Puts node `i` (0: etcd) on the other side of a split, or back.
+    fn side(&self, i: u32, other: bool) -> Result<(), String> {
+        sh(&["ip", "-n", &self.hub(), "link", "set", &Net::hub_link(i), "master", if other { "br1" } else { "br0" }])
     }
 }
 
@@ -582,13 +593,41 @@ async fn run(a: Args) -> Result<bool, String> {
         let hold = Duration::from_millis(rng.range(50, 3000));
         sh.faulty.store(true, Ordering::Relaxed);
         match rng.below(10) {
-            0..=2 => {
+            0..=1 => {
                 sh.event(format!("partition: daemon {id} cut off for {hold:?}"));
                 cl.net.link(id, false)?;
                 tokio::time::sleep(hold).await;
                 cl.net.link(id, true)?;
                 sh.event(format!("partition of daemon {id} healed"));
                 *faults.entry("partitions").or_default() += 1;
+            }
+            2 => {
+                // A split: a group of daemons (a minority or a majority),
+                // with or without etcd, on the other side.
+                let size = rng.range(1, a.daemons as u64 - 1);
+                let mut group: Vec<u32> = (1..=a.daemons).collect();
+                for i in (1..group.len()).rev() {
+                    group.swap(i, rng.below(i as u64 + 1) as usize);
+                }
+                group.truncate(size as usize);
+                group.sort_unstable();
+                let with_etcd = rng.chance(0.5);
+                sh.event(format!(
+                    "split: daemons {group:?}{} apart from the rest for {hold:?}",
+                    if with_etcd { " and etcd" } else { "" }
+                ));
+                for &i in &group {
+                    cl.net.side(i, true)?;
+                }
+                if with_etcd {
+                    cl.net.side(0, true)?;
+                }
+                tokio::time::sleep(hold).await;
+                for i in group.iter().copied().chain(with_etcd.then_some(0)) {
+                    cl.net.side(i, false)?;
+                }
+                sh.event("split healed".to_string());
+                *faults.entry("splits").or_default() += 1;
             }
             3..=4 => {
                 sh.event(format!("pause: daemon {id} SIGSTOP for {hold:?}"));
@@ -632,9 +671,12 @@ async fn run(a: Args) -> Result<bool, String> {
     }
     // Heal: every daemon up and serving, then check every key everywhere.
     sh.event("healing: every link up, every process running".to_string());
-    for id in 1..=a.daemons {
+    for id in 0..=a.daemons {
+        cl.net.side(id, false)?;
         cl.net.link(id, true)?;
-        cl.daemons[id as usize - 1].signal("CONT");
+        if id > 0 {
+            cl.daemons[id as usize - 1].signal("CONT");
+        }
     }
     cl.etcd.signal("CONT");
     let healed = wait_serving(&sockets, a.daemons, Duration::from_secs(60)).await;
