@@ -4,7 +4,8 @@ N chunks into NumPy tensors in vLLM's NHD layout through
 each pinned block into the engine's pages, the release) against the Python
 client's raw pin + one copy of each block into a buffer (the same bytes
 read from the pool once), in interleaved rounds on one daemon this script
-starts. The engine's bytes are checked after every connector load.
+starts. The first and last loaded blocks are compared with the saved ones
+every round.
 
     python python/bench_connector.py [KVMESHD] [--blocks N] [--rounds R] [--iters I]
 

@@ -114,8 +114,9 @@ struct Waiter {
 }
 
 /// This daemon's way to one peer: the open coherence stream's queue when
-/// there is one, else the relay the link task forwards from once the
-/// stream is up.
+/// there is one, else the relay, whose frames the link task moves into the
+/// next stream when it opens (nothing enters the relay while a stream is
+/// published).
 struct Link {
     relay: mpsc::Sender<pb::Frame>,
     stream: Mutex<Option<mpsc::Sender<pb::Frame>>>,
@@ -1005,6 +1006,9 @@ impl Cluster {
             while let Ok(f) = rx.try_recv() {
                 if tx.try_send(f).is_err() {
                     self.counters.queue_drops.fetch_add(1, Ordering::Relaxed);
+                    if let Some(l) = self.link_stats.get(&entry.id) {
+                        l.queue_drops.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
             }
             *stream = Some(tx.clone());

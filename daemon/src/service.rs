@@ -175,7 +175,14 @@ impl pb::engine_server::Engine for EngineService {
         let present: Vec<bool> = found.iter().map(|f| f.is_some()).collect();
         let prefix_len = present.iter().take_while(|&&p| p).count() as u32;
         let node = found.iter().map(|f| f.unwrap_or(0)).collect();
-        self.store.lock().count_lookup(&present);
+        {
+            // This daemon's hit counters count what it holds, not what the
+            // cluster does (`kvmesh_hits_total`, the hit ratio of `top`).
+            let mut st = self.store.lock();
+            let me = st.config().node.id;
+            let here: Vec<bool> = found.iter().map(|f| *f == Some(me)).collect();
+            st.count_lookup(&here);
+        }
         Ok(Response::new(pb::LookupResponse { present, prefix_len, node, cluster_wide: true, complete }))
     }
 

@@ -412,8 +412,12 @@ fn ops_json(hists: &[Histogram<u64>]) -> serde_json::Value {
 /// cluster); prints tables on stderr; returns the JSON summary (with
 /// several policies, one summary per policy and their local hit shares).
 pub(crate) fn run(requests: Vec<Request>, o: &ReplayOpts, skipped_lines: usize) -> anyhow::Result<serde_json::Value> {
-    let mut policies = o.policy.clone();
-    policies.dedup();
+    let mut policies: Vec<Policy> = Vec::new();
+    for &p in &o.policy {
+        if !policies.contains(&p) {
+            policies.push(p);
+        }
+    }
     match policies.as_slice() {
         [] => bail!("--policy: give at least one"),
         [p] => return run_policy(requests, o, *p, &o.out, skipped_lines),

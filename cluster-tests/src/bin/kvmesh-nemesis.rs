@@ -158,7 +158,11 @@ struct Proc {
 impl Proc {
     fn spawn(ns: &str, argv: &[String], log: &Path, env: &[(String, String)]) -> Result<Proc, String> {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(log).map_err(|e| e.to_string())?;
+        use std::os::unix::process::CommandExt;
+        // A process group of its own: Ctrl-C at the terminal reaches the
+        // nemesis only (which heals, checks and removes), not the daemons.
         let child = Command::new("ip")
+            .process_group(0)
             .args(["netns", "exec", ns])
             .args(argv)
             .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
@@ -484,7 +488,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-/// The effective uid, from /proc (no unsafe code in this crate).
+/// The effective uid, read from /proc (no libc call in this crate).
 fn effective_uid() -> u32 {
     std::fs::read_to_string("/proc/self/status")
         .ok()

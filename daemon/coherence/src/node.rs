@@ -262,7 +262,8 @@ pub enum Trace {
         version: u64,
     },
     /// This home registered `holder` as holding `version` of `key` (a
-    /// completed put, an accepted fetch registration, an announce).
+    /// completed put, an accepted fetch registration; announces re-register
+    /// copies their holder already held and are not traced).
     Registered {
         /// Block.
         key: BlockKey,

@@ -515,8 +515,16 @@ impl PyEvents {
                 Ok(None)
             }
             Waited::Closed => Err(error(py, "DaemonUnavailable", "the event stream was closed".into())),
-            Waited::Batch(None) => Err(error(py, "DaemonUnavailable", "the event stream ended".into())),
-            Waited::Status(status) => Err(client_error(py, ClientError::Rpc(status))),
+            // An ended stream stays ended: later calls say so (not "another
+            // thread is waiting").
+            Waited::Batch(None) => {
+                self.closed.store(true, Ordering::SeqCst);
+                Err(error(py, "DaemonUnavailable", "the event stream ended".into()))
+            }
+            Waited::Status(status) => {
+                self.closed.store(true, Ordering::SeqCst);
+                Err(client_error(py, ClientError::Rpc(status)))
+            }
             Waited::Batch(Some(b)) => {
                 if !self.closed.load(Ordering::SeqCst) {
                     *lock(&self.stream) = Some(stream);

@@ -138,6 +138,8 @@ class KvmeshStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         block = batch[i]
         if not isinstance(block, memoryview):
             return False
+        if sum(int(size) for _, size in parts) > len(block):
+            return False  # the page is larger than a block: never copy past it
         src = _address(block)
         off = 0
         for ptr, size in parts:
@@ -149,6 +151,8 @@ class KvmeshStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         block = alloc[i]
         if not isinstance(block, memoryview):
             return
+        if sum(int(size) for _, size in parts) > len(block):
+            raise ValueError(f"a page of {sum(int(s) for _, s in parts)} bytes does not fit a {len(block)}-byte block")
         dst = _address(block)
         off = 0
         for ptr, size in parts:

@@ -89,11 +89,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._ns = None
         self._load_errors: Set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
-            # The scheduler knows the layout only from the attention backend:
-            # FlashAttention (NHD) unless told.
-            self._layout = "mla" if self._use_mla else str(extra.get("layout", "nhd"))
+            # The namespace does not name the layout (blocks are packed the
+            # same for every layout): the scheduler needs none.
+            self._layout = "mla" if self._use_mla else "nhd"
             scheme = self._scheme(self._layout, rank=0)
-            self._planner = Planner(self._client, scheme, self._namespace(scheme, extra))
+            self._planner = Planner(self._client, scheme, self._namespace(scheme))
 
     # ----- helpers -----
 
@@ -102,7 +102,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             self._model, self._dtype, layout, self._block_tokens, self._chunk_blocks, rank, self._tp[1], mla=self._use_mla
         )
 
-    def _namespace(self, scheme: KeyScheme, extra: Dict[str, Any]) -> Any:
+    def _namespace(self, scheme: KeyScheme) -> Any:
         try:
             return self._client.namespace(scheme.namespace)
         except kvmesh.errors.NotFound:
@@ -127,7 +127,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         p = self._planner
         assert p is not None
         if p.ns is None:
-            p.ns = self._namespace(p.scheme, {})
+            p.ns = self._namespace(p.scheme)
         return p.matched_tokens(request.all_token_ids, num_computed_tokens, self._salt(request)), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
