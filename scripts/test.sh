@@ -117,7 +117,7 @@ cargo run --locked -q -p kvmesh-bench -- lookup --daemons 3 --fill 2000 --batch 
 echo "== nemesis: 3 daemons and etcd in network namespaces, 30 s of partitions, pauses, kills, drains; then with a planted bug" >&2
 cargo build --locked -q -p kvmesh-cluster-tests --bin kvmesh-nemesis
 rc=0
-out=$(target/debug/kvmesh-nemesis --kvmeshd target/debug/kvmeshd --daemons 3 --minutes 0.5 --seed 1 | tail -1) || rc=$?
+out=$(target/debug/kvmesh-nemesis --kvmeshd target/debug/kvmeshd --daemons 3 --minutes 1 --seed 1 | tail -1) || rc=$?
 echo "$out" | cut -c1-300 >&2
 if [[ $rc -eq 77 ]]; then
     skipped "nemesis: $out"

@@ -7,18 +7,20 @@
 //! removes). UCX over tcp between the daemons, etcd membership. Engines
 //! (tasks of this process, on the daemons' Unix sockets): per daemon a
 //! writer overwriting its share of mutable keys with content derived from
-//! (key, sequence), and readers pinning random batches and checking every
-//! byte. A seeded nemesis: one daemon cut off (its link down: from the
-//! others and from etcd), a split (a minority or a majority of the daemons,
-//! with or without etcd, apart from the rest), a daemon paused (SIGSTOP),
-//! killed (SIGKILL) and
-//! restarted, drained (SIGTERM) and restarted, etcd paused. The checker:
-//! wrong bytes, stale reads (a read that started after a put of a later
-//! sequence was acknowledged returned an older one: a lost acknowledged
-//! put), availability (reads that got data) during faults and quiet
-//! periods; the first offending operations with the nemesis events around
-//! them. Last line: JSON. Exit 0 clean, 1 violations, 77 cannot run here
-//! (not root, no `ip` or `etcd`).
+//! (key, sequence) and putting immutable prefix blocks when absent, readers
+//! pinning random batches and checking every byte, and now and then an
+//! invalidation of the whole namespace. Every operation is recorded with
+//! its start and end ([`kvmesh_cluster_tests::history`]). A seeded
+//! nemesis: one daemon cut off (its link down), a split (a minority or a
+//! majority of the daemons, with or without etcd), a flapping link, a
+//! daemon paused (SIGSTOP), killed (SIGKILL) and restarted, drained
+//! (SIGTERM) and restarted, etcd paused, a daemon's pool filled past its
+//! size (evictions). After the run, every daemon is healed and every key
+//! read everywhere; then the checker judges the whole history: wrong
+//! bytes, stale reads, lost acknowledged puts, availability per kind of
+//! fault; the first offending operations are printed with the nemesis
+//! events around them. Last line: JSON. Exit 0 clean, 1 violations, 77
+//! cannot run here (not root, no `ip` or `etcd`).
 //!
 //!     kvmesh-nemesis --kvmeshd target/release/kvmeshd --minutes 10 --seed 1
 #![forbid(unsafe_code)]
@@ -33,10 +35,14 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use kvmesh_client::{Allocation, Client, CommitOutcome, Key, Namespace};
 use kvmesh_cluster_tests::blocks::{BLOCK, check, content};
+use kvmesh_cluster_tests::history::{self, Fault, History, Invalidation, Outcome, Put, Read, Us};
 use kvmesh_cluster_tests::sim::Rng;
 use parking_lot::Mutex;
 
 const SUBNET: &str = "10.213.0";
+/// Blocks a pool-pressure fault puts: a third more than a daemon's pool
+/// (32 MiB of 4 KiB slots) holds.
+const PRESSURE_BLOCKS: usize = 11_000;
 
 #[derive(Parser, Debug, Clone)]
 struct Args {
@@ -55,6 +61,12 @@ struct Args {
     /// Mutable keys (each overwritten again and again).
     #[arg(long, default_value_t = 256)]
     keys: usize,
+    /// Immutable prefix keys (put if absent, always the same content).
+    #[arg(long, default_value_t = 128)]
+    prefix_keys: usize,
+    /// No namespace invalidations in the workload.
+    #[arg(long)]
+    no_invalidations: bool,
     /// Readers per daemon.
     #[arg(long, default_value_t = 2)]
     readers: usize,
@@ -216,61 +228,27 @@ fn rss_mib(pid: u32) -> Option<f64> {
     Some(kib / 1024.0)
 }
 
-#[derive(Default)]
-struct Tally {
-    reads: AtomicU64,
-    hits: AtomicU64,
-    misses: AtomicU64,
-    errors: AtomicU64,
-    wrong: AtomicU64,
-    stale: AtomicU64,
-    writes: AtomicU64,
-    write_failures: AtomicU64,
-}
-
-/// One offending operation, with when it started and ended (ms since the
-/// start of the run).
-struct Offence {
-    what: String,
-    start_ms: u64,
-    end_ms: u64,
-}
-
+/// What the tasks of a run share.
 struct Shared {
     t0: Instant,
+    /// The mutable keys, then the immutable prefix keys.
     keys: Vec<Key>,
-    /// Highest sequence of each key whose commit was acknowledged.
-    acked: HashMap<Key, AtomicU64>,
+    /// How many of `keys` are mutable.
+    mutable: usize,
     stop: AtomicBool,
-    tally: Tally,
-    offences: Mutex<Vec<Offence>>,
-    /// A fault is in effect (reads counted per period).
-    faulty: AtomicBool,
-    reads_fault: AtomicU64,
-    hits_fault: AtomicU64,
-    reads_quiet: AtomicU64,
-    hits_quiet: AtomicU64,
-    /// Nemesis events: (ms since start, text).
-    events: Mutex<Vec<(u64, String)>>,
-    /// Pin call latencies (µs) of reads that answered, per minute of the run.
-    latency_us: Mutex<Vec<Vec<u32>>>,
+    /// Nemesis events: (µs since start, text).
+    events: Mutex<Vec<(Us, String)>>,
 }
 
 impl Shared {
-    fn ms(&self) -> u64 {
-        self.t0.elapsed().as_millis() as u64
-    }
-    fn offend(&self, counter: &AtomicU64, what: String, start_ms: u64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-        let mut o = self.offences.lock();
-        if o.len() < 20 {
-            o.push(Offence { what, start_ms, end_ms: self.ms() });
-        }
+    /// Microseconds since the start of the run.
+    fn us(&self) -> Us {
+        self.t0.elapsed().as_micros().min(Us::MAX as u128) as Us
     }
     fn event(&self, what: String) {
-        let ms = self.ms();
-        eprintln!("nemesis {:>8.3} s: {what}", ms as f64 / 1e3);
-        self.events.lock().push((ms, what));
+        let us = self.us();
+        eprintln!("nemesis {:>8.3} s: {what}", us as f64 / 1e6);
+        self.events.lock().push((us, what));
     }
 }
 
@@ -295,98 +273,173 @@ async fn connected<'a>(conn: &'a mut Option<(Client, Namespace)>, socket: &Path)
     conn.as_ref()
 }
 
-async fn reader(socket: PathBuf, sh: Arc<Shared>, seed: u64) {
-    let mut rng = Rng::new(seed);
-    let mut conn: Option<(Client, Namespace)> = None;
-    while !sh.stop.load(Ordering::Relaxed) {
-        let Some((c, ns)) = connected(&mut conn, &socket).await else { continue };
-        let keys: Vec<Key> = (0..8).map(|_| sh.keys[rng.below(sh.keys.len() as u64) as usize]).collect();
-        // What had been acknowledged before this read started.
-        let floors: Vec<u64> = keys.iter().map(|k| sh.acked[k].load(Ordering::SeqCst)).collect();
-        let start = sh.ms();
-        let faulty = sh.faulty.load(Ordering::Relaxed);
-        let t = Instant::now();
+/// What a reader saw: every key of every read, and why the wrong ones
+/// were wrong (by index into the reads).
+#[derive(Default)]
+struct Seen {
+    reads: Vec<Read>,
+    wrong: Vec<(usize, String)>,
+}
+
+impl Seen {
+    /// Pins `idx` (indices into the run's keys) on `node` and records what
+    /// came back; `false` when the call failed.
+    async fn read(&mut self, sh: &Shared, node: u16, c: &Client, ns: &Namespace, idx: &[u32]) -> bool {
+        let keys: Vec<Key> = idx.iter().map(|&i| sh.keys[i as usize]).collect();
+        let start = sh.us();
         let res = tokio::time::timeout(Duration::from_secs(5), c.pin(ns, &keys)).await;
-        if matches!(res, Ok(Ok(_))) {
-            let us = t.elapsed().as_micros().min(u32::MAX as u128) as u32;
-            let minute = (start / 60_000) as usize;
-            let mut l = sh.latency_us.lock();
-            if l.len() <= minute {
-                l.resize_with(minute + 1, Vec::new);
-            }
-            l[minute].push(us);
-        }
-        let (reads, hits) = if faulty { (&sh.reads_fault, &sh.hits_fault) } else { (&sh.reads_quiet, &sh.hits_quiet) };
+        let end = sh.us();
         match res {
             Ok(Ok(blocks)) => {
-                for ((b, k), floor) in blocks.iter().zip(&keys).zip(&floors) {
-                    sh.tally.reads.fetch_add(1, Ordering::Relaxed);
-                    reads.fetch_add(1, Ordering::Relaxed);
-                    let Some(b) = b else {
-                        sh.tally.misses.fetch_add(1, Ordering::Relaxed);
-                        continue;
+                for ((b, k), &i) in blocks.iter().zip(&keys).zip(idx) {
+                    let outcome = match b {
+                        None => Outcome::Miss,
+                        Some(b) => match check(*k, &b[..]) {
+                            Ok(seq) if seq < u64::from(u32::MAX - 2) => Outcome::Hit(seq as u32),
+                            Ok(seq) => {
+                                self.wrong.push((self.reads.len(), format!("{k}: sequence {seq} out of range")));
+                                Outcome::Wrong
+                            }
+                            Err(e) => {
+                                self.wrong.push((self.reads.len(), e));
+                                Outcome::Wrong
+                            }
+                        },
                     };
-                    sh.tally.hits.fetch_add(1, Ordering::Relaxed);
-                    hits.fetch_add(1, Ordering::Relaxed);
-                    match check(*k, &b[..]) {
-                        Err(e) => {
-                            sh.offend(&sh.tally.wrong, format!("wrong bytes from {}: {e}", socket.display()), start)
-                        }
-                        Ok(seq) if seq < *floor => sh.offend(
-                            &sh.tally.stale,
-                            format!(
-                                "stale read from {}: {k} sequence {seq}, {floor} was acknowledged before",
-                                socket.display()
-                            ),
-                            start,
-                        ),
-                        Ok(_) => {}
-                    }
+                    self.reads.push(Read::new(node, i, start, end, outcome));
                 }
+                true
             }
             _ => {
-                sh.tally.errors.fetch_add(1, Ordering::Relaxed);
-                reads.fetch_add(keys.len() as u64, Ordering::Relaxed);
-                conn = None;
-                tokio::time::sleep(Duration::from_millis(20)).await;
+                for &i in idx {
+                    self.reads.push(Read::new(node, i, start, end, Outcome::Error));
+                }
+                false
             }
         }
     }
 }
 
-async fn writer(socket: PathBuf, sh: Arc<Shared>, keys: Vec<Key>, seed: u64) {
+async fn reader(node: u16, socket: PathBuf, sh: Arc<Shared>, seed: u64) -> Seen {
     let mut rng = Rng::new(seed);
-    let mut seqs: HashMap<Key, u64> = keys.iter().map(|k| (*k, 0)).collect();
     let mut conn: Option<(Client, Namespace)> = None;
+    let mut seen = Seen::default();
     while !sh.stop.load(Ordering::Relaxed) {
         let Some((c, ns)) = connected(&mut conn, &socket).await else { continue };
-        let key = keys[rng.below(keys.len() as u64) as usize];
-        // A sequence is never reused, even when its put failed (it may
-        // still have been stored).
-        let seq = seqs[&key] + 1;
-        seqs.insert(key, seq);
+        let idx: Vec<u32> = (0..8).map(|_| rng.below(sh.keys.len() as u64) as u32).collect();
+        if !seen.read(&sh, node, c, ns, &idx).await {
+            conn = None;
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    seen
+}
+
+/// Overwrites `mine` (indices of mutable keys) with ever higher sequences,
+/// and now and then puts an immutable prefix block if it is absent.
+async fn writer(node: u16, socket: PathBuf, sh: Arc<Shared>, mine: Vec<u32>, seed: u64) -> Vec<Put> {
+    let mut rng = Rng::new(seed);
+    let mut seqs: HashMap<u32, u32> = mine.iter().map(|k| (*k, 0)).collect();
+    let mut conn: Option<(Client, Namespace)> = None;
+    let mut puts = Vec::new();
+    let prefix = sh.keys.len() - sh.mutable;
+    while !sh.stop.load(Ordering::Relaxed) {
+        let Some((c, ns)) = connected(&mut conn, &socket).await else { continue };
+        // A fifth of the puts: an immutable block (sequence 0), put only if
+        // absent.
+        let (i, seq, overwrite) = if prefix > 0 && rng.chance(0.2) {
+            ((sh.mutable + rng.below(prefix as u64) as usize) as u32, 0, false)
+        } else {
+            let i = mine[rng.below(mine.len() as u64) as usize];
+            // A sequence is never reused, even when its put failed (it may
+            // still have been stored).
+            let seq = seqs[&i] + 1;
+            seqs.insert(i, seq);
+            (i, seq, true)
+        };
+        let key = sh.keys[i as usize];
+        let start = sh.us();
+        let mut wrote = false;
         let put = async {
-            let a = c.allocate_overwrite(ns, &[key]).await.ok()?;
-            let Some(Allocation::Allocated(mut w)) = a.into_iter().next() else { return Some(false) };
-            w.copy_from_slice(&content(key, seq));
+            let a = if overwrite { c.allocate_overwrite(ns, &[key]).await } else { c.allocate(ns, &[key]).await };
+            let Some(Allocation::Allocated(mut w)) = a.ok()?.into_iter().next() else { return Some(false) };
+            w.copy_from_slice(&content(key, u64::from(seq)));
+            wrote = true;
             let o = c.commit(vec![w]).await.ok()?;
             Some(matches!(o[0], CommitOutcome::Committed { .. }))
         };
-        match tokio::time::timeout(Duration::from_secs(5), put).await {
-            Ok(Some(true)) => {
-                sh.tally.writes.fetch_add(1, Ordering::Relaxed);
-                sh.acked[&key].fetch_max(seq, Ordering::SeqCst);
-            }
-            Ok(Some(false)) => {
-                sh.tally.write_failures.fetch_add(1, Ordering::Relaxed);
-            }
-            _ => {
-                sh.tally.write_failures.fetch_add(1, Ordering::Relaxed);
-                conn = None;
-            }
+        let res = tokio::time::timeout(Duration::from_secs(5), put).await;
+        let end = sh.us();
+        // Only bytes this writer wrote can ever be read: a put that never
+        // got its slot is not one.
+        if wrote {
+            let acked = matches!(res, Ok(Some(true))).then_some(end);
+            puts.push(Put { node, key: i, seq, start, acked });
+        }
+        if !matches!(res, Ok(Some(_))) {
+            conn = None;
         }
         tokio::time::sleep(Duration::from_millis(rng.range(0, 4))).await;
     }
+    puts
+}
+
+/// Invalidates the whole namespace on a random daemon every 5–20 s.
+async fn invalidator(sockets: Vec<PathBuf>, sh: Arc<Shared>, seed: u64) -> Vec<Invalidation> {
+    let mut rng = Rng::new(seed);
+    let mut out = Vec::new();
+    loop {
+        let wait = Instant::now() + Duration::from_millis(rng.range(5_000, 20_000));
+        while Instant::now() < wait {
+            if sh.stop.load(Ordering::Relaxed) {
+                return out;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let node = rng.range(1, sockets.len() as u64) as u16;
+        let Some((c, ns)) = connect(&sockets[node as usize - 1]).await else { continue };
+        let start = sh.us();
+        let res = tokio::time::timeout(Duration::from_secs(10), c.invalidate_namespace(&ns)).await;
+        let end = sh.us();
+        let acked = match &res {
+            Ok(Ok(s)) if s.failed == 0 => Some(end),
+            _ => None,
+        };
+        sh.event(match &res {
+            Ok(Ok(s)) => format!(
+                "namespace invalidated on daemon {node}: {} keys, {} failed{}",
+                s.invalidated,
+                s.failed,
+                if s.failed > 0 { format!(" ({})", s.first_error) } else { String::new() }
+            ),
+            Ok(Err(e)) => format!("namespace invalidation on daemon {node} refused: {e}"),
+            Err(_) => format!("namespace invalidation on daemon {node} timed out"),
+        });
+        out.push(Invalidation { node, start, acked });
+    }
+}
+
+/// Fills daemon `socket`'s pool past its size with blocks of another
+/// namespace (fresh keys each time): its copies are evicted. Returns the
+/// evictions the daemon counted meanwhile.
+async fn pressure(socket: &Path, blocks: usize, rng: &mut Rng) -> Result<u64, String> {
+    let c = tokio::time::timeout(Duration::from_secs(2), Client::connect(socket))
+        .await
+        .map_err(|_| "connect timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    let before = c.stats().await.map_err(|e| e.to_string())?.evictions;
+    let ns = c.register_namespace("filler", BLOCK as u64, "t").await.map_err(|e| e.to_string())?;
+    let zeros = vec![0u8; BLOCK];
+    for _ in 0..blocks.div_ceil(256) {
+        let keys: Vec<Key> = (0..256).map(|_| Key(((rng.next_u64() as u128) << 64) | rng.next_u64() as u128)).collect();
+        let batch: Vec<(Key, &[u8])> = keys.iter().map(|k| (*k, &zeros[..])).collect();
+        tokio::time::timeout(Duration::from_secs(10), c.put(&ns, &batch))
+            .await
+            .map_err(|_| "put timed out".to_string())?
+            .map_err(|e| e.to_string())?;
+    }
+    let after = c.stats().await.map_err(|e| e.to_string())?.evictions;
+    Ok(after.saturating_sub(before))
 }
 
 struct Cluster {
@@ -500,6 +553,12 @@ async fn run(a: Args) -> Result<bool, String> {
     if a.daemons < 2 || a.daemons > 16 {
         return Err("--daemons: 2 to 16".into());
     }
+    if !(a.minutes > 0.0 && a.minutes <= 60.0) {
+        return Err("--minutes: more than 0, at most 60 (the history counts microseconds in 32 bits)".into());
+    }
+    if a.keys < a.daemons as usize || a.keys + a.prefix_keys > 1 << 20 {
+        return Err("--keys: at least one per daemon; --keys + --prefix-keys at most 1,048,576".into());
+    }
     let tag = format!("{:x}", std::process::id() % 0xfff);
     let dir = std::env::temp_dir().join(format!("kvmesh-nemesis-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -547,31 +606,28 @@ async fn run(a: Args) -> Result<bool, String> {
     eprintln!("nemesis: cluster up; workload and faults for {} minutes", a.minutes);
 
     let mut rng = Rng::new(a.seed);
-    let keys: Vec<Key> = (0..a.keys).map(|_| Key(((rng.next_u64() as u128) << 64) | rng.next_u64() as u128)).collect();
+    let keys: Vec<Key> =
+        (0..a.keys + a.prefix_keys).map(|_| Key(((rng.next_u64() as u128) << 64) | rng.next_u64() as u128)).collect();
     let sh = Arc::new(Shared {
         t0: Instant::now(),
-        acked: keys.iter().map(|k| (*k, AtomicU64::new(0))).collect(),
         keys: keys.clone(),
+        mutable: a.keys,
         stop: AtomicBool::new(false),
-        tally: Tally::default(),
-        offences: Mutex::new(Vec::new()),
-        faulty: AtomicBool::new(false),
-        reads_fault: AtomicU64::new(0),
-        hits_fault: AtomicU64::new(0),
-        reads_quiet: AtomicU64::new(0),
-        hits_quiet: AtomicU64::new(0),
         events: Mutex::new(Vec::new()),
-        latency_us: Mutex::new(Vec::new()),
     });
-    let mut tasks = Vec::new();
+    let mut readers = Vec::new();
+    let mut writers = Vec::new();
     let n = a.daemons as usize;
     for (i, s) in sockets.iter().enumerate() {
-        let mine: Vec<Key> = keys.iter().copied().skip(i).step_by(n).collect();
-        tasks.push(tokio::spawn(writer(s.clone(), Arc::clone(&sh), mine, a.seed * 1000 + i as u64)));
+        let node = i as u16 + 1;
+        let mine: Vec<u32> = (0..a.keys as u32).skip(i).step_by(n).collect();
+        writers.push(tokio::spawn(writer(node, s.clone(), Arc::clone(&sh), mine, a.seed * 1000 + i as u64)));
         for r in 0..a.readers {
-            tasks.push(tokio::spawn(reader(s.clone(), Arc::clone(&sh), a.seed * 1000 + 100 + (i * 10 + r) as u64)));
+            readers.push(tokio::spawn(reader(node, s.clone(), Arc::clone(&sh), a.seed * 1000 + 100 + (i * 10 + r) as u64)));
         }
     }
+    let invalidations = (!a.no_invalidations)
+        .then(|| tokio::spawn(invalidator(sockets.clone(), Arc::clone(&sh), a.seed * 1000 + 999)));
 
     // The nemesis. Ctrl-C ends it early (the cluster is healed, checked and
     // removed as at the end).
@@ -585,7 +641,9 @@ async fn run(a: Args) -> Result<bool, String> {
         });
     }
     let end = Instant::now() + Duration::from_secs_f64(a.minutes * 60.0);
-    let mut faults: HashMap<&'static str, u64> = HashMap::new();
+    let mut counts: HashMap<&'static str, u64> = HashMap::new();
+    let mut faults: Vec<Fault> = Vec::new();
+    let mut evictions = 0u64;
     let mut rss_min2: Option<Vec<f64>> = None;
     while Instant::now() < end && !interrupted.load(Ordering::SeqCst) {
         let gap = rng.range(500, (a.fault_every_s * 2000.0) as u64);
@@ -595,17 +653,18 @@ async fn run(a: Args) -> Result<bool, String> {
         }
         let id = rng.range(1, a.daemons as u64) as u32;
         let hold = Duration::from_millis(rng.range(50, 3000));
-        sh.faulty.store(true, Ordering::Relaxed);
-        match rng.below(10) {
-            0..=1 => {
+        let start = sh.us();
+        let kind: &'static str = match rng.below(20) {
+            0..=3 => {
                 sh.event(format!("partition: daemon {id} cut off for {hold:?}"));
                 cl.net.link(id, false)?;
                 tokio::time::sleep(hold).await;
                 cl.net.link(id, true)?;
                 sh.event(format!("partition of daemon {id} healed"));
-                *faults.entry("partitions").or_default() += 1;
+                *counts.entry("partitions").or_default() += 1;
+                "cut-off"
             }
-            2 => {
+            4..=5 => {
                 // A split: a group of daemons (a minority or a majority),
                 // with or without etcd, on the other side.
                 let size = rng.range(1, a.daemons as u64 - 1);
@@ -631,26 +690,44 @@ async fn run(a: Args) -> Result<bool, String> {
                     cl.net.side(i, false)?;
                 }
                 sh.event("split healed".to_string());
-                *faults.entry("splits").or_default() += 1;
+                *counts.entry("partitions").or_default() += 1;
+                "split"
             }
-            3..=4 => {
+            6..=7 => {
+                // A flapping link: down and up again 3 to 12 times, each
+                // state 20–300 ms.
+                let flips = rng.range(3, 12);
+                sh.event(format!("flapping: daemon {id}'s link down and up {flips} times"));
+                for _ in 0..flips {
+                    cl.net.link(id, false)?;
+                    tokio::time::sleep(Duration::from_millis(rng.range(20, 300))).await;
+                    cl.net.link(id, true)?;
+                    tokio::time::sleep(Duration::from_millis(rng.range(20, 300))).await;
+                }
+                sh.event(format!("daemon {id}'s link steady again"));
+                *counts.entry("partitions").or_default() += 1;
+                "flapping"
+            }
+            8..=10 => {
                 sh.event(format!("pause: daemon {id} SIGSTOP for {hold:?}"));
                 cl.daemons[id as usize - 1].signal("STOP");
                 tokio::time::sleep(hold).await;
                 cl.daemons[id as usize - 1].signal("CONT");
                 sh.event(format!("daemon {id} SIGCONT"));
-                *faults.entry("pauses").or_default() += 1;
+                *counts.entry("pauses").or_default() += 1;
+                "pause"
             }
-            5..=6 => {
+            11..=13 => {
                 sh.event(format!("kill: daemon {id} SIGKILL, restart after {hold:?}"));
                 cl.daemons[id as usize - 1].kill();
                 tokio::time::sleep(hold).await;
                 cl.start_daemon(id)?;
                 sh.event(format!("daemon {id} restarted"));
-                *faults.entry("kills").or_default() += 1;
-                *faults.entry("restarts").or_default() += 1;
+                *counts.entry("kills").or_default() += 1;
+                *counts.entry("restarts").or_default() += 1;
+                "kill"
             }
-            7 => {
+            14..=15 => {
                 sh.event(format!("drain: daemon {id} SIGTERM"));
                 cl.daemons[id as usize - 1].signal("TERM");
                 if !cl.daemons[id as usize - 1].wait_exit(Duration::from_secs(15)) {
@@ -659,22 +736,38 @@ async fn run(a: Args) -> Result<bool, String> {
                 }
                 cl.start_daemon(id)?;
                 sh.event(format!("daemon {id} restarted after its drain"));
-                *faults.entry("drains").or_default() += 1;
-                *faults.entry("restarts").or_default() += 1;
+                *counts.entry("drains").or_default() += 1;
+                *counts.entry("restarts").or_default() += 1;
+                "drain"
             }
-            _ => {
+            16..=17 => {
                 sh.event(format!("pause: etcd SIGSTOP for {hold:?}"));
                 cl.etcd.signal("STOP");
                 tokio::time::sleep(hold).await;
                 cl.etcd.signal("CONT");
                 sh.event("etcd SIGCONT".to_string());
-                *faults.entry("etcd_pauses").or_default() += 1;
+                *counts.entry("etcd_pauses").or_default() += 1;
+                "etcd-pause"
             }
-        }
-        sh.faulty.store(false, Ordering::Relaxed);
+            _ => {
+                // Pool pressure: a third more blocks than the pool holds.
+                sh.event(format!("pressure: daemon {id}'s pool filled with {PRESSURE_BLOCKS} blocks of another namespace"));
+                match pressure(&sockets[id as usize - 1], PRESSURE_BLOCKS, &mut Rng::new(rng.next_u64())).await {
+                    Ok(e) => {
+                        evictions += e;
+                        sh.event(format!("pressure on daemon {id} over: {e} evictions"));
+                    }
+                    Err(e) => sh.event(format!("pressure on daemon {id} cut short: {e}")),
+                }
+                *counts.entry("pressure").or_default() += 1;
+                "pressure"
+            }
+        };
+        faults.push(Fault { kind: kind.to_string(), start, end: sh.us() });
     }
     // Heal: every daemon up and serving, then check every key everywhere.
     sh.event("healing: every link up, every process running".to_string());
+    let heal_start = sh.us();
     for id in 0..=a.daemons {
         cl.net.side(id, false)?;
         cl.net.link(id, true)?;
@@ -684,54 +777,45 @@ async fn run(a: Args) -> Result<bool, String> {
     }
     cl.etcd.signal("CONT");
     let healed = wait_serving(&sockets, a.daemons, Duration::from_secs(60)).await;
+    faults.push(Fault { kind: "healing".into(), start: heal_start, end: sh.us() });
     sh.stop.store(true, Ordering::SeqCst);
-    for t in tasks {
-        let _ = t.await;
+    let mut history = History { key_names: keys.iter().map(|k| k.to_string()).collect(), ..History::default() };
+    for t in writers {
+        history.puts.extend(t.await.map_err(|e| e.to_string())?);
+    }
+    let mut seen = Seen::default();
+    for t in readers {
+        let s = t.await.map_err(|e| e.to_string())?;
+        let base = seen.reads.len();
+        seen.wrong.extend(s.wrong.into_iter().map(|(i, w)| (base + i, w)));
+        seen.reads.extend(s.reads);
+    }
+    if let Some(t) = invalidations {
+        history.invalidations = t.await.map_err(|e| e.to_string())?;
     }
     let rss_end: Vec<f64> = cl.daemons.iter().filter_map(|p| p.pid()).filter_map(rss_mib).collect();
-    // Final reads: every key on every daemon, none older than acknowledged.
-    let mut final_reads = 0u64;
-    for s in &sockets {
+    // Final reads: every key on every daemon (the checker judges them with
+    // the rest).
+    let final_from = seen.reads.len();
+    let all: Vec<u32> = (0..keys.len() as u32).collect();
+    for (i, s) in sockets.iter().enumerate() {
         let Some((c, ns)) = connect(s).await else { continue };
-        for chunk in keys.chunks(64) {
-            let floors: Vec<u64> = chunk.iter().map(|k| sh.acked[k].load(Ordering::SeqCst)).collect();
-            let start = sh.ms();
-            if let Ok(Ok(blocks)) = tokio::time::timeout(Duration::from_secs(10), c.pin(&ns, chunk)).await {
-                for ((b, k), floor) in blocks.iter().zip(chunk).zip(&floors) {
-                    final_reads += 1;
-                    if let Some(b) = b {
-                        match check(*k, &b[..]) {
-                            Err(e) => sh.offend(&sh.tally.wrong, format!("final read: {e}"), start),
-                            Ok(seq) if seq < *floor => sh.offend(
-                                &sh.tally.stale,
-                                format!("final read from {}: {k} sequence {seq} < acknowledged {floor}", s.display()),
-                                start,
-                            ),
-                            Ok(_) => {}
-                        }
-                    }
-                }
-            }
+        for chunk in all.chunks(64) {
+            seen.read(&sh, i as u16 + 1, &c, &ns, chunk).await;
         }
     }
-    let t = &sh.tally;
-    let (wrong, stale) = (t.wrong.load(Ordering::Relaxed), t.stale.load(Ordering::Relaxed));
-    let offences = sh.offences.lock();
-    let events = sh.events.lock();
-    for o in offences.iter().take(5) {
-        eprintln!("OFFENCE {} (started {} ms, ended {} ms); nemesis around it:", o.what, o.start_ms, o.end_ms);
-        for (ms, e) in events.iter().filter(|(ms, _)| *ms + 5000 >= o.start_ms && *ms <= o.end_ms + 1000) {
-            eprintln!("    {:>8} ms  {e}", ms);
+    let final_reads = seen.reads.len() - final_from;
+    // Read (pin) latency P99 per minute of the run, of calls that answered
+    // (every key of a call has the call's start and end).
+    let mut by_minute: Vec<Vec<u32>> = Vec::new();
+    for r in seen.reads[..final_from].iter().filter(|r| r.outcome() != Outcome::Error) {
+        let m = (r.start / 60_000_000) as usize;
+        if by_minute.len() <= m {
+            by_minute.resize_with(m + 1, Vec::new);
         }
+        by_minute[m].push(r.end - r.start);
     }
-    let ratio = |h: &AtomicU64, r: &AtomicU64| {
-        let r = r.load(Ordering::Relaxed);
-        if r == 0 { serde_json::Value::Null } else { serde_json::json!(h.load(Ordering::Relaxed) as f64 / r as f64) }
-    };
-    let fault_count: u64 = faults.values().sum();
-    let p99_by_minute: Vec<f64> = sh
-        .latency_us
-        .lock()
+    let p99_by_minute: Vec<f64> = by_minute
         .iter_mut()
         .map(|v| {
             if v.is_empty() {
@@ -741,17 +825,42 @@ async fn run(a: Args) -> Result<bool, String> {
             v[(v.len() * 99 / 100).min(v.len() - 1)] as f64 / 1000.0
         })
         .collect();
+    history.reads = seen.reads;
+    history.wrong = seen.wrong.into_iter().collect();
+    history.faults = faults;
+    let rep = history::check(&history);
+
+    let events = sh.events.lock();
+    for o in rep.offences.iter().take(5) {
+        eprintln!(
+            "OFFENCE {} (started {:.6} s, ended {:.6} s); nemesis around it:",
+            o.what,
+            o.start as f64 / 1e6,
+            o.end as f64 / 1e6
+        );
+        for (us, e) in events.iter().filter(|(us, _)| *us + 5_000_000 >= o.start && *us <= o.end + 1_000_000) {
+            eprintln!("    {:>10.3} s  {e}", *us as f64 / 1e6);
+        }
+    }
+    let fault_count: u64 = counts.iter().filter(|(k, _)| **k != "restarts").map(|(_, v)| v).sum();
+    let availability: serde_json::Map<String, serde_json::Value> = rep
+        .availability
+        .iter()
+        .map(|(k, s)| (k.clone(), serde_json::json!({"share": s.share(), "reads": s.reads})))
+        .collect();
+    let acked = history.puts.iter().filter(|p| p.acked.is_some()).count();
     println!(
         "{}",
         serde_json::json!({
             "bench": "nemesis", "minutes": a.minutes, "seed": a.seed, "daemons": a.daemons,
-            "reads_verified": t.hits.load(Ordering::Relaxed), "reads": t.reads.load(Ordering::Relaxed),
-            "misses": t.misses.load(Ordering::Relaxed), "read_errors": t.errors.load(Ordering::Relaxed),
-            "puts_acknowledged": t.writes.load(Ordering::Relaxed), "put_failures": t.write_failures.load(Ordering::Relaxed),
+            "reads_verified": rep.hits, "reads": rep.reads, "misses": rep.misses, "read_errors": rep.errors,
+            "puts_acknowledged": acked, "puts_unacknowledged": history.puts.len() - acked,
+            "invalidations": history.invalidations.len(),
+            "invalidations_acknowledged": history.invalidations.iter().filter(|i| i.acked.is_some()).count(),
             "final_reads": final_reads,
-            "wrong_bytes": wrong, "stale_reads": stale, "lost_puts": stale,
-            "faults": faults, "faults_total": fault_count,
-            "availability": {"during_faults": ratio(&sh.hits_fault, &sh.reads_fault), "quiet": ratio(&sh.hits_quiet, &sh.reads_quiet)},
+            "wrong_bytes": rep.wrong_bytes, "stale_reads": rep.stale_reads, "lost_puts": rep.lost_puts,
+            "faults": counts, "faults_total": fault_count, "pressure_evictions": evictions,
+            "availability": availability,
             "healed": healed.is_ok(), "planted_bug": a.plant_bug,
             "rss_mib_start": rss_start, "rss_mib_minute2": rss_min2, "rss_mib_end": rss_end,
             "read_p99_ms_by_minute": p99_by_minute,
@@ -760,7 +869,7 @@ async fn run(a: Args) -> Result<bool, String> {
     if let Err(e) = &healed {
         eprintln!("nemesis: the cluster did not heal: {e}");
     }
-    let clean = wrong == 0 && stale == 0 && healed.is_ok();
+    let clean = rep.clean() && healed.is_ok();
     drop(cl); // processes and namespaces
     if clean {
         let _ = std::fs::remove_dir_all(&dir);
