@@ -1421,11 +1421,20 @@ impl Cluster {
     }
 
     /// Every key of a namespace known to any daemon of the cluster. Fails
-    /// when a member cannot be asked (its keys would be missed).
+    /// when a member cannot be asked (its keys would be missed), and on a
+    /// daemon that is not a serving member: its view may not name the
+    /// others (just restarted, or cut off from the membership service), and
+    /// an empty list would be reported as a namespace invalidated while
+    /// copies stay Valid elsewhere (found by `kvmesh-nemesis`).
     pub async fn namespace_keys(self: &Arc<Self>, fingerprint: u64) -> Result<Vec<BlockKey>, String> {
+        let members: Vec<NodeId> = {
+            let g = self.inner.lock();
+            if !g.node.serving_at(self.now_us()) {
+                return Err(error_text(ErrorKind::NotMember));
+            }
+            g.node.view().members.iter().map(|m| m.id).filter(|&id| id != self.id).collect()
+        };
         let mut keys: HashSet<BlockKey> = self.local_keys(fingerprint).into_iter().collect();
-        let members: Vec<NodeId> =
-            self.inner.lock().node.view().members.iter().map(|m| m.id).filter(|&id| id != self.id).collect();
         for id in members {
             if self.peers.conn_info(id).await.is_none() {
                 self.peers.connect_to(id).await;

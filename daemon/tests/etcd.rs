@@ -279,6 +279,18 @@ async fn etcd_membership_survives_restarts_outages_and_partitions() {
     let got = no_stale(&nodes, b"ABC", "daemon 3 partitioned from etcd").await;
     eprintln!("daemon 3 partitioned from etcd: {got:?}");
     assert!(coherence(&nodes[2]).await.etcd_errors > before, "the lost session is counted");
+    // Daemon 3 restarted while it still cannot reach etcd: it is no member
+    // and its view names no other daemon. A whole-namespace invalidation
+    // on it must be refused — not answered "0 keys, 0 failed" while D
+    // stays Valid on the others (found by kvmesh-nemesis).
+    nodes[2].restart(&[]);
+    let c = nodes[2].client().await;
+    let ns = c.register_namespace("ns", fill::BLOCK as u64, "t").await.unwrap();
+    match c.invalidate_namespace(&ns).await {
+        Err(e) => assert!(e.to_string().contains("not a serving cluster member"), "{e}"),
+        Ok(s) => panic!("a daemon outside the cluster reported the namespace invalidated: {s:?}"),
+    }
+    assert_eq!(get(&nodes[0]).await, Some(b'D'), "D is still Valid on daemon 1");
     proxy.heal();
     wait_all_serving(&nodes, 3, "partition healed").await;
     eventually_all_serve(&nodes, b'D', b"ABC", "after D").await;
