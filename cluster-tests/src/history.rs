@@ -279,12 +279,7 @@ pub fn check(h: &History) -> Report {
         rep.reads += 1;
         // Availability: the fault in effect when the read started.
         let n = faults.partition_point(|f| f.start <= r.start);
-        let kind = faults[..n]
-            .iter()
-            .rev()
-            .find(|f| f.end >= r.start)
-            .map(|f| f.kind.as_str())
-            .unwrap_or("quiet");
+        let kind = faults[..n].iter().rev().find(|f| f.end >= r.start).map(|f| f.kind.as_str()).unwrap_or("quiet");
         let served = rep.availability.entry(kind.to_string()).or_default();
         served.reads += 1;
         let seq = match r.outcome() {

@@ -67,9 +67,17 @@ struct Args {
     /// No namespace invalidations in the workload.
     #[arg(long)]
     no_invalidations: bool,
+    /// Mutual TLS between the daemons (`peer.tls.mode = "required"`; the
+    /// certificates are made with the `kvmesh` CLI beside `--kvmeshd`).
+    #[arg(long)]
+    tls: bool,
     /// Readers per daemon.
     #[arg(long, default_value_t = 2)]
     readers: usize,
+    /// Each reader starts a read of 8 keys every this many ms (or as soon
+    /// as the last one ended, when it took longer); 0: back to back.
+    #[arg(long, default_value_t = 5.0)]
+    read_every_ms: f64,
     /// Mean seconds between faults.
     #[arg(long, default_value_t = 4.0)]
     fault_every_s: f64,
@@ -320,11 +328,18 @@ impl Seen {
     }
 }
 
-async fn reader(node: u16, socket: PathBuf, sh: Arc<Shared>, seed: u64) -> Seen {
+async fn reader(node: u16, socket: PathBuf, sh: Arc<Shared>, seed: u64, every: Duration) -> Seen {
     let mut rng = Rng::new(seed);
     let mut conn: Option<(Client, Namespace)> = None;
     let mut seen = Seen::default();
+    // Paced: a daemon that refuses at once must not flood the history with
+    // fast misses (availability is a share of reads).
+    let mut tick = tokio::time::interval(every.max(Duration::from_micros(1)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     while !sh.stop.load(Ordering::Relaxed) {
+        if !every.is_zero() {
+            tick.tick().await;
+        }
         let Some((c, ns)) = connected(&mut conn, &socket).await else { continue };
         let idx: Vec<u32> = (0..8).map(|_| rng.below(sh.keys.len() as u64) as u32).collect();
         if !seen.read(&sh, node, c, ns, &idx).await {
@@ -450,18 +465,30 @@ struct Cluster {
     daemons: Vec<Proc>,
     sockets: Vec<PathBuf>,
     env: Vec<(String, String)>,
+    /// Directory of the cluster CA and node certificates (mutual TLS
+    /// between the daemons), or none.
+    certs: Option<PathBuf>,
 }
 
 impl Cluster {
     fn config(&self, id: u32) -> String {
         let mut s = format!(
             "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n[node]\nid = {id}\n\
-             [peer]\nlisten = \"{}:7100\"\ntransports = \"tcp\"\ntransfer_timeout_ms = 2000\ntls = {{ mode = \"off\" }}\n\
+             [peer]\nlisten = \"{}:7100\"\ntransports = \"tcp\"\ntransfer_timeout_ms = 2000\ntls = {}\n\
              [[pools]]\nname = \"p\"\nbytes = \"32MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n\
              [membership]\nkind = \"etcd\"\nendpoints = [\"{}:2379\"]\nkey_prefix = \"/kvmesh-nemesis\"\n\
              lease_ttl_s = 2\ndial_timeout_ms = 500\n",
             self.sockets[id as usize - 1].display().to_string(),
             Net::addr(id),
+            match &self.certs {
+                Some(d) => format!(
+                    "{{ mode = \"required\", ca = {:?}, cert = {:?}, key = {:?} }}",
+                    d.join("ca.pem").display().to_string(),
+                    d.join(format!("node-{id}.pem")).display().to_string(),
+                    d.join(format!("node-{id}.key")).display().to_string()
+                ),
+                None => "{ mode = \"off\" }".to_string(),
+            },
             Net::addr(0)
         );
         for p in 1..=self.net.nodes {
@@ -556,6 +583,9 @@ async fn run(a: Args) -> Result<bool, String> {
     if !(a.minutes > 0.0 && a.minutes <= 60.0) {
         return Err("--minutes: more than 0, at most 60 (the history counts microseconds in 32 bits)".into());
     }
+    if !(0.0..=10_000.0).contains(&a.read_every_ms) {
+        return Err("--read-every-ms: 0 to 10000".into());
+    }
     if a.keys < a.daemons as usize || a.keys + a.prefix_keys > 1 << 20 {
         return Err("--keys: at least one per daemon; --keys + --prefix-keys at most 1,048,576".into());
     }
@@ -564,6 +594,23 @@ async fn run(a: Args) -> Result<bool, String> {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
     let kvmeshd = std::fs::canonicalize(&a.kvmeshd).map_err(|e| e.to_string())?;
+    // Mutual TLS: a CA and a certificate per node, made by the `kvmesh`
+    // CLI that sits beside the daemon binary.
+    let certs = if a.tls {
+        let cli = kvmeshd.with_file_name("kvmesh");
+        let d = dir.join("certs");
+        let nodes: Vec<String> = (1..=a.daemons).map(|i| i.to_string()).collect();
+        let out = Command::new(&cli)
+            .args(["certs", "--dir", &d.display().to_string(), "--nodes", &nodes.join(","), "--days", "2"])
+            .output()
+            .map_err(|e| format!("--tls: {}: {e}", cli.display()))?;
+        if !out.status.success() {
+            return Err(format!("--tls: kvmesh certs: {}", String::from_utf8_lossy(&out.stderr).trim()));
+        }
+        Some(d)
+    } else {
+        None
+    };
     let net = Net::create(&tag, a.daemons)?;
     eprintln!("nemesis: {} daemons in network namespaces kvn{tag}n1.., etcd in kvn{tag}n0, seed {}", a.daemons, a.seed);
     let etcd_argv: Vec<String> = [
@@ -596,6 +643,7 @@ async fn run(a: Args) -> Result<bool, String> {
         daemons: (0..a.daemons).map(|_| Proc { child: None }).collect(),
         sockets: sockets.clone(),
         env: a.plant_bug.iter().map(|b| ("KVMESH_TEST_BUG".to_string(), b.clone())).collect(),
+        certs,
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     for id in 1..=a.daemons {
@@ -623,11 +671,17 @@ async fn run(a: Args) -> Result<bool, String> {
         let mine: Vec<u32> = (0..a.keys as u32).skip(i).step_by(n).collect();
         writers.push(tokio::spawn(writer(node, s.clone(), Arc::clone(&sh), mine, a.seed * 1000 + i as u64)));
         for r in 0..a.readers {
-            readers.push(tokio::spawn(reader(node, s.clone(), Arc::clone(&sh), a.seed * 1000 + 100 + (i * 10 + r) as u64)));
+            readers.push(tokio::spawn(reader(
+                node,
+                s.clone(),
+                Arc::clone(&sh),
+                a.seed * 1000 + 100 + (i * 10 + r) as u64,
+                Duration::from_secs_f64(a.read_every_ms / 1e3),
+            )));
         }
     }
-    let invalidations = (!a.no_invalidations)
-        .then(|| tokio::spawn(invalidator(sockets.clone(), Arc::clone(&sh), a.seed * 1000 + 999)));
+    let invalidations =
+        (!a.no_invalidations).then(|| tokio::spawn(invalidator(sockets.clone(), Arc::clone(&sh), a.seed * 1000 + 999)));
 
     // The nemesis. Ctrl-C ends it early (the cluster is healed, checked and
     // removed as at the end).
@@ -653,6 +707,8 @@ async fn run(a: Args) -> Result<bool, String> {
         }
         let id = rng.range(1, a.daemons as u64) as u32;
         let hold = Duration::from_millis(rng.range(50, 3000));
+        // Pauses and kills: from 50 ms to three leases (2 s each).
+        let long_hold = Duration::from_millis(rng.range(50, 6000));
         let start = sh.us();
         let kind: &'static str = match rng.below(20) {
             0..=3 => {
@@ -709,18 +765,18 @@ async fn run(a: Args) -> Result<bool, String> {
                 "flapping"
             }
             8..=10 => {
-                sh.event(format!("pause: daemon {id} SIGSTOP for {hold:?}"));
+                sh.event(format!("pause: daemon {id} SIGSTOP for {long_hold:?}"));
                 cl.daemons[id as usize - 1].signal("STOP");
-                tokio::time::sleep(hold).await;
+                tokio::time::sleep(long_hold).await;
                 cl.daemons[id as usize - 1].signal("CONT");
                 sh.event(format!("daemon {id} SIGCONT"));
                 *counts.entry("pauses").or_default() += 1;
                 "pause"
             }
             11..=13 => {
-                sh.event(format!("kill: daemon {id} SIGKILL, restart after {hold:?}"));
+                sh.event(format!("kill: daemon {id} SIGKILL, restart after {long_hold:?}"));
                 cl.daemons[id as usize - 1].kill();
-                tokio::time::sleep(hold).await;
+                tokio::time::sleep(long_hold).await;
                 cl.start_daemon(id)?;
                 sh.event(format!("daemon {id} restarted"));
                 *counts.entry("kills").or_default() += 1;
@@ -741,9 +797,9 @@ async fn run(a: Args) -> Result<bool, String> {
                 "drain"
             }
             16..=17 => {
-                sh.event(format!("pause: etcd SIGSTOP for {hold:?}"));
+                sh.event(format!("pause: etcd SIGSTOP for {long_hold:?}"));
                 cl.etcd.signal("STOP");
-                tokio::time::sleep(hold).await;
+                tokio::time::sleep(long_hold).await;
                 cl.etcd.signal("CONT");
                 sh.event("etcd SIGCONT".to_string());
                 *counts.entry("etcd_pauses").or_default() += 1;
@@ -751,7 +807,9 @@ async fn run(a: Args) -> Result<bool, String> {
             }
             _ => {
                 // Pool pressure: a third more blocks than the pool holds.
-                sh.event(format!("pressure: daemon {id}'s pool filled with {PRESSURE_BLOCKS} blocks of another namespace"));
+                sh.event(format!(
+                    "pressure: daemon {id}'s pool filled with {PRESSURE_BLOCKS} blocks of another namespace"
+                ));
                 match pressure(&sockets[id as usize - 1], PRESSURE_BLOCKS, &mut Rng::new(rng.next_u64())).await {
                     Ok(e) => {
                         evictions += e;
