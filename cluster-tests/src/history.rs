@@ -315,40 +315,38 @@ pub fn check(h: &History) -> Report {
             continue;
         }
         // Overwritten before the read started?
-        if let Some(floor) = acked.get(&r.key).and_then(|a| a.before(r.start)) {
-            if seq < floor {
-                rep.stale_reads += 1;
-                if lost.insert((r.key, floor)) {
-                    rep.lost_puts += 1;
-                }
-                rep.offend(
-                    format!(
-                        "stale read from node {}: {} at sequence {seq}, the put of sequence {floor} was acknowledged before it started",
-                        r.node,
-                        name(r.key)
-                    ),
-                    r,
-                );
-                continue;
+        if let Some(floor) = acked.get(&r.key).and_then(|a| a.before(r.start))
+            && seq < floor
+        {
+            rep.stale_reads += 1;
+            if lost.insert((r.key, floor)) {
+                rep.lost_puts += 1;
             }
+            let what = format!(
+                "stale read from node {}: {} at sequence {seq}, the put of sequence {floor} was acknowledged \
+                 before it started",
+                r.node,
+                name(r.key)
+            );
+            rep.offend(what, r);
+            continue;
         }
         // Invalidated before the read started? Only if every put of this
         // version was acknowledged before an invalidation that was itself
         // acknowledged before the read started (a put that was never
         // acknowledged may have landed after it).
-        if let Some(inv_start) = invalidated_before(r.start) {
-            if writers.clone().all(|p| p.acked.is_some_and(|a| a < inv_start)) {
-                rep.stale_reads += 1;
-                rep.offend(
-                    format!(
-                        "stale read from node {}: {} at sequence {seq}, invalidated by the namespace invalidation sent at {:.3} s and acknowledged before the read",
-                        r.node,
-                        name(r.key),
-                        inv_start as f64 / 1e6
-                    ),
-                    r,
-                );
-            }
+        if let Some(inv_start) = invalidated_before(r.start)
+            && writers.clone().all(|p| p.acked.is_some_and(|a| a < inv_start))
+        {
+            rep.stale_reads += 1;
+            let what = format!(
+                "stale read from node {}: {} at sequence {seq}, invalidated by the namespace invalidation sent \
+                 at {:.3} s and acknowledged before the read",
+                r.node,
+                name(r.key),
+                inv_start as f64 / 1e6
+            );
+            rep.offend(what, r);
         }
     }
     rep
