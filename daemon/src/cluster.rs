@@ -1427,12 +1427,13 @@ impl Cluster {
     /// an empty list would be reported as a namespace invalidated while
     /// copies stay Valid elsewhere (found by `kvmesh-nemesis`).
     pub async fn namespace_keys(self: &Arc<Self>, fingerprint: u64) -> Result<Vec<BlockKey>, String> {
-        let members: Vec<NodeId> = {
+        let (epoch, members): (u64, Vec<NodeId>) = {
             let g = self.inner.lock();
             if !g.node.serving_at(self.now_us()) {
                 return Err(error_text(ErrorKind::NotMember));
             }
-            g.node.view().members.iter().map(|m| m.id).filter(|&id| id != self.id).collect()
+            let v = g.node.view();
+            (v.epoch, v.members.iter().map(|m| m.id).filter(|&id| id != self.id).collect())
         };
         let mut keys: HashSet<BlockKey> = self.local_keys(fingerprint).into_iter().collect();
         for id in members {
@@ -1450,6 +1451,13 @@ impl Cluster {
                 if b.namespace_fingerprint == fingerprint {
                     keys.insert(block_key(fingerprint, Key::from_parts(b.key_hi, b.key_lo)));
                 }
+            }
+        }
+        // A view that changed meanwhile may have members not asked.
+        {
+            let g = self.inner.lock();
+            if g.node.view().epoch != epoch || !g.node.serving_at(self.now_us()) {
+                return Err("the cluster's membership changed while its keys were listed; retry".into());
             }
         }
         let mut v: Vec<BlockKey> = keys.into_iter().collect();

@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use kvmesh_client::{Allocation, Client, CommitOutcome, Key, Namespace};
 use kvmesh_cluster_tests::blocks::{BLOCK, check, content};
-use kvmesh_cluster_tests::history::{self, Fault, History, Invalidation, Outcome, Put, Read, Us};
+use kvmesh_cluster_tests::history::{self, Answer, Fault, History, Invalidation, Outcome, Put, Read, Us};
 use kvmesh_cluster_tests::sim::Rng;
 use parking_lot::Mutex;
 
@@ -340,8 +340,15 @@ async fn reader(node: u16, socket: PathBuf, sh: Arc<Shared>, seed: u64, every: D
         if !every.is_zero() {
             tick.tick().await;
         }
-        let Some((c, ns)) = connected(&mut conn, &socket).await else { continue };
         let idx: Vec<u32> = (0..8).map(|_| rng.below(sh.keys.len() as u64) as u32).collect();
+        let start = sh.us();
+        let Some((c, ns)) = connected(&mut conn, &socket).await else {
+            // The daemon does not answer (killed, paused): these reads
+            // fail too, or availability would count only the others.
+            let end = sh.us();
+            seen.reads.extend(idx.iter().map(|&i| Read::new(node, i, start, end, Outcome::Error)));
+            continue;
+        };
         if !seen.read(&sh, node, c, ns, &idx).await {
             conn = None;
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -388,8 +395,13 @@ async fn writer(node: u16, socket: PathBuf, sh: Arc<Shared>, mine: Vec<u32>, see
         // Only bytes this writer wrote can ever be read: a put that never
         // got its slot is not one.
         if wrote {
-            let acked = matches!(res, Ok(Some(true))).then_some(end);
-            puts.push(Put { node, key: i, seq, start, acked });
+            let answer = match res {
+                Ok(Some(true)) => Answer::Acked(end),
+                // The commit answered, not Committed: Lost or Refused.
+                Ok(Some(false)) => Answer::Refused(end),
+                _ => Answer::Unknown,
+            };
+            puts.push(Put { node, key: i, seq, start, answer });
         }
         if !matches!(res, Ok(Some(_))) {
             conn = None;
@@ -582,6 +594,9 @@ async fn run(a: Args) -> Result<bool, String> {
     }
     if !(a.minutes > 0.0 && a.minutes <= 60.0) {
         return Err("--minutes: more than 0, at most 60 (the history counts microseconds in 32 bits)".into());
+    }
+    if !(0.25..=3600.0).contains(&a.fault_every_s) {
+        return Err("--fault-every-s: 0.25 to 3600".into());
     }
     if !(0.0..=10_000.0).contains(&a.read_every_ms) {
         return Err("--read-every-ms: 0 to 10000".into());
@@ -906,13 +921,14 @@ async fn run(a: Args) -> Result<bool, String> {
         .iter()
         .map(|(k, s)| (k.clone(), serde_json::json!({"share": s.share(), "reads": s.reads})))
         .collect();
-    let acked = history.puts.iter().filter(|p| p.acked.is_some()).count();
+    let acked = history.puts.iter().filter(|p| p.acked().is_some()).count();
+    let refused = history.puts.iter().filter(|p| matches!(p.answer, Answer::Refused(_))).count();
     println!(
         "{}",
         serde_json::json!({
             "bench": "nemesis", "minutes": a.minutes, "seed": a.seed, "daemons": a.daemons,
             "reads_verified": rep.hits, "reads": rep.reads, "misses": rep.misses, "read_errors": rep.errors,
-            "puts_acknowledged": acked, "puts_unacknowledged": history.puts.len() - acked,
+            "puts_acknowledged": acked, "puts_refused": refused, "puts_unanswered": history.puts.len() - acked - refused,
             "invalidations": history.invalidations.len(),
             "invalidations_acknowledged": history.invalidations.iter().filter(|i| i.acked.is_some()).count(),
             "final_reads": final_reads,
