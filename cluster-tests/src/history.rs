@@ -17,8 +17,12 @@
 //!   read started — a later put of the key acknowledged (S7: an
 //!   acknowledged put stays readable until a later call changes the key; a
 //!   writer's puts of a key are sequential, so a higher sequence is a later
-//!   call), or an acknowledged invalidation of the namespace that began
-//!   after every put of that version had been answered (S2);
+//!   call; an earlier put that was never answered does not excuse the read:
+//!   a daemon refuses a second write of a key while one is in flight, and
+//!   a write it gave up on frees its slot, so an abandoned put cannot
+//!   become readable after a later one was acknowledged), or an
+//!   acknowledged invalidation of the namespace that began after every put
+//!   of that version had been answered (S2);
 //! - **lost puts**: acknowledged puts that a read started after their
 //!   acknowledgement found replaced by an older version (each put counted
 //!   once: the stale reads that come from overwrites, by the put they lost);
@@ -184,6 +188,10 @@ pub struct Offence {
     pub start: Us,
     /// When it ended.
     pub end: Us,
+    /// The key read (index).
+    pub key: u32,
+    /// The daemon asked.
+    pub node: u16,
 }
 
 /// Reads and reads that got data.
@@ -236,7 +244,7 @@ impl Report {
         // Reads come reader by reader: keep more than shown, then the
         // earliest (bounded: a planted bug makes tens of thousands).
         if self.offences.len() < 10_000 {
-            self.offences.push(Offence { what, start: r.start, end: r.end });
+            self.offences.push(Offence { what, start: r.start, end: r.end, key: r.key, node: r.node });
         }
     }
 }
@@ -254,6 +262,33 @@ impl AckedPuts {
         let n = self.at.partition_point(|&a| a < t);
         (n > 0).then(|| self.max_seq[n - 1])
     }
+}
+
+/// Everything the history holds about `key` from `from` to `to`: its puts
+/// and invalidations, and its reads on every daemon, one per line (for
+/// diagnosing an offence).
+pub fn story(h: &History, key: u32, from: Us, to: Us) -> String {
+    use std::fmt::Write;
+    let mut lines: Vec<(Us, String)> = Vec::new();
+    let s = |t: Us| format!("{:.6}", t as f64 / 1e6);
+    for p in h.puts.iter().filter(|p| p.key == key && p.start <= to && p.settled().is_none_or(|e| e >= from)) {
+        lines.push((p.start, format!("{} put seq {} on node {} -> {:?}", s(p.start), p.seq, p.node, p.answer)));
+    }
+    for i in h.invalidations.iter().filter(|i| i.start <= to && i.acked.is_none_or(|e| e >= from)) {
+        lines.push((i.start, format!("{} namespace invalidation on node {} -> {:?}", s(i.start), i.node, i.acked)));
+    }
+    for r in h.reads.iter().filter(|r| r.key == key && r.start <= to && r.end >= from) {
+        lines.push((
+            r.start,
+            format!("{} read on node {} -> {:?} (ended {})", s(r.start), r.node, r.outcome(), s(r.end)),
+        ));
+    }
+    lines.sort_by_key(|l| l.0);
+    let mut out = String::new();
+    for (_, l) in lines {
+        let _ = writeln!(out, "{l}");
+    }
+    out
 }
 
 /// Judges a history. Pure: the same history, the same report.
@@ -494,6 +529,17 @@ mod tests {
         // Refused after the invalidation began: may have landed after it.
         h.puts[last].answer = Answer::Refused(72);
         assert!(check(&h).clean());
+    }
+
+    #[test]
+    fn the_story_of_a_key_tells_its_puts_and_reads_in_order() {
+        let t = story(&clean(), 1, 0, 100);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines.len(), 5, "{t}");
+        assert!(lines[0].contains("put seq 0 on node 1 -> Acked(8)"), "{t}");
+        assert!(lines[1].contains("namespace invalidation on node 3"), "{t}");
+        assert!(lines[2].contains("read on node 2 -> Hit(0)"), "{t}");
+        assert!(!t.contains("seq 1 "), "only key 1: {t}");
     }
 
     #[test]

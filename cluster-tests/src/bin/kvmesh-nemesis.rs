@@ -67,6 +67,10 @@ struct Args {
     /// No namespace invalidations in the workload.
     #[arg(long)]
     no_invalidations: bool,
+    /// Kinds of fault to inject (comma-separated; default all): cut-off,
+    /// split, flapping, pause, kill, drain, etcd-pause, pressure.
+    #[arg(long, value_delimiter = ',', default_values_t = FAULT_KINDS.map(String::from))]
+    faults: Vec<String>,
     /// Mutual TLS between the daemons (`peer.tls.mode = "required"`; the
     /// certificates are made with the `kvmesh` CLI beside `--kvmeshd`).
     #[arg(long)]
@@ -411,6 +415,23 @@ async fn writer(node: u16, socket: PathBuf, sh: Arc<Shared>, mine: Vec<u32>, see
     puts
 }
 
+/// Kinds of fault, by the draw in `0..20` that picks them.
+fn fault_kind(roll: u64) -> &'static str {
+    match roll {
+        0..=3 => "cut-off",
+        4..=5 => "split",
+        6..=7 => "flapping",
+        8..=10 => "pause",
+        11..=13 => "kill",
+        14..=15 => "drain",
+        16..=17 => "etcd-pause",
+        _ => "pressure",
+    }
+}
+
+/// Every kind of fault.
+const FAULT_KINDS: [&str; 8] = ["cut-off", "split", "flapping", "pause", "kill", "drain", "etcd-pause", "pressure"];
+
 /// Invalidates the whole namespace on a random daemon every 5–20 s.
 async fn invalidator(sockets: Vec<PathBuf>, sh: Arc<Shared>, seed: u64) -> Vec<Invalidation> {
     let mut rng = Rng::new(seed);
@@ -595,6 +616,12 @@ async fn run(a: Args) -> Result<bool, String> {
     if !(a.minutes > 0.0 && a.minutes <= 60.0) {
         return Err("--minutes: more than 0, at most 60 (the history counts microseconds in 32 bits)".into());
     }
+    if let Some(f) = a.faults.iter().find(|f| !FAULT_KINDS.contains(&f.as_str())) {
+        return Err(format!("--faults: no fault {f:?} (known: {})", FAULT_KINDS.join(", ")));
+    }
+    if a.faults.is_empty() {
+        return Err("--faults: name at least one".into());
+    }
     if !(0.25..=3600.0).contains(&a.fault_every_s) {
         return Err("--fault-every-s: 0.25 to 3600".into());
     }
@@ -725,7 +752,14 @@ async fn run(a: Args) -> Result<bool, String> {
         // Pauses and kills: from 50 ms to three leases (2 s each).
         let long_hold = Duration::from_millis(rng.range(50, 6000));
         let start = sh.us();
-        let kind: &'static str = match rng.below(20) {
+        // Draw a kind among those allowed (`--faults`).
+        let roll = loop {
+            let r = rng.below(20);
+            if a.faults.iter().any(|f| f == fault_kind(r)) {
+                break r;
+            }
+        };
+        let kind: &'static str = match roll {
             0..=3 => {
                 sh.event(format!("partition: daemon {id} cut off for {hold:?}"));
                 cl.net.link(id, false)?;
@@ -944,6 +978,24 @@ async fn run(a: Args) -> Result<bool, String> {
         eprintln!("nemesis: the cluster did not heal: {e}");
     }
     let clean = rep.clean() && healed.is_ok();
+    if !rep.clean() {
+        // What happened to the first offending keys, for the diagnosis.
+        let mut text = String::new();
+        let mut keys_told: Vec<u32> = Vec::new();
+        for o in &rep.offences {
+            if keys_told.contains(&o.key) || keys_told.len() == 3 {
+                continue;
+            }
+            keys_told.push(o.key);
+            text.push_str(&format!("== key {} (first offence: {})\n", history.key_names[o.key as usize], o.what));
+            text.push_str(&history::story(&history, o.key, o.start.saturating_sub(15_000_000), o.end + 3_000_000));
+        }
+        let path = dir.join("offending-keys.txt");
+        match std::fs::write(&path, text) {
+            Ok(()) => eprintln!("nemesis: the history of the offending keys is in {}", path.display()),
+            Err(e) => eprintln!("nemesis: {}: {e}", path.display()),
+        }
+    }
     drop(cl); // processes and namespaces
     if clean {
         let _ = std::fs::remove_dir_all(&dir);
