@@ -1417,7 +1417,16 @@ impl Node {
                 }
             }
             Msg::AddHolderReq { op, key, version, copy } => {
-                let ok = self.ready
+                // A registration of an older copy than the one this holder
+                // has registered (a late duplicate, held on a stream that
+                // broke and came back) is refused and changes nothing: taken,
+                // the holder's "I gave that copy up" would then unregister
+                // the copy it holds now, and the next change would complete
+                // without invalidating it. Copy ids only grow within an
+                // incarnation; a new incarnation comes with a new view.
+                let older = self.dir.get(&key).and_then(|e| e.holders.get(from)).is_some_and(|c| c > copy);
+                let ok = !older
+                    && self.ready
                     && self.is_home(&key)
                     && self.dir.get(&key).is_some_and(|e| e.version == version && e.change.is_none());
                 if ok {

@@ -784,3 +784,79 @@ fn a_grant_from_the_home_is_trusted_from_the_locate_not_later() {
         cfg.grant_lease_us
     );
 }
+
+/// A registration that arrives late (held on a stream that broke and came
+/// back) must not replace the registration of the copy the reader holds
+/// now: the home would then let the reader's "I gave that one up" remove
+/// it, forget a Valid copy, and complete the next overwrite without it.
+/// (Found by `kvmesh-nemesis`: a daemon served an old version for seconds
+/// after a newer put was acknowledged, right after a flapping link.)
+#[test]
+fn a_late_registration_never_unregisters_the_copy_held_now() {
+    let mut net = Net::new(3, Config::default());
+    // A key homed at node 1; node 0 writes it, node 2 reads it.
+    let view = View { epoch: 1, members: (0..3).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
+    let k = (1..10_000u128).map(key).find(|k| view.home_of(k) == Some(1)).expect("a key homed at node 1");
+    net.put(0, 1, k, 0x5eed);
+    net.settle();
+    let Some(Outcome::Stored { version: v1 }) = net.outcome(0, 1) else { panic!("{:?}", net.outcome(0, 1)) };
+
+    // First get by node 2: its registration at the home is held back (the
+    // first one kept, every resend lost) until the get gives up.
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    net.settle();
+    net.serve_reads(false);
+    let registers = |b: &Batch| b.msgs.iter().any(|m| matches!(m, Msg::AddHolderReq { .. }));
+    let mut held: Option<Batch> = None;
+    for _ in 0..1_000 {
+        if net.outcome(2, 2).is_some() {
+            break;
+        }
+        net.flush();
+        // Membership keeps every node serving meanwhile.
+        for n in 0..3 {
+            if let Some(sent_at) = net.last_keepalive(n) {
+                net.drive(n, Event::KeepAliveAck { sent_at });
+            }
+        }
+        for (from, to, batch) in std::mem::take(&mut net.wire) {
+            if from == 2 && to == 1 && registers(&batch) {
+                held.get_or_insert(batch);
+                continue;
+            }
+            net.drive(to, Event::Receive { from, batch });
+        }
+    }
+    let held = held.expect("the registration was sent");
+    assert!(!matches!(net.outcome(2, 2), Some(Outcome::Hit { .. }) | None), "{:?}", net.outcome(2, 2));
+    net.settle();
+
+    // Second get: read and registered; node 2 holds v1 now.
+    net.drive(2, Event::ClientGet { op: 3, key: k });
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    assert!(
+        matches!(net.outcome(2, 3), Some(Outcome::Hit { version, .. }) if version == v1),
+        "{:?}",
+        net.outcome(2, 3)
+    );
+
+    // The held registration of the first get arrives now.
+    net.drive(1, Event::Receive { from: 2, batch: held });
+    net.settle();
+    let holders = net.nodes[1].directory().find(|(d, _)| *d == k).map(|(_, d)| d.holders).unwrap_or_default();
+    assert!(holders.contains(&2), "the home forgot node 2's copy: holders {holders:?}");
+
+    // An overwrite must invalidate node 2's copy before it completes.
+    net.put(0, 4, k, 0x5eee);
+    net.settle();
+    assert!(matches!(net.outcome(0, 4), Some(Outcome::Stored { .. })), "{:?}", net.outcome(0, 4));
+    net.drive(2, Event::ClientGet { op: 5, key: k });
+    net.settle();
+    assert!(
+        !matches!(net.outcome(2, 5), Some(Outcome::Hit { version, .. }) if version == v1),
+        "node 2 served the overwritten version: {:?}",
+        net.outcome(2, 5)
+    );
+}
