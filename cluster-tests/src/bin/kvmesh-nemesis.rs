@@ -759,17 +759,17 @@ async fn run(a: Args) -> Result<bool, String> {
                 break r;
             }
         };
-        let kind: &'static str = match roll {
-            0..=3 => {
+        let kind = fault_kind(roll);
+        match kind {
+            "cut-off" => {
                 sh.event(format!("partition: daemon {id} cut off for {hold:?}"));
                 cl.net.link(id, false)?;
                 tokio::time::sleep(hold).await;
                 cl.net.link(id, true)?;
                 sh.event(format!("partition of daemon {id} healed"));
                 *counts.entry("partitions").or_default() += 1;
-                "cut-off"
             }
-            4..=5 => {
+            "split" => {
                 // A split: a group of daemons (a minority or a majority),
                 // with or without etcd, on the other side.
                 let size = rng.range(1, a.daemons as u64 - 1);
@@ -796,9 +796,8 @@ async fn run(a: Args) -> Result<bool, String> {
                 }
                 sh.event("split healed".to_string());
                 *counts.entry("partitions").or_default() += 1;
-                "split"
             }
-            6..=7 => {
+            "flapping" => {
                 // A flapping link: down and up again 3 to 12 times, each
                 // state 20–300 ms.
                 let flips = rng.range(3, 12);
@@ -811,18 +810,16 @@ async fn run(a: Args) -> Result<bool, String> {
                 }
                 sh.event(format!("daemon {id}'s link steady again"));
                 *counts.entry("partitions").or_default() += 1;
-                "flapping"
             }
-            8..=10 => {
+            "pause" => {
                 sh.event(format!("pause: daemon {id} SIGSTOP for {long_hold:?}"));
                 cl.daemons[id as usize - 1].signal("STOP");
                 tokio::time::sleep(long_hold).await;
                 cl.daemons[id as usize - 1].signal("CONT");
                 sh.event(format!("daemon {id} SIGCONT"));
                 *counts.entry("pauses").or_default() += 1;
-                "pause"
             }
-            11..=13 => {
+            "kill" => {
                 sh.event(format!("kill: daemon {id} SIGKILL, restart after {long_hold:?}"));
                 cl.daemons[id as usize - 1].kill();
                 tokio::time::sleep(long_hold).await;
@@ -830,9 +827,8 @@ async fn run(a: Args) -> Result<bool, String> {
                 sh.event(format!("daemon {id} restarted"));
                 *counts.entry("kills").or_default() += 1;
                 *counts.entry("restarts").or_default() += 1;
-                "kill"
             }
-            14..=15 => {
+            "drain" => {
                 sh.event(format!("drain: daemon {id} SIGTERM"));
                 cl.daemons[id as usize - 1].signal("TERM");
                 if !cl.daemons[id as usize - 1].wait_exit(Duration::from_secs(15)) {
@@ -843,16 +839,14 @@ async fn run(a: Args) -> Result<bool, String> {
                 sh.event(format!("daemon {id} restarted after its drain"));
                 *counts.entry("drains").or_default() += 1;
                 *counts.entry("restarts").or_default() += 1;
-                "drain"
             }
-            16..=17 => {
+            "etcd-pause" => {
                 sh.event(format!("pause: etcd SIGSTOP for {long_hold:?}"));
                 cl.etcd.signal("STOP");
                 tokio::time::sleep(long_hold).await;
                 cl.etcd.signal("CONT");
                 sh.event("etcd SIGCONT".to_string());
                 *counts.entry("etcd_pauses").or_default() += 1;
-                "etcd-pause"
             }
             _ => {
                 // Pool pressure: a third more blocks than the pool holds.
@@ -867,9 +861,8 @@ async fn run(a: Args) -> Result<bool, String> {
                     Err(e) => sh.event(format!("pressure on daemon {id} cut short: {e}")),
                 }
                 *counts.entry("pressure").or_default() += 1;
-                "pressure"
             }
-        };
+        }
         faults.push(Fault { kind: kind.to_string(), start, end: sh.us() });
     }
     // Heal: every daemon up and serving, then check every key everywhere.
