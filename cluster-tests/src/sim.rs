@@ -34,6 +34,11 @@ pub struct SimConfig {
     pub nodes: usize,
     /// Distinct keys (few, so that operations collide).
     pub keys: usize,
+    /// Read-mostly keys besides those: a fifth of client calls pick one;
+    /// 91 in 100 of those are gets, 8 evictions and 1 a put, so a version
+    /// lives long, is fetched again and again, and late messages meet
+    /// directory entries that have not moved on.
+    pub cold_keys: usize,
     /// Slots in each node's pool.
     pub slots: usize,
     /// Events processed while faults are injected.
@@ -53,6 +58,16 @@ pub struct SimConfig {
     pub check_every: u64,
     /// Batches (per thousand) delayed 20–300 ms: the long tail.
     pub long_delay_per_mille: u32,
+    /// Sends (per thousand) that find their stream broken: every batch
+    /// the sender puts on that link for up to two operation timeouts is
+    /// held, and arrives up to two operation timeouts after the sender
+    /// has moved to a new stream, behind batches sent on the new one (a
+    /// TCP connection that comes back after its link flapped).
+    pub stuck_link_per_mille: u32,
+    /// Batches (per thousand) delivered once more, one to three operation
+    /// timeouts later (resent on a new stream after a reconnect while the
+    /// old stream also got through).
+    pub late_duplicate_per_mille: u32,
 }
 
 impl Default for SimConfig {
@@ -60,6 +75,7 @@ impl Default for SimConfig {
         SimConfig {
             nodes: 4,
             keys: 6,
+            cold_keys: 4,
             slots: 8,
             steps: 4000,
             bug: None,
@@ -67,6 +83,8 @@ impl Default for SimConfig {
             background: 0,
             check_every: 1,
             long_delay_per_mille: 4,
+            stuck_link_per_mille: 1,
+            late_duplicate_per_mille: 10,
         }
     }
 }
@@ -482,6 +500,12 @@ pub struct World {
     /// deadline) per read.
     trusted: HashMap<(NodeId, SlotRef), Vec<(u64, u64)>>,
     faults: bool,
+    /// Node faults (crash, stall, drain, isolation) are drawn this much
+    /// rarer (a calm seed: 10).
+    calm: u32,
+    /// Broken streams: (from, to) -> (batches sent before this are held,
+    /// and arrive from then on).
+    stuck: HashMap<(NodeId, NodeId), (u64, u64)>,
     /// Client calls are being issued.
     workload: bool,
     log: VecDeque<String>,
@@ -515,6 +539,10 @@ impl World {
         if rng.below(2) == 0 {
             core_cfg.announce_entries_max = rng.range(1, 4) as usize;
         }
+        // One seed in four is calm: crashes, stalls, drains and isolations
+        // ten times rarer, so epochs last and late messages (a stuck
+        // stream's) meet the same view, directory and copies.
+        let calm = rng.below(4) == 0;
         let tight = rng.below(4) == 0;
         if tight {
             core_cfg.drift_ppm = 2_000;
@@ -583,6 +611,8 @@ impl World {
             granted_by: HashMap::new(),
             trusted: HashMap::new(),
             faults: true,
+            calm: if calm { 10 } else { 1 },
+            stuck: HashMap::new(),
             workload: true,
             log: VecDeque::new(),
             stats: RunStats::default(),
@@ -591,7 +621,7 @@ impl World {
         for n in 0..w.cfg.nodes as NodeId {
             w.boot(n);
         }
-        w.watched = (0..w.cfg.keys as u128).map(|key| BlockKey { ns: 7, key }).collect();
+        w.watched = (0..(w.cfg.keys + w.cfg.cold_keys) as u128).map(|key| BlockKey { ns: 7, key }).collect();
         w.push(1_000, Ev::ClientOp);
         w.push(MEMBERSHIP_TICK, Ev::MembershipTick);
         // The daemon requires lease_ttl > protocol lease + 2 margins; the
@@ -754,6 +784,41 @@ impl World {
                     {
                         self.granted_by.insert((n, *slot), inc);
                     }
+                }
+                if self.faults && self.reachable(n) {
+                    let op_timeout = self.core_cfg.op_timeout_us;
+                    let held = match self.stuck.get(&(n, to)) {
+                        Some(&(until, release)) if self.now < until => Some(release),
+                        _ if self.rng.chance(self.cfg.stuck_link_per_mille as f64 / 1000.0) => {
+                            let until = self.now + self.rng.range(self.core_cfg.retransmit_us, op_timeout);
+                            let release = until + self.rng.range(op_timeout, 3 * op_timeout);
+                            self.stuck.insert((n, to), (until, release));
+                            self.note(format!(
+                                "t={} n{n}->n{to} stream stuck until {until}, held until {release}",
+                                self.now
+                            ));
+                            Some(release)
+                        }
+                        _ => None,
+                    };
+                    if let Some(release) = held {
+                        if self.trace_log {
+                            self.note(format!("t={} n{n}->n{to} held until {release}: {:?}", self.now, batch.msgs));
+                        }
+                        let d = release - self.now + self.rng.range(0, 1_000);
+                        self.push(d, Ev::Deliver { to, from: n, batch });
+                        return;
+                    }
+                }
+                if self.faults
+                    && self.reachable(n)
+                    && self.rng.chance(self.cfg.late_duplicate_per_mille as f64 / 1000.0)
+                {
+                    // Delivered once more, long after (sent again on a new
+                    // stream after a reconnect, the old one also got through).
+                    let op_timeout = self.core_cfg.op_timeout_us;
+                    let d = self.rng.range(op_timeout, 3 * op_timeout);
+                    self.push(d, Ev::Deliver { to, from: n, batch: batch.clone() });
                 }
                 if !self.faults || (self.rng.chance(0.97) && self.reachable(n)) {
                     let copies = if self.faults && self.rng.chance(0.03) { 2 } else { 1 };
@@ -1005,15 +1070,28 @@ impl World {
         if !self.up(n) || self.nodes[n as usize].paused_until > self.now {
             return;
         }
+        let mut cold = false;
         let key = if self.cfg.background > 0 && self.rng.below(10) == 0 {
             let k = BlockKey { ns: 8, key: self.rng.below(self.cfg.background as u64) as u128 };
             self.watched.insert(k);
             k
+        } else if self.cfg.cold_keys > 0 && self.rng.below(5) == 0 {
+            cold = true;
+            BlockKey { ns: 7, key: (self.cfg.keys as u64 + self.rng.below(self.cfg.cold_keys as u64)) as u128 }
         } else {
             BlockKey { ns: 7, key: self.rng.below(self.cfg.keys as u64) as u128 }
         };
         self.stats.ops += 1;
-        let roll = self.rng.below(100);
+        let mut roll = self.rng.below(100);
+        if cold {
+            // Gets, evictions (the next get fetches the same version
+            // again), rare puts.
+            roll = match roll {
+                0..91 => 0,
+                91..99 => 99,
+                _ => 55,
+            };
+        }
         if roll < 47 {
             self.client_get(n, key);
         } else if roll < 55 {
@@ -1500,6 +1578,9 @@ impl World {
             }
         }
         let n = self.rng.below(self.cfg.nodes as u64) as NodeId;
+        if self.calm > 1 && !self.rng.below(self.calm as u64).is_multiple_of(self.calm as u64) {
+            return;
+        }
         if self.rng.chance(0.001) && self.up(n) && self.nodes[n as usize].paused_until <= self.now {
             // A stall, sometimes past the node's lease.
             let until = self.now + self.rng.range(5_000, 300_000);
@@ -1611,6 +1692,46 @@ impl World {
                     }
                 } else {
                     seen.insert(k, (v, i as NodeId));
+                }
+            }
+        }
+        // REG: a Valid copy on a serving node is registered at its home
+        // (when the home is ready in the same epoch and the key is not
+        // changing): a home that forgot a holder completes the next change
+        // without invalidating it (S3 then catches it, but only if the
+        // copy outlives that change).
+        for (i, sn) in self.nodes.iter().enumerate() {
+            let Some(core) = &sn.core else { continue };
+            if !core.serving_at(sn.clock.local(self.now)) {
+                continue;
+            }
+            let copies: Vec<(BlockKey, u64)> = if full {
+                core.copies().map(|(k, v, _)| (k, v)).collect()
+            } else {
+                keys.iter().filter_map(|k| core.copy_of(k).map(|(v, _)| (*k, v))).collect()
+            };
+            for (k, v) in copies {
+                let Some(h) = core.view().home_of(&k) else { continue };
+                let Some(home) = self.nodes[h as usize].core.as_ref() else { continue };
+                if h == i as NodeId
+                    || home.view().epoch != core.view().epoch
+                    || !home.directory_ready()
+                    || !home.serving_at(self.nodes[h as usize].clock.local(self.now))
+                {
+                    continue;
+                }
+                let entry = home.directory_entry(&k);
+                if entry.as_ref().is_some_and(|e| e.version != v || e.changing) {
+                    continue;
+                }
+                if entry.as_ref().is_none_or(|e| !e.holders.contains(&(i as NodeId))) {
+                    return Err(self.violation(
+                        "REG",
+                        format!(
+                            "node {i} holds {:?} v{v:#x} Valid; its home, node {h}, does not list it: {entry:?}",
+                            { k.key }
+                        ),
+                    ));
                 }
             }
         }

@@ -210,6 +210,25 @@ pub struct Cluster {
     /// every frame before it). Keyed by (peer, ping number).
     barriers: Mutex<HashMap<(NodeId, u64), oneshot::Sender<()>>>,
     next_barrier: AtomicU64,
+    /// Test-only (`KVMESH_TEST_HOOK=hold-first-registration-ms:N`).
+    held: Option<Mutex<HeldFrames>>,
+}
+
+/// Test-only: the first batch that registers a fetched copy at its home
+/// is sent N ms late, behind everything sent after it (a stream that broke
+/// with the batch on it and came back), as `kvmesh-nemesis` saw happen
+/// around a flapping link. One batch per process.
+struct HeldFrames {
+    delay: Duration,
+    armed: bool,
+    frames: Vec<(Instant, NodeId, pb::Frame)>,
+}
+
+fn held_frames_hook() -> Option<Mutex<HeldFrames>> {
+    let hook = std::env::var("KVMESH_TEST_HOOK").ok()?;
+    let ms = hook.strip_prefix("hold-first-registration-ms:")?.parse::<u64>().ok()?;
+    tracing::warn!("TEST HOOK ACTIVE: the first registration batch is sent {ms} ms late");
+    Some(Mutex::new(HeldFrames { delay: Duration::from_millis(ms), armed: true, frames: Vec::new() }))
 }
 
 /// The state of the coherence stream to one peer (for `Stats`).
@@ -384,6 +403,7 @@ impl Cluster {
             etcd_status: etcd_task.as_ref().map(|t| Arc::clone(&t.2)),
             barriers: Mutex::new(HashMap::new()),
             next_barrier: AtomicU64::new(BARRIER_BASE),
+            held: held_frames_hook(),
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
@@ -477,7 +497,18 @@ impl Cluster {
             Action::Send { to, mut batch } => {
                 tracing::trace!(to, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "send batch");
                 self.note_grants(g, to, &mut batch);
-                self.send_frame(to, pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) });
+                let frame = pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) };
+                if let Some(h) = &self.held {
+                    let mut h = h.lock();
+                    if h.armed && batch.msgs.iter().any(|m| matches!(m, Msg::AddHolderReq { .. })) {
+                        h.armed = false;
+                        tracing::warn!(to, delay = ?h.delay, msgs = ?batch.msgs, "TEST HOOK: holding a registration batch");
+                        let due = Instant::now() + h.delay;
+                        h.frames.push((due, to, frame));
+                        return;
+                    }
+                }
+                self.send_frame(to, frame);
             }
             Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
                 Some(dest) => {
@@ -1246,10 +1277,26 @@ impl Cluster {
             if now >= next_housekeeping {
                 next_housekeeping = now + keepalive;
                 self.housekeeping(now);
+                self.send_held_frames(now);
             }
             if next.is_some_and(|t| t <= now) {
                 self.feed(Event::Tick);
             }
+        }
+    }
+
+    /// Test-only: sends the frames the hold hook kept back, once due.
+    fn send_held_frames(&self, now: Instant) {
+        let Some(h) = &self.held else { return };
+        let due: Vec<(NodeId, pb::Frame)> = {
+            let mut h = h.lock();
+            let (due, keep) = std::mem::take(&mut h.frames).into_iter().partition(|(t, _, _)| *t <= now);
+            h.frames = keep;
+            due.into_iter().map(|(_, to, f)| (to, f)).collect()
+        };
+        for (to, f) in due {
+            tracing::warn!(to, "TEST HOOK: sending the held registration batch");
+            self.send_frame(to, f);
         }
     }
 

@@ -29,12 +29,16 @@ struct Args {
     /// Distinct keys.
     #[arg(long, default_value_t = 6)]
     keys: usize,
+    /// Read-mostly keys besides those (a fifth of client calls: 91 in 100
+    /// of those gets, 8 evictions, 1 put).
+    #[arg(long, default_value_t = 4)]
+    cold_keys: usize,
     /// Slots per node.
     #[arg(long, default_value_t = 8)]
     slots: usize,
     /// Plant a bug: skip-ack-wait, skip-validation, reuse-granted-slot,
     /// ack-without-invalidate, coordinator-no-wait, etcd-short-ttl,
-    /// leave-before-stop.
+    /// leave-before-stop, lookup-counts-pending-put, take-late-registration.
     #[arg(long)]
     inject_bug: Option<String>,
     /// Membership: `static` (the coordinator on node 0) or `etcd` (a model
@@ -52,6 +56,15 @@ struct Args {
     /// Batches per thousand delayed 20-300 ms (the long tail).
     #[arg(long, default_value_t = 4)]
     long_delay_per_mille: u32,
+    /// Sends per thousand that find their stream broken: the link's
+    /// batches for up to two operation timeouts arrive late, behind newer
+    /// ones.
+    #[arg(long, default_value_t = 1)]
+    stuck_link_per_mille: u32,
+    /// Batches per thousand delivered once more, one to three operation
+    /// timeouts later.
+    #[arg(long, default_value_t = 10)]
+    late_duplicate_per_mille: u32,
     /// Print every event of every seed (use with --seeds 1).
     #[arg(long)]
     verbose: bool,
@@ -79,8 +92,10 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    if a.long_delay_per_mille > 1000 {
-        eprintln!("kvmesh-sim: --long-delay-per-mille must be at most 1000");
+    if a.long_delay_per_mille > 1000 || a.stuck_link_per_mille > 1000 || a.late_duplicate_per_mille > 1000 {
+        eprintln!(
+            "kvmesh-sim: --long-delay-per-mille, --stuck-link-per-mille and --late-duplicate-per-mille must be at most 1000"
+        );
         return std::process::ExitCode::from(2);
     }
     if a.check_every == 0 {
@@ -90,6 +105,7 @@ fn main() -> std::process::ExitCode {
     let cfg = SimConfig {
         nodes: a.nodes,
         keys: a.keys,
+        cold_keys: a.cold_keys,
         slots: a.slots,
         steps: a.steps,
         bug,
@@ -97,6 +113,8 @@ fn main() -> std::process::ExitCode {
         background: a.background,
         check_every: a.check_every,
         long_delay_per_mille: a.long_delay_per_mille,
+        stuck_link_per_mille: a.stuck_link_per_mille,
+        late_duplicate_per_mille: a.late_duplicate_per_mille,
     };
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);

@@ -236,6 +236,10 @@ pub enum Bug {
     /// answered by the home) as present here: a Pending slot counted as
     /// Valid.
     LookupCountsPendingPut,
+    /// A home takes a registration of an older copy than the one the
+    /// holder has registered (a late duplicate, held on a stream that
+    /// broke and came back), replacing the live registration.
+    TakeLateRegistration,
 }
 
 impl Bug {
@@ -250,11 +254,12 @@ impl Bug {
             "etcd-short-ttl" => Bug::EtcdShortTtl,
             "leave-before-stop" => Bug::LeaveBeforeStop,
             "lookup-counts-pending-put" => Bug::LookupCountsPendingPut,
+            "take-late-registration" => Bug::TakeLateRegistration,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 8] = [
+    pub const NAMES: [&'static str; 9] = [
         "skip-ack-wait",
         "skip-validation",
         "reuse-granted-slot",
@@ -263,6 +268,7 @@ impl Bug {
         "etcd-short-ttl",
         "leave-before-stop",
         "lookup-counts-pending-put",
+        "take-late-registration",
     ];
 }
 

@@ -474,6 +474,15 @@ impl Node {
         })
     }
 
+    /// The directory entry of `key`, if this node keeps one as a home.
+    pub fn directory_entry(&self, key: &BlockKey) -> Option<DirView> {
+        self.dir.get(key).map(|e| DirView {
+            version: e.version,
+            holders: e.holders.ids().collect(),
+            changing: e.change.is_some(),
+        })
+    }
+
     /// Whether this node's directory is complete for its epoch (every
     /// member announced its copies); until then, as a home, it answers
     /// busy.
@@ -1424,7 +1433,8 @@ impl Node {
                 // the copy it holds now, and the next change would complete
                 // without invalidating it. Copy ids only grow within an
                 // incarnation; a new incarnation comes with a new view.
-                let older = self.dir.get(&key).and_then(|e| e.holders.get(from)).is_some_and(|c| c > copy);
+                let older = self.cfg.bug != Some(Bug::TakeLateRegistration)
+                    && self.dir.get(&key).and_then(|e| e.holders.get(from)).is_some_and(|c| c > copy);
                 let ok = !older
                     && self.ready
                     && self.is_home(&key)
