@@ -28,4 +28,4 @@ if [[ "${1:-}" == "--install-only" ]]; then
     exit 0
 fi
 cargo build --locked -q -p kvmeshd --bin kvmeshd
-KVMESHD="$PWD/target/debug/kvmeshd" "$VENV/bin/python" -m pytest -q python/tests
+KVMESHD="$PWD/target/debug/kvmeshd" "$VENV/bin/python" -m pytest -q -rs python/tests

@@ -245,9 +245,11 @@ def test_sglang_storage_moves_pages_between_two_host_pools(daemon):
     assert mla1.batch_set_v1(["x"], b_idx[:4]) == [True] and mla1.batch_exists(["x"]) == 0
 
 
-def fake_vllm(monkeypatch, version="0.11.0"):
+def fake_vllm(monkeypatch, version="0.33.0"):
     """A stand-in for the few vLLM names the connector imports (vLLM is not
-    installed here): the base class keeps the metadata as vLLM's does."""
+    installed in the default suite; scripts/test-connectors.sh runs the
+    connector inside vLLM itself): the base class keeps the metadata as
+    vLLM's does."""
     import enum
     import types
 
@@ -261,8 +263,9 @@ def fake_vllm(monkeypatch, version="0.11.0"):
         pass
 
     class KVConnectorBase_V1:
-        def __init__(self, vllm_config, role):
+        def __init__(self, vllm_config, role, kv_cache_config):
             self._vllm_config, self._role, self._connector_metadata = vllm_config, role, None
+            self._kv_cache_config = kv_cache_config
 
         def bind_connector_metadata(self, m):
             self._connector_metadata = m
@@ -285,7 +288,7 @@ def fake_vllm(monkeypatch, version="0.11.0"):
 
 
 def test_the_vllm_adapter_in_vllms_call_order(daemon, monkeypatch):
-    """The connector class driven as vLLM 0.11's scheduler and worker drive
+    """The connector class driven as vLLM 0.33's scheduler and worker drive
     it (names from vLLM's API; vLLM itself is not installed here): engine
     A saves a prompt, engine B finds it, loads it into its blocks, and
     reports a chunk removed meanwhile for recompute."""
@@ -350,8 +353,8 @@ def test_the_vllm_adapter_in_vllms_call_order(daemon, monkeypatch):
 
 
 def test_the_vllm_adapter_refuses_other_vllm_versions_at_import(monkeypatch):
-    fake_vllm(monkeypatch, version="0.9.2")
-    with pytest.raises(ImportError, match="0.11"):
+    fake_vllm(monkeypatch, version="0.11.0")
+    with pytest.raises(ImportError, match="0.33"):
         import kvmesh.vllm  # noqa: F401
 
 

@@ -5,13 +5,16 @@
         "kv_connector_extra_config": {"socket": "/run/kvmesh/kvmeshd.sock",
                                       "chunk_blocks": 1}}'
 
-Written against the connector API of vLLM 0.11 (``KVConnectorBase_V1``:
-``vllm/distributed/kv_transfer/kv_connector/v1/base.py``); **not yet run
-against vLLM** (this project's test machines have neither vLLM nor a GPU):
-the logic it calls (``kvmesh.connector``: keys, plans, packing, loads and
-saves) is tested against a real daemon with NumPy arrays in vLLM's layouts,
-and replayed in vLLM's call order. Importing it with another vLLM version
-fails at import, naming the versions it was written for.
+Written against the connector API of vLLM 0.33 (``KVConnectorBase_V1``:
+``vllm/distributed/kv_transfer/kv_connector/v1/base.py``) and tested with
+vLLM 0.33.0 on CPU: ``scripts/test-connectors.sh`` runs vLLM's own
+``Scheduler`` with this connector (loaded from ``kv_connector_module_path``)
+and its worker half on CPU tensors, two engine processes with different
+``PYTHONHASHSEED`` sharing one daemon (``python/tests/test_vllm_engine.py``).
+The vLLM-independent logic (``kvmesh.connector``: keys, plans, packing,
+loads and saves) is tested in the default suite. Importing it with another
+vLLM version fails at import, naming the versions it was tested with. Run
+vLLM with ``--disable-hybrid-kv-cache-manager`` (one KV-cache group).
 
 Loads are synchronous (``start_load_kv`` loads every layer before the
 forward pass; ``wait_for_layer_load`` returns at once); saves happen in
@@ -34,7 +37,7 @@ try:
         KVConnectorRole,
     )
 except ImportError as e:  # pragma: no cover - needs vLLM
-    raise ImportError(f"kvmesh.vllm needs vLLM 0.11 (pip install 'vllm>=0.11,<0.12'): {e}") from e
+    raise ImportError(f"kvmesh.vllm needs vLLM 0.33 (pip install 'vllm==0.33.*'): {e}") from e
 
 import kvmesh
 from kvmesh import kernels
@@ -42,8 +45,8 @@ from kvmesh.connector import KeyScheme, LoadTask, Mover, Packing, Planner, SaveT
 
 __all__ = ["KvmeshConnector", "SUPPORTED_VLLM"]
 
-#: vLLM versions this connector was written for.
-SUPPORTED_VLLM = ("0.11",)
+#: vLLM versions this connector is tested with.
+SUPPORTED_VLLM = ("0.33",)
 
 if not any(vllm.__version__.startswith(v) for v in SUPPORTED_VLLM):  # pragma: no cover - needs vLLM
     raise ImportError(
@@ -71,7 +74,7 @@ def _layout_of(t: Any, use_mla: bool) -> str:
 
 class KvmeshConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
-        super().__init__(vllm_config, role)
+        super().__init__(vllm_config, role, kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
         self._extra = dict(extra)
         self._scheme_w: Optional[KeyScheme] = None
