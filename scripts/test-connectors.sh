@@ -1,31 +1,47 @@
 #!/usr/bin/env bash
 # The engine connectors inside the engines themselves (heavy: not part of
-# scripts/test.sh). Makes a virtualenv with vLLM (pinned below; its CUDA
-# build of PyTorch from the Python package registry, ~4 GB, runs on CPU
-# here), builds and installs ./python into it, builds kvmeshd, and runs
-# python/tests/test_vllm_engine.py: vLLM's own Scheduler with
-# KvmeshConnector loaded from kv_connector_module_path, two engine
-# processes with different PYTHONHASHSEED sharing one daemon.
+# scripts/test.sh). One virtualenv per engine (they pin different PyTorch
+# builds; each is the CUDA build from the Python package registry, ~4 GB,
+# and runs on CPU here), ./python built and installed into each, kvmeshd
+# built, then:
+#   - vLLM (python/tests/test_vllm_engine.py): vLLM's own Scheduler with
+#     KvmeshConnector loaded from kv_connector_module_path, two engine
+#     processes with different PYTHONHASHSEED sharing one daemon;
+#   - SGLang (python/tests/test_sglang_engine.py): KvmeshStorage created by
+#     SGLang's StorageBackendFactory ("dynamic" backend) over SGLang's host
+#     pool, a writer and a reader process.
 #
-#   scripts/test-connectors.sh            # venv in ~/.cache/kvmesh/vllm-venv
-#   KVMESH_VLLM_VENV=/path scripts/test-connectors.sh
-#
-# SGLang is not installed here yet (see docs/ENGINES.md).
+#   scripts/test-connectors.sh                 # both; venvs in ~/.cache/kvmesh
+#   scripts/test-connectors.sh vllm|sglang     # one
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VLLM_VERSION=${VLLM_VERSION:-0.33.0}
-VENV=${KVMESH_VLLM_VENV:-$HOME/.cache/kvmesh/vllm-venv}
+SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
+CACHE=${KVMESH_ENGINES_CACHE:-$HOME/.cache/kvmesh}
 PY=${PYTHON:-python3}
-if [[ ! -x "$VENV/bin/python" ]]; then
-    "$PY" -m venv "$VENV"
-fi
-pipi() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
-if ! "$VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
-    echo "test-connectors: installing vLLM $VLLM_VERSION into $VENV (several GB, once)" >&2
-    pipi "vllm==$VLLM_VERSION"
-fi
-pipi "maturin>=1.9.4,<2" "pytest>=7"
-PATH="$VENV/bin:$PATH" PYO3_PYTHON="$VENV/bin/python" MATURIN_PEP517_ARGS="--profile dev --locked" \
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps --force-reinstall ./python
+which=${1:-all}
+
+venv() { # name package version -> prints the venv's python
+    local dir="$CACHE/$1-venv" pkg=$2 version=$3
+    [[ -x "$dir/bin/python" ]] || "$PY" -m venv "$dir"
+    if ! "$dir/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('$pkg') != '$version')" 2>/dev/null; then
+        echo "test-connectors: installing $pkg $version into $dir (several GB, once)" >&2
+        "$dir/bin/python" -m pip install -q --disable-pip-version-check "$pkg==$version" >&2
+    fi
+    "$dir/bin/python" -m pip install -q --disable-pip-version-check "maturin>=1.9.4,<2" "pytest>=7" >&2
+    PATH="$dir/bin:$PATH" PYO3_PYTHON="$dir/bin/python" MATURIN_PEP517_ARGS="--profile dev --locked" \
+        "$dir/bin/python" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps \
+        --force-reinstall ./python >&2
+    echo "$dir/bin/python"
+}
+
 cargo build --locked -q -p kvmeshd --bin kvmeshd
-KVMESHD="$PWD/target/debug/kvmeshd" "$VENV/bin/python" -m pytest -q -rs python/tests/test_vllm_engine.py "$@"
+export KVMESHD="$PWD/target/debug/kvmeshd"
+if [[ $which == all || $which == vllm ]]; then
+    py=$(venv vllm vllm "$VLLM_VERSION")
+    "$py" -m pytest -q -rs python/tests/test_vllm_engine.py
+fi
+if [[ $which == all || $which == sglang ]]; then
+    py=$(venv sglang sglang "$SGLANG_VERSION")
+    "$py" -m pytest -q -rs python/tests/test_sglang_engine.py
+fi

@@ -18,10 +18,13 @@ the namespace names the model, the rank (MLA: one for all ranks, rank 0
 writes) and the page size in bytes.
 
 Written against SGLang's ``HiCacheStorage`` (``sglang/srt/mem_cache/
-hicache_storage.py``, late 2025); **not yet run inside SGLang** (no SGLang
-here): its methods are tested against a real daemon with a host pool that
-implements ``get_page_buffer_meta`` over NumPy memory. Without SGLang
-installed the class derives from ``object`` so that it can be tested.
+hicache_storage.py``) and tested with SGLang 0.5.23 on CPU
+(``scripts/test-connectors.sh``: created by SGLang's
+``StorageBackendFactory`` over SGLang's own ``MHATokenToKVPoolHost``, two
+processes with different ``PYTHONHASHSEED``); the default suite tests its
+methods against a host pool that implements ``get_page_buffer_meta`` over
+NumPy memory. Without SGLang installed the class derives from ``object``
+so that it can be tested.
 """
 
 from __future__ import annotations
