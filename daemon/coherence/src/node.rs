@@ -322,6 +322,11 @@ pub struct Node {
     next_grant: u64,
     ops: BTreeMap<OpId, Op>,
     fetching: BTreeMap<BlockKey, OpId>,
+    /// Gets that ended while their one-sided read was in flight: the
+    /// holder and grant to release when the read completes (until then the
+    /// holder's slot must stay as granted). At most one per read in flight;
+    /// the driver answers every `StartRead` with a `TransferDone`.
+    abandoned_reads: BTreeMap<OpId, (NodeId, SlotRef, u64)>,
     writes: BTreeMap<BlockKey, OpId>,
     /// Home: directory entries (hashed, as `copies`).
     dir: FxHashMap<BlockKey, DirEntry>,
@@ -384,6 +389,7 @@ impl Node {
             next_grant: 0,
             ops: BTreeMap::new(),
             fetching: BTreeMap::new(),
+            abandoned_reads: BTreeMap::new(),
             writes: BTreeMap::new(),
             dir: FxHashMap::with_capacity_and_hasher(expected, Default::default()),
             announced: BTreeSet::new(),
@@ -1023,6 +1029,13 @@ impl Node {
 
     /// Ends a get (and the gets waiting on it).
     fn finish_get(&mut self, op: OpId, outcome: Outcome) {
+        if let Some((&mut GetStage::Reading { holder, remote, grant, .. }, _, _)) = self.get_stage(op) {
+            // The read still runs: its grant is released when it ends
+            // (bounded: past `ops_max` the grant lease frees the slot).
+            if self.abandoned_reads.len() < self.cfg.ops_max {
+                self.abandoned_reads.insert(op, (holder, remote, grant));
+            }
+        }
         let Some(o) = self.remove_op(op) else { return };
         let OpKind::Get { key, waiters, .. } = o.kind else { unreachable!("finish_get on a non-get") };
         if self.fetching.get(&key) == Some(&op) {
@@ -1054,7 +1067,14 @@ impl Node {
             }
         };
         let Some((stage, key, doomed)) = self.get_stage(op) else {
-            return free_dest(self); // the get ended meanwhile
+            // The get ended meanwhile: release the holder's grant now that
+            // the read is over (not before: the holder must not reuse the
+            // slot under a read in flight), instead of leaving its slot
+            // held until the grant lease runs out.
+            if let Some((holder, slot, grant)) = self.abandoned_reads.remove(&op) {
+                self.send(holder, Msg::GrantRelease { slot, grant });
+            }
+            return free_dest(self);
         };
         let GetStage::Reading { holder, version, remote, expect, grant, read_deadline } = *stage else {
             return free_dest(self);

@@ -860,3 +860,43 @@ fn a_late_registration_never_unregisters_the_copy_held_now() {
         net.outcome(2, 5)
     );
 }
+
+/// A get that gives up while its one-sided read is in flight releases the
+/// holder's grant when the read ends, not when the grant lease runs out
+/// (until then the holder's slot stays pinned: under a burst of timeouts,
+/// pool memory held for nothing). Not before the read ends either: the
+/// holder must not reuse a slot under a read.
+#[test]
+fn a_get_that_gives_up_mid_read_releases_the_grant_when_the_read_ends() {
+    let cfg = Config { op_timeout_us: 200_000, grant_lease_us: 5_000_000, ..Config::default() };
+    let mut net = Net::new(3, cfg);
+    net.put(0, 1, key(7), 0xabc);
+    net.settle();
+    assert!(matches!(net.outcome(0, 1), Some(Outcome::Stored { .. })), "{:?}", net.outcome(0, 1));
+    net.drive(2, Event::ClientGet { op: 2, key: key(7) });
+    net.settle();
+    assert_eq!(net.reads.len(), 1, "the read is under way");
+    let holder = net.reads[0].2;
+    assert_eq!(net.nodes[holder as usize].metrics().grants_outstanding, 1);
+    // The read hangs past the get's deadline (membership keeps every node
+    // serving meanwhile).
+    for _ in 0..300 {
+        net.flush();
+        for n in 0..3 {
+            if let Some(sent_at) = net.last_keepalive(n) {
+                net.drive(n, Event::KeepAliveAck { sent_at });
+            }
+        }
+        net.wire.clear(); // nothing the nodes say matters here
+    }
+    assert_eq!(net.outcome(2, 2), Some(Outcome::Miss), "the get gave up");
+    assert_eq!(net.nodes[holder as usize].metrics().grants_outstanding, 1, "the read is still in flight");
+    // The read ends: the grant goes back at once.
+    net.serve_reads(false);
+    net.settle();
+    assert_eq!(
+        net.nodes[holder as usize].metrics().grants_outstanding,
+        0,
+        "the holder's grant outlived the read (released only by its 5 s lease)"
+    );
+}
