@@ -20,6 +20,13 @@ SGLANG_VERSION=${SGLANG_VERSION:-0.5.23}
 CACHE=${KVMESH_ENGINES_CACHE:-$HOME/.cache/kvmesh}
 PY=${PYTHON:-python3}
 which=${1:-all}
+case $which in
+all | vllm | sglang) ;;
+*)
+    echo "usage: scripts/test-connectors.sh [all|vllm|sglang]" >&2
+    exit 2
+    ;;
+esac
 
 venv() { # name package version -> prints the venv's python
     local dir="$CACHE/$1-venv" pkg=$2 version=$3
@@ -39,9 +46,11 @@ cargo build --locked -q -p kvmeshd --bin kvmeshd
 export KVMESHD="$PWD/target/debug/kvmeshd"
 if [[ $which == all || $which == vllm ]]; then
     py=$(venv vllm vllm "$VLLM_VERSION")
+    "$py" -c "import torch, vllm" # the tests skip without them: here that is a failure
     "$py" -m pytest -q -rs python/tests/test_vllm_engine.py
 fi
 if [[ $which == all || $which == sglang ]]; then
     py=$(venv sglang sglang "$SGLANG_VERSION")
+    "$py" -c "import torch, sglang"
     "$py" -m pytest -q -rs python/tests/test_sglang_engine.py
 fi

@@ -59,10 +59,10 @@ pub struct SimConfig {
     /// Batches (per thousand) delayed 20–300 ms: the long tail.
     pub long_delay_per_mille: u32,
     /// Sends (per thousand) that find their stream broken: every batch
-    /// the sender puts on that link for up to two operation timeouts is
-    /// held, and arrives up to two operation timeouts after the sender
-    /// has moved to a new stream, behind batches sent on the new one (a
-    /// TCP connection that comes back after its link flapped).
+    /// the sender puts on that link for up to one operation timeout is
+    /// held, and arrives one to three operation timeouts after the hold
+    /// ended, behind batches sent on the link since (a TCP connection that
+    /// comes back after its link flapped).
     pub stuck_link_per_mille: u32,
     /// Batches (per thousand) delivered once more, one to three operation
     /// timeouts later (resent on a new stream after a reconnect while the
@@ -790,7 +790,10 @@ impl World {
                     let held = match self.stuck.get(&(n, to)) {
                         Some(&(until, release)) if self.now < until => Some(release),
                         _ if self.rng.chance(self.cfg.stuck_link_per_mille as f64 / 1000.0) => {
-                            let until = self.now + self.rng.range(self.core_cfg.retransmit_us, op_timeout);
+                            // (Some seeds' op timeouts are below the
+                            // retransmit interval.)
+                            let lo = self.core_cfg.retransmit_us.min(op_timeout / 2);
+                            let until = self.now + self.rng.range(lo, op_timeout);
                             let release = until + self.rng.range(op_timeout, 3 * op_timeout);
                             self.stuck.insert((n, to), (until, release));
                             self.note(format!(

@@ -98,7 +98,7 @@ async fn run(bug: Option<&str>) -> Option<u8> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_late_registration_never_unregisters_the_copy_a_daemon_holds() {
     let served = run(None).await;
-    assert_ne!(served, Some(b'A'), "daemon 3 served the overwritten block");
+    assert_eq!(served, Some(b'B'), "daemon 3 must serve the new block (Some(b'A'): the overwritten one)");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

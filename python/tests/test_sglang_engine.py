@@ -48,12 +48,13 @@ store = StorageBackendFactory.create_backend("dynamic", cfg, host)
 assert isinstance(store, HiCacheStorage) and type(store).__name__ == "KvmeshStorage", type(store)
 store.register_mem_pool_host(host)
 
-# SGLang's page keys: a chain of hashes over token ids (here: over a
-# prompt), the same in every process.
-keys, prev = [], b""
+# SGLang's own page keys (what HiRadixCache hands storage backends): a
+# chain of hashes over each page's token ids.
+from sglang.srt.mem_cache.utils import get_hash_str
+keys, prev = [], None
 for p in range(a["pages"]):
-    prev = hashlib.sha256(prev + json.dumps(a["tokens"][p * PAGE:(p + 1) * PAGE]).encode()).digest()
-    keys.append(prev.hex())
+    prev = get_hash_str(a["tokens"][p * PAGE:(p + 1) * PAGE], prev)
+    keys.append(prev)
 
 def page_bytes(indices):
     # The pages' bytes as the pool describes them to storage backends.

@@ -57,8 +57,8 @@ struct Args {
     #[arg(long, default_value_t = 4)]
     long_delay_per_mille: u32,
     /// Sends per thousand that find their stream broken: the link's
-    /// batches for up to two operation timeouts arrive late, behind newer
-    /// ones.
+    /// batches for up to one operation timeout arrive one to three
+    /// operation timeouts later, behind newer ones.
     #[arg(long, default_value_t = 1)]
     stuck_link_per_mille: u32,
     /// Batches per thousand delivered once more, one to three operation

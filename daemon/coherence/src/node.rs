@@ -1029,13 +1029,6 @@ impl Node {
 
     /// Ends a get (and the gets waiting on it).
     fn finish_get(&mut self, op: OpId, outcome: Outcome) {
-        if let Some((&mut GetStage::Reading { holder, remote, grant, .. }, _, _)) = self.get_stage(op) {
-            // The read still runs: its grant is released when it ends
-            // (bounded: past `ops_max` the grant lease frees the slot).
-            if self.abandoned_reads.len() < self.cfg.ops_max {
-                self.abandoned_reads.insert(op, (holder, remote, grant));
-            }
-        }
         let Some(o) = self.remove_op(op) else { return };
         let OpKind::Get { key, waiters, .. } = o.kind else { unreachable!("finish_get on a non-get") };
         if self.fetching.get(&key) == Some(&op) {
@@ -1287,7 +1280,14 @@ impl Node {
         match &o.kind {
             OpKind::Get { stage, .. } => {
                 match *stage {
-                    GetStage::Reading { .. } => {} // TransferDone will free the slot
+                    // The read still runs: TransferDone will free the slot
+                    // and release the grant (bounded: past `ops_max` the
+                    // grant lease frees the holder's slot).
+                    GetStage::Reading { holder, remote, grant, .. }
+                        if self.abandoned_reads.len() < self.cfg.ops_max =>
+                    {
+                        self.abandoned_reads.insert(id, (holder, remote, grant));
+                    }
                     GetStage::Registering { dest, .. } => self.unreference(dest),
                     _ => {}
                 }
@@ -1914,7 +1914,7 @@ impl Node {
                     self.get_stage(op),
                     Some((GetStage::Reading { remote, grant: g, holder: h, .. }, _, _))
                         if *remote == slot && *g == grant && *h == holder
-                );
+                ) || self.abandoned_reads.get(&op) == Some(&(holder, slot, grant));
                 if !in_use {
                     self.send(holder, Msg::GrantRelease { slot, grant });
                 }
