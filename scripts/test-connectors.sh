@@ -42,15 +42,28 @@ venv() { # name package version -> prints the venv's python
     echo "$dir/bin/python"
 }
 
+# SGLang compiles its page-hash extension at first use (torch's JIT: g++,
+# ninja from its virtualenv, OpenSSL's libcrypto headers).
+need=()
+for p in g++ libssl-dev; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
+done
+if ((${#need[@]})); then
+    echo "test-connectors: installing ${need[*]}" >&2
+    SUDO=""
+    [[ $(id -u) -ne 0 ]] && SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
 cargo build --locked -q -p kvmeshd --bin kvmeshd
 export KVMESHD="$PWD/target/debug/kvmeshd"
 if [[ $which == all || $which == vllm ]]; then
     py=$(venv vllm vllm "$VLLM_VERSION")
     "$py" -c "import torch, vllm" # the tests skip without them: here that is a failure
-    "$py" -m pytest -q -rs python/tests/test_vllm_engine.py
+    PATH="$(dirname "$py"):$PATH" "$py" -m pytest -q -rs python/tests/test_vllm_engine.py
 fi
 if [[ $which == all || $which == sglang ]]; then
     py=$(venv sglang sglang "$SGLANG_VERSION")
     "$py" -c "import torch, sglang"
-    "$py" -m pytest -q -rs python/tests/test_sglang_engine.py
+    PATH="$(dirname "$py"):$PATH" "$py" -m pytest -q -rs python/tests/test_sglang_engine.py
 fi
