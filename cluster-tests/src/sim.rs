@@ -1716,8 +1716,7 @@ impl World {
             for (k, v) in copies {
                 let Some(h) = core.view().home_of(&k) else { continue };
                 let Some(home) = self.nodes[h as usize].core.as_ref() else { continue };
-                if h == i as NodeId
-                    || home.view().epoch != core.view().epoch
+                if home.view().epoch != core.view().epoch
                     || !home.directory_ready()
                     || !home.serving_at(self.nodes[h as usize].clock.local(self.now))
                 {
