@@ -812,16 +812,13 @@ impl World {
                         self.push(d, Ev::Deliver { to, from: n, batch });
                         return;
                     }
-                }
-                if self.faults
-                    && self.reachable(n)
-                    && self.rng.chance(self.cfg.late_duplicate_per_mille as f64 / 1000.0)
-                {
-                    // Delivered once more, long after (sent again on a new
-                    // stream after a reconnect, the old one also got through).
-                    let op_timeout = self.core_cfg.op_timeout_us;
-                    let d = self.rng.range(op_timeout, 3 * op_timeout);
-                    self.push(d, Ev::Deliver { to, from: n, batch: batch.clone() });
+                    if self.rng.chance(self.cfg.late_duplicate_per_mille as f64 / 1000.0) {
+                        // Delivered once more, long after (sent again on a
+                        // new stream after a reconnect, the old one also
+                        // got through).
+                        let d = self.rng.range(op_timeout, 3 * op_timeout);
+                        self.push(d, Ev::Deliver { to, from: n, batch: batch.clone() });
+                    }
                 }
                 if !self.faults || (self.rng.chance(0.97) && self.reachable(n)) {
                     let copies = if self.faults && self.rng.chance(0.03) { 2 } else { 1 };
@@ -1696,44 +1693,8 @@ impl World {
                 } else {
                     seen.insert(k, (v, i as NodeId));
                 }
-            }
-        }
-        // REG: a Valid copy on a serving node is registered at its home
-        // (when the home is ready in the same epoch and the key is not
-        // changing): a home that forgot a holder completes the next change
-        // without invalidating it (S3 then catches it, but only if the
-        // copy outlives that change).
-        for (i, sn) in self.nodes.iter().enumerate() {
-            let Some(core) = &sn.core else { continue };
-            if !core.serving_at(sn.clock.local(self.now)) {
-                continue;
-            }
-            let copies: Vec<(BlockKey, u64)> = if full {
-                core.copies().map(|(k, v, _)| (k, v)).collect()
-            } else {
-                keys.iter().filter_map(|k| core.copy_of(k).map(|(v, _)| (*k, v))).collect()
-            };
-            for (k, v) in copies {
-                let Some(h) = core.view().home_of(&k) else { continue };
-                let Some(home) = self.nodes[h as usize].core.as_ref() else { continue };
-                if home.view().epoch != core.view().epoch
-                    || !home.directory_ready()
-                    || !home.serving_at(self.nodes[h as usize].clock.local(self.now))
-                {
-                    continue;
-                }
-                let entry = home.directory_entry(&k);
-                if entry.as_ref().is_some_and(|e| e.version != v || e.changing) {
-                    continue;
-                }
-                if entry.as_ref().is_none_or(|e| !e.holders.contains(&(i as NodeId))) {
-                    return Err(self.violation(
-                        "REG",
-                        format!(
-                            "node {i} holds {:?} v{v:#x} Valid; its home, node {h}, does not list it: {entry:?}",
-                            { k.key }
-                        ),
-                    ));
+                if let Some(detail) = self.unregistered(i as NodeId, core, k, v) {
+                    return Err(self.violation("REG", detail));
                 }
             }
         }
@@ -1765,6 +1726,29 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// REG: a Valid copy on a serving node is registered at its home
+    /// (when the home is ready and serving in the same epoch and the key is
+    /// not changing): a home that forgot a holder completes the next change
+    /// without invalidating it (S3 then catches it, but only if the copy
+    /// outlives that change). What is wrong, if anything.
+    fn unregistered(&self, i: NodeId, core: &Node, k: BlockKey, v: u64) -> Option<String> {
+        let h = core.view().home_of(&k)?;
+        let home = self.nodes[h as usize].core.as_ref()?;
+        if home.view().epoch != core.view().epoch
+            || !home.directory_ready()
+            || !home.serving_at(self.nodes[h as usize].clock.local(self.now))
+        {
+            return None;
+        }
+        let entry = home.directory_entry(&k);
+        match &entry {
+            Some(e) if e.version != v || e.changing || e.holders.contains(&i) => None,
+            _ => Some(format!("node {i} holds {:?} v{v:#x} Valid; its home, node {h}, does not list it: {entry:?}", {
+                k.key
+            })),
+        }
     }
 
     /// Processes one event. `Ok(false)` when the queue is empty.

@@ -211,24 +211,26 @@ pub struct Cluster {
     barriers: Mutex<HashMap<(NodeId, u64), oneshot::Sender<()>>>,
     next_barrier: AtomicU64,
     /// Test-only (`KVMESH_TEST_HOOK=hold-first-registration-ms:N`).
-    held: Option<Mutex<HeldFrames>>,
+    held: Option<Mutex<HeldFrame>>,
 }
 
 /// Test-only: the first batch that registers a fetched copy at its home
 /// is sent N ms late, behind everything sent after it (a stream that broke
 /// with the batch on it and came back), as `kvmesh-nemesis` saw happen
 /// around a flapping link. One batch per process.
-struct HeldFrames {
-    delay: Duration,
-    armed: bool,
-    frames: Vec<(Instant, NodeId, pb::Frame)>,
+enum HeldFrame {
+    /// Waiting for the first registration: hold it this long.
+    Armed(Duration),
+    /// Held: send it to the peer at that time.
+    Holding(Instant, NodeId, pb::Frame),
+    Sent,
 }
 
-fn held_frames_hook() -> Option<Mutex<HeldFrames>> {
+fn held_frame_hook() -> Option<Mutex<HeldFrame>> {
     let hook = std::env::var("KVMESH_TEST_HOOK").ok()?;
     let ms = hook.strip_prefix("hold-first-registration-ms:")?.parse::<u64>().ok()?;
     tracing::warn!("TEST HOOK ACTIVE: the first registration batch is sent {ms} ms late");
-    Some(Mutex::new(HeldFrames { delay: Duration::from_millis(ms), armed: true, frames: Vec::new() }))
+    Some(Mutex::new(HeldFrame::Armed(Duration::from_millis(ms))))
 }
 
 /// The state of the coherence stream to one peer (for `Stats`).
@@ -403,7 +405,7 @@ impl Cluster {
             etcd_status: etcd_task.as_ref().map(|t| Arc::clone(&t.2)),
             barriers: Mutex::new(HashMap::new()),
             next_barrier: AtomicU64::new(BARRIER_BASE),
-            held: held_frames_hook(),
+            held: held_frame_hook(),
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
@@ -500,11 +502,11 @@ impl Cluster {
                 let frame = pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) };
                 if let Some(h) = &self.held {
                     let mut h = h.lock();
-                    if h.armed && batch.msgs.iter().any(|m| matches!(m, Msg::AddHolderReq { .. })) {
-                        h.armed = false;
-                        tracing::warn!(to, delay = ?h.delay, msgs = ?batch.msgs, "TEST HOOK: holding a registration batch");
-                        let due = Instant::now() + h.delay;
-                        h.frames.push((due, to, frame));
+                    if let HeldFrame::Armed(delay) = *h
+                        && batch.msgs.iter().any(|m| matches!(m, Msg::AddHolderReq { .. }))
+                    {
+                        tracing::warn!(to, ?delay, msgs = ?batch.msgs, "TEST HOOK: holding a registration batch");
+                        *h = HeldFrame::Holding(Instant::now() + delay, to, frame);
                         return;
                     }
                 }
@@ -1277,7 +1279,7 @@ impl Cluster {
             if now >= next_housekeeping {
                 next_housekeeping = now + keepalive;
                 self.housekeeping(now);
-                self.send_held_frames(now);
+                self.send_held_frame(now);
             }
             if next.is_some_and(|t| t <= now) {
                 self.feed(Event::Tick);
@@ -1285,16 +1287,20 @@ impl Cluster {
         }
     }
 
-    /// Test-only: sends the frames the hold hook kept back, once due.
-    fn send_held_frames(&self, now: Instant) {
+    /// Test-only: sends the frame the hold hook kept back, once due.
+    fn send_held_frame(&self, now: Instant) {
         let Some(h) = &self.held else { return };
-        let due: Vec<(NodeId, pb::Frame)> = {
+        let due = {
             let mut h = h.lock();
-            let (due, keep) = std::mem::take(&mut h.frames).into_iter().partition(|(t, _, _)| *t <= now);
-            h.frames = keep;
-            due.into_iter().map(|(_, to, f)| (to, f)).collect()
+            match std::mem::replace(&mut *h, HeldFrame::Sent) {
+                HeldFrame::Holding(at, to, f) if at <= now => Some((to, f)),
+                other => {
+                    *h = other;
+                    None
+                }
+            }
         };
-        for (to, f) in due {
+        if let Some((to, f)) = due {
             tracing::warn!(to, "TEST HOOK: sending the held registration batch");
             self.send_frame(to, f);
         }

@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -30,9 +29,10 @@ HEADS, DIM = 2, 8
 NUM_BLOCKS = 64
 
 
-def _model_dir() -> str:
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
     """A tiny Llama config: vLLM's ModelConfig reads it; no weights."""
-    d = tempfile.mkdtemp(prefix="kvmesh-vllm-model-")
+    d = str(tmp_path_factory.mktemp("kvmesh-vllm-model"))
     cfg = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -166,9 +166,9 @@ print(json.dumps({"external_tokens": external, "computed_here": computed_here, "
 '''
 
 
-def _engine(daemon, prompt, hashseed: str) -> dict:
+def _engine(daemon, model: str, prompt, hashseed: str) -> dict:
     args = {"block": BLOCK, "layers": list(LAYERS), "heads": HEADS, "dim": DIM, "num_blocks": NUM_BLOCKS,
-            "model": _MODEL, "socket": daemon.socket, "prompt": prompt}
+            "model": model, "socket": daemon.socket, "prompt": prompt}
     env = dict(os.environ, PYTHONHASHSEED=hashseed, VLLM_LOGGING_LEVEL="WARNING")
     p = subprocess.run([sys.executable, "-c", ENGINE, json.dumps(args)], env=env, capture_output=True, text=True,
                        timeout=600)
@@ -176,25 +176,15 @@ def _engine(daemon, prompt, hashseed: str) -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-_MODEL = ""
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    global _MODEL
-    _MODEL = _model_dir()
-    return _MODEL
-
-
 def test_second_engine_loads_the_prefix_the_first_computed(daemon, model_dir):
     prompt = [(i * 37 + 11) % 997 for i in range(5 * BLOCK + 3)]  # 5 full blocks and a tail
-    first = _engine(daemon, prompt, "1")
+    first = _engine(daemon, model_dir, prompt, "1")
     print("first engine:", first)
     assert first["external_tokens"] == 0, first  # nothing cached yet
     assert first["computed_here"] >= len(prompt), first
     assert first["mismatched"] == 0, first
 
-    second = _engine(daemon, prompt, "2")  # another process, another hash seed
+    second = _engine(daemon, model_dir, prompt, "2")  # another process, another hash seed
     print("second engine:", second)
     # The 5 full blocks are cached; vLLM computes the tail (and at least one
     # token) itself.
@@ -203,6 +193,6 @@ def test_second_engine_loads_the_prefix_the_first_computed(daemon, model_dir):
     assert second["load_errors"] == [], second
     assert second["mismatched"] == 0, second  # the loaded pages hold the first engine's bytes
 
-    other = _engine(daemon, [p + 1 for p in prompt], "3")  # a different prompt: no hit
+    other = _engine(daemon, model_dir, [p + 1 for p in prompt], "3")  # a different prompt: no hit
     print("third engine (another prompt):", other)
     assert other["external_tokens"] == 0, other

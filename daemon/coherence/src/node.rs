@@ -217,6 +217,12 @@ struct DirEntry {
     change: Option<Box<Change>>,
 }
 
+impl DirEntry {
+    fn view(&self) -> DirView {
+        DirView { version: self.version, holders: self.holders.ids().collect(), changing: self.change.is_some() }
+    }
+}
+
 #[derive(Debug, Default)]
 struct OutQueue {
     msgs: Vec<Msg>,
@@ -475,18 +481,12 @@ impl Node {
 
     /// The directory entries this node keeps as a home.
     pub fn directory(&self) -> impl Iterator<Item = (BlockKey, DirView)> + '_ {
-        self.dir.iter().map(|(k, e)| {
-            (*k, DirView { version: e.version, holders: e.holders.ids().collect(), changing: e.change.is_some() })
-        })
+        self.dir.iter().map(|(k, e)| (*k, e.view()))
     }
 
     /// The directory entry of `key`, if this node keeps one as a home.
     pub fn directory_entry(&self, key: &BlockKey) -> Option<DirView> {
-        self.dir.get(key).map(|e| DirView {
-            version: e.version,
-            holders: e.holders.ids().collect(),
-            changing: e.change.is_some(),
-        })
+        self.dir.get(key).map(DirEntry::view)
     }
 
     /// Whether this node's directory is complete for its epoch (every
