@@ -31,8 +31,21 @@ use kvmesh_client::{Allocation, Client, Key, Namespace};
 #[derive(Parser)]
 #[command(about = "kvmesh benchmarks")]
 struct Args {
+    /// How the daemons the bench starts carry coherence batches between
+    /// them (`peer.control`): `auto` (UCX active messages) or `grpc` (the
+    /// peer streams), to compare the two.
+    #[arg(long, global = true, default_value = "auto", value_parser = ["auto", "grpc"])]
+    peer_control: String,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// `--peer-control`, for the configs of the daemons the bench starts.
+static PEER_CONTROL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// The `[peer]` line that sets `peer.control` as `--peer-control` asks.
+pub(crate) fn peer_control_line() -> String {
+    format!("control = \"{}\"\n", PEER_CONTROL.get().map_or("auto", |s| s.as_str()))
 }
 
 /// Arrival process of `load`.
@@ -350,6 +363,7 @@ enum Cmd {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let _ = PEER_CONTROL.set(args.peer_control.clone());
     // As the daemon does, before any thread starts, where tcp may be used:
     // the raw UCX loops and the daemons (children inherit it) run with the
     // same UCX settings.
@@ -573,8 +587,9 @@ pub(crate) fn start_sm_cluster(tag: &str, nodes: u32, node_extra: &str) -> anyho
     let mut out = Vec::new();
     for id in 1..=nodes {
         let mut cfg = format!(
-            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\ntls = {{ mode = \"off\" }}\n{node_extra}\n",
-            ports[id as usize - 1]
+            "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"sm\"\ntls = {{ mode = \"off\" }}\n{}{node_extra}\n",
+            ports[id as usize - 1],
+            peer_control_line()
         );
         for (i, p) in ports.iter().enumerate() {
             if i as u32 + 1 != id {

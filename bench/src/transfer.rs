@@ -348,8 +348,9 @@ pub(crate) fn start_pair(
     let cfg = |id: u32, me: u16, other: u16, extra: &str| {
         format!(
             "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{me}\"\ntransports = \"{transport}\"\ntransfer_timeout_ms = 10000\n\
-             tls = {{ mode = \"off\" }}\n\
+             tls = {{ mode = \"off\" }}\n{}\
              grant_lease_ms = 20000\n[[peers]]\nid = {}\naddr = \"127.0.0.1:{other}\"\n{pools}{extra}",
+            crate::peer_control_line(),
             3 - id
         )
     };

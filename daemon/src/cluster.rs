@@ -48,7 +48,7 @@ use tokio::sync::{Notify, mpsc, oneshot};
 use tonic::Status;
 
 use crate::config::{CoherenceConfig, MembershipConfig, PeerEntry};
-use crate::dataplane::{Mode, TransferItem, TransferOutcome};
+use crate::dataplane::{Control, Mode, TransferItem, TransferOutcome};
 use crate::peers::{Peers, TestHook};
 use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
 use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
@@ -212,6 +212,10 @@ pub struct Cluster {
     next_barrier: AtomicU64,
     /// Test-only (`KVMESH_TEST_HOOK=hold-first-registration-ms:N`).
     held: Option<Mutex<HeldFrame>>,
+    /// Coherence batches go as UCX active messages where the data plane
+    /// has an endpoint to the peer (`peer.control`); gRPC streams carry
+    /// the rest (membership, pings, batches too big or without endpoint).
+    control_ucx: bool,
 }
 
 /// Test-only: the first batch that registers a fetched copy at its home
@@ -364,6 +368,16 @@ impl Cluster {
                 "membership coordinator: no lease and no view until every lease a previous incarnation could have granted has run out"
             );
         }
+        // Batches over UCX only without peer TLS: an active message's
+        // sender is its own claim, as on a peer stream without TLS.
+        let control_ucx = match peers.config().control.as_str() {
+            "grpc" => false,
+            _ => peers.tls().is_none(),
+        };
+        tracing::info!(
+            over = if control_ucx { "UCX active messages (gRPC streams where no endpoint)" } else { "gRPC streams" },
+            "coherence batches"
+        );
         store.lock().set_coherent();
         let mut links = HashMap::new();
         let mut link_stats = HashMap::new();
@@ -406,9 +420,23 @@ impl Cluster {
             barriers: Mutex::new(HashMap::new()),
             next_barrier: AtomicU64::new(BARRIER_BASE),
             held: held_frame_hook(),
+            control_ucx,
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
+        }
+        if control_ucx {
+            // Handled on the data-plane thread as they arrive (no hop to a
+            // task); what they start on the runtime starts there. Weak: the
+            // data plane (owned through `peers`) holds the closure.
+            let weak = Arc::downgrade(&cluster);
+            let runtime = tokio::runtime::Handle::current();
+            cluster.peers.dataplane().serve_control(Box::new(move |msgs| {
+                if let Some(c) = weak.upgrade() {
+                    let _entered = runtime.enter();
+                    c.on_controls(msgs);
+                }
+            }));
         }
         tokio::spawn(Arc::clone(&cluster).timer_task());
         if let Some((settings, rx, status)) = etcd_task {
@@ -510,7 +538,8 @@ impl Cluster {
                         return;
                     }
                 }
-                self.send_frame(to, frame);
+                let incarnation = g.node.view().members.iter().find(|m| m.id == to).map(|m| m.incarnation);
+                self.send_batch(to, incarnation, frame);
             }
             Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
                 Some(dest) => {
@@ -608,7 +637,12 @@ impl Cluster {
 
     /// Carries out what the membership service asks; views and local acks
     /// become core events (`queue`).
-    fn membership_actions(&self, g: &mut Inner, actions: Vec<MembershipAction>, queue: &mut VecDeque<Event>) {
+    fn membership_actions(
+        self: &Arc<Self>,
+        g: &mut Inner,
+        actions: Vec<MembershipAction>,
+        queue: &mut VecDeque<Event>,
+    ) {
         use pb::frame::Body;
         for a in actions {
             match a {
@@ -639,6 +673,7 @@ impl Cluster {
                 }
                 MembershipAction::Publish(view) => {
                     self.publish_view(&view);
+                    self.renew_stale_handshakes(view.clone());
                     g.epoch_seen = g.epoch_seen.max(view.epoch);
                     queue.push_back(Event::View(view));
                 }
@@ -705,6 +740,21 @@ impl Cluster {
                 let _ = st.unpin(PEER_SESSION_BASE + from as u64, chunk);
             }
         }
+    }
+
+    /// Sends a coherence batch for `to` (at `incarnation` in this node's
+    /// view): as a UCX active message when the data plane has an endpoint
+    /// to that incarnation, else on the peer's gRPC stream.
+    fn send_batch(&self, to: NodeId, incarnation: Option<u64>, f: pb::Frame) {
+        if self.control_ucx
+            && let Some(inc) = incarnation
+            && let Some(pb::frame::Body::Batch(bytes)) = &f.body
+            && self.links.contains_key(&to)
+            && self.peers.dataplane().send_control(to, inc, self.id, bytes)
+        {
+            return;
+        }
+        self.send_frame(to, f);
     }
 
     fn send_frame(&self, to: NodeId, f: pb::Frame) {
@@ -1074,9 +1124,7 @@ impl Cluster {
                         if let Some(l) = stats {
                             l.last_pong_us.store(self.now_us().max(1), Ordering::Relaxed);
                         }
-                        if x >= BARRIER_BASE && let Some(w) = self.barriers.lock().remove(&(entry.id, x)) {
-                            let _ = w.send(());
-                        }
+                        self.pong_received(entry.id, x);
                     }
                     Ok(Some(_)) => {}
                     Ok(None) => return Err("peer closed the stream".into()),
@@ -1149,6 +1197,63 @@ impl Cluster {
         Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
     }
 
+    /// Handles the coherence messages peers sent as UCX active messages
+    /// (see `send_batch`), on the data-plane thread, those of one of its
+    /// turns together: their answers leave together when they are done.
+    fn on_controls(self: &Arc<Self>, msgs: Vec<Control>) {
+        for c in msgs {
+            match c {
+                Control::Batch { from, .. } | Control::Ping { from, .. } | Control::Pong { from, .. }
+                    if !self.links.contains_key(&from) =>
+                {
+                    self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = from, "coherence message from a node not in [[peers]] dropped");
+                }
+                Control::Batch { from, batch } => self.on_batch(from, &batch),
+                Control::Ping { from, seq } => {
+                    // Behind every batch the endpoint carried before it,
+                    // all handled by now (they are handled in order).
+                    if !self.peers.dataplane().send_pong(from, self.id, seq) {
+                        self.send_frame(from, pb::Frame { body: Some(pb::frame::Body::Pong(seq)) });
+                    }
+                }
+                Control::Pong { from, seq } => self.pong_received(from, seq),
+            }
+        }
+        if self.cfg.flush_when_idle {
+            self.flush();
+            self.timer.notify_one();
+        }
+    }
+
+    /// A flush barrier's ping came back.
+    fn pong_received(&self, from: NodeId, seq: u64) {
+        if seq >= BARRIER_BASE
+            && let Some(w) = self.barriers.lock().remove(&(from, seq))
+        {
+            let _ = w.send(());
+        }
+    }
+
+    fn on_batch(self: &Arc<Self>, from: NodeId, bytes: &[u8]) {
+        match Batch::decode(bytes) {
+            Ok(batch) => {
+                tracing::trace!(from, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "received batch");
+                self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
+                {
+                    let mut g = self.inner.lock();
+                    self.release_grants(&mut g, from, &batch);
+                    self.feed_locked(&mut g, Event::Receive { from, batch });
+                }
+                self.timer.notify_one();
+            }
+            Err(e) => {
+                self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(peer = from, "undecodable coherence batch: {e}");
+            }
+        }
+    }
+
     fn on_frame(
         self: &Arc<Self>,
         from: NodeId,
@@ -1158,22 +1263,7 @@ impl Cluster {
     ) {
         use pb::frame::Body;
         match f.body {
-            Some(Body::Batch(bytes)) => match Batch::decode(&bytes) {
-                Ok(batch) => {
-                    tracing::trace!(from, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "received batch");
-                    self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
-                    {
-                        let mut g = self.inner.lock();
-                        self.release_grants(&mut g, from, &batch);
-                        self.feed_locked(&mut g, Event::Receive { from, batch });
-                    }
-                    self.timer.notify_one();
-                }
-                Err(e) => {
-                    self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = from, "undecodable coherence batch: {e}");
-                }
-            },
+            Some(Body::Batch(bytes)) => self.on_batch(from, &bytes),
             Some(Body::Keepalive(ka)) => {
                 let ka = KeepAlive {
                     node: from,
@@ -1214,7 +1304,9 @@ impl Cluster {
             Some(Body::Ping(x)) => {
                 let _ = pong.try_send(Ok(pb::Frame { body: Some(Body::Pong(x)) }));
             }
-            Some(Body::Hello(_)) | Some(Body::Pong(_)) | None => {
+            // A ping that came as an active message, answered on the stream.
+            Some(Body::Pong(x)) => self.pong_received(from, x),
+            Some(Body::Hello(_)) | None => {
                 tracing::debug!(peer = from, incarnation, "unexpected frame on a coherence stream");
             }
         }
@@ -1244,21 +1336,27 @@ impl Cluster {
         };
         self.timer.notify_one();
         if newer {
-            // Handshakes with members that restarted are stale.
-            let me = Arc::clone(self);
-            tokio::spawn(async move {
-                for m in &view.members {
-                    if m.id == me.id {
-                        continue;
-                    }
-                    if let Some((inc, _, _)) = me.peers.conn_info(m.id).await
-                        && inc != m.incarnation
-                    {
-                        me.peers.reset(m.id).await;
-                    }
-                }
-            });
+            self.renew_stale_handshakes(view);
         }
+    }
+
+    /// Handshakes with members of `view` that restarted are stale: forgets
+    /// them (the background task shakes hands with the new incarnation,
+    /// which gives the data plane an endpoint to it).
+    fn renew_stale_handshakes(self: &Arc<Self>, view: View) {
+        let me = Arc::clone(self);
+        tokio::spawn(async move {
+            for m in &view.members {
+                if m.id == me.id {
+                    continue;
+                }
+                if let Some((inc, _, _)) = me.peers.conn_info(m.id).await
+                    && inc != m.incarnation
+                {
+                    me.peers.reset(m.id).await;
+                }
+            }
+        });
     }
 
     /// Wakes the core when it needs time to pass: `Node::next_timeout` is
@@ -1617,7 +1715,7 @@ impl Cluster {
         let deadline = tokio::time::Instant::now() + wait;
         let bug = planted_bug() == Some(kvmesh_coherence::Bug::LeaveBeforeStop);
         let mut report = LeaveReport::default();
-        let peers: Vec<NodeId> = {
+        let peers: Vec<(NodeId, u64)> = {
             let mut g = self.inner.lock();
             if bug {
                 tracing::warn!("PLANTED BUG leave-before-stop: asking the membership first");
@@ -1628,7 +1726,7 @@ impl Cluster {
             }
             let actions = g.membership.leave(self.id, self.incarnation, self.now_us());
             self.run_membership(&mut g, actions);
-            g.node.view().members.iter().map(|m| m.id).filter(|&m| m != self.id).collect()
+            g.node.view().members.iter().filter(|m| m.id != self.id).map(|m| (m.id, m.incarnation)).collect()
         };
         self.timer.notify_one();
         if bug {
@@ -1639,16 +1737,31 @@ impl Cluster {
             self.flush_locked(&mut g);
         }
         report.peers = peers.len();
+        // A ping behind what went on each path to the peer: its stream,
+        // and its data-plane endpoint where batches went that way.
         let mut waits = Vec::new();
-        for p in peers {
-            let seq = self.next_barrier.fetch_add(1, Ordering::Relaxed);
-            let (tx, rx) = oneshot::channel();
-            self.barriers.lock().insert((p, seq), tx);
-            self.send_frame(p, pb::Frame { body: Some(pb::frame::Body::Ping(seq)) });
-            waits.push(rx);
+        for (p, incarnation) in peers {
+            let mut rxs = Vec::new();
+            for ucx in [false, true] {
+                let seq = self.next_barrier.fetch_add(1, Ordering::Relaxed);
+                let (tx, rx) = oneshot::channel();
+                self.barriers.lock().insert((p, seq), tx);
+                if !ucx {
+                    self.send_frame(p, pb::Frame { body: Some(pb::frame::Body::Ping(seq)) });
+                } else if !(self.control_ucx && self.peers.dataplane().send_ping(p, incarnation, self.id, seq)) {
+                    self.barriers.lock().remove(&(p, seq));
+                    continue;
+                }
+                rxs.push(rx);
+            }
+            waits.push(rxs);
         }
-        for rx in waits {
-            if matches!(tokio::time::timeout_at(deadline, rx).await, Ok(Ok(()))) {
+        for rxs in waits {
+            let mut confirmed = true;
+            for rx in rxs {
+                confirmed &= matches!(tokio::time::timeout_at(deadline, rx).await, Ok(Ok(())));
+            }
+            if confirmed {
                 report.peers_confirmed += 1;
             }
         }
@@ -1670,6 +1783,7 @@ impl Cluster {
     /// What `kvmesh stats` shows about coherence.
     pub fn stats(&self) -> kvmesh_proto::engine::v1::CoherenceStats {
         let etcd = self.etcd_status.as_ref();
+        let control = self.peers.dataplane().control_counters();
         let g = self.inner.lock();
         let m = g.node.metrics();
         let h = &m.inval_to_ack_us;
@@ -1716,6 +1830,9 @@ impl Cluster {
             lookups: m.lookups,
             lookups_incomplete: m.lookups_incomplete,
             lookup_questions_answered: m.lookup_questions_answered,
+            control_am_sent: control.sent,
+            control_am_received: control.received,
+            control_am_drops: control.drops,
         }
     }
 

@@ -247,6 +247,10 @@ pub struct PeerConfig {
     /// Most bytes in flight.
     #[serde(deserialize_with = "de_bytes")]
     pub inflight_bytes_max: u64,
+    /// How coherence batches travel between daemons: `auto` (as UCX active
+    /// messages on the data plane's endpoints when peer TLS is off, else
+    /// on the gRPC streams), `grpc` (always the streams).
+    pub control: String,
     /// Mutual TLS between daemons.
     pub tls: PeerTlsConfig,
 }
@@ -287,6 +291,7 @@ impl Default for PeerConfig {
             grant_lease_ms: 5_000,
             inflight_requests_max: 4096,
             inflight_bytes_max: 1 << 30,
+            control: "auto".into(),
             tls: PeerTlsConfig::default(),
         }
     }
@@ -648,6 +653,10 @@ impl Config {
             "auto" | "get" | "send" => {}
             t => return Err(format!("peer.transfer: {t:?} is not one of \"auto\", \"get\", \"send\"")),
         }
+        match self.peer.control.as_str() {
+            "auto" | "grpc" => {}
+            t => return Err(format!("peer.control: {t:?} is not one of \"auto\", \"grpc\"")),
+        }
         if let Some(l) = &self.peer.listen
             && l.parse::<std::net::SocketAddr>().is_err()
         {
@@ -920,6 +929,7 @@ mod tests {
             (&format!("[peer]\ntransports = \"rdma\"\n{pool}"), "peer.transports"),
             (&format!("[peer]\ntransfer = \"push\"\n{pool}"), "peer.transfer"),
             (&format!("[peer]\npool_alloc = \"huge\"\n{pool}"), "peer.pool_alloc"),
+            (&format!("[peer]\ncontrol = \"carrier-pigeon\"\n{pool}"), "peer.control"),
             (&format!("[peer]\nlisten = \"localhost\"\n{pool}"), "peer.listen"),
             (&format!("[peer]\ngrant_lease_ms = 100\ntransfer_timeout_ms = 200\n{pool}"), "peer.grant_lease_ms"),
             (&format!("[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n{pool}"), "this node's own id"),

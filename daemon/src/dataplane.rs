@@ -100,12 +100,33 @@ pub struct PeerAddr {
     pub pools: Vec<RemotePool>,
 }
 
-/// Active-message id of a send order.
-pub const AM_SEND_ORDER: u16 = 1;
+/// Active-message id of every message between data planes; the first
+/// byte of a message says what it carries (`KIND_*`).
+pub const AM_ID: u16 = 1;
+/// A send order (the rest: a protobuf `SendRequest`).
+const KIND_ORDER: u8 = 1;
+/// A coherence batch (the rest: `u32` sender node id and `u32` batch
+/// length, little-endian, then the batch as the coherence codec encodes
+/// it).
+const KIND_CONTROL: u8 = 2;
+/// A flush barrier's ping, and its answer (the rest: `u32` sender node id,
+/// `u32` 8, then the ping's `u64` number, little-endian). Received after
+/// every batch the same endpoint carried before it: the answer proves the
+/// peer handled them.
+const KIND_PING: u8 = 3;
+const KIND_PONG: u8 = 4;
+/// Header of a control message: kind, sender id, batch length.
+const CONTROL_HEADER: usize = 9;
 /// Largest send-order message accepted (bytes); getters split bigger orders.
 pub const SEND_ORDER_BYTES_MAX: usize = 64 << 10;
-/// Send orders waiting for the data-plane thread at most.
-const SEND_ORDERS_QUEUED_MAX: usize = 4096;
+/// Largest coherence batch carried as an active message (bytes); bigger
+/// ones go over the peer's gRPC stream.
+pub const CONTROL_BYTES_MAX: usize = 64 << 10;
+/// Largest active message accepted: kind byte, sender id, body.
+const AM_BYTES_MAX: usize =
+    CONTROL_HEADER + if SEND_ORDER_BYTES_MAX > CONTROL_BYTES_MAX { SEND_ORDER_BYTES_MAX } else { CONTROL_BYTES_MAX };
+/// Active messages waiting for the data-plane thread at most.
+const AM_QUEUED_MAX: usize = 4096;
 /// How long a cancelled receive may take to end before its endpoint is
 /// dropped (a rendezvous already under way finishes first).
 const RECV_CANCEL_GRACE: Duration = Duration::from_secs(1);
@@ -140,9 +161,19 @@ struct OrderServer {
 pub type DroppedEndpoints = tokio::sync::mpsc::UnboundedSender<(u32, u64)>;
 
 enum Cmd {
-    Connect { peer: PeerAddr, reply: oneshot::Sender<Result<String, String>> },
+    Connect {
+        peer: PeerAddr,
+        reply: oneshot::Sender<Result<String, String>>,
+    },
     Transfer(Pending),
-    Cancel { id: u64 },
+    /// A coherence batch for `peer` (encoded with its kind byte).
+    Control {
+        peer: u32,
+        msg: Vec<u8>,
+    },
+    Cancel {
+        id: u64,
+    },
     Shutdown,
 }
 
@@ -185,6 +216,59 @@ pub struct DataPlane {
 struct Hooks {
     orders: std::sync::OnceLock<OrderServer>,
     dropped: std::sync::OnceLock<DroppedEndpoints>,
+    /// Where received coherence messages go.
+    control: std::sync::OnceLock<ControlSink>,
+    /// Peers the thread has an endpoint to, and their incarnations
+    /// (written by the thread), so senders know at once whether a batch
+    /// can go this way.
+    connected: parking_lot::RwLock<HashMap<u32, u64>>,
+    /// Coherence batches dropped: queue full, no endpoint, send failed.
+    control_drops: std::sync::atomic::AtomicU64,
+    /// Coherence batches sent and received as active messages.
+    control_sent: std::sync::atomic::AtomicU64,
+    control_received: std::sync::atomic::AtomicU64,
+}
+
+/// A coherence message a peer sent as an active message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Control {
+    /// A batch, as the coherence codec encoded it.
+    Batch {
+        /// The sender's node id (its claim).
+        from: u32,
+        /// The encoded batch.
+        batch: Vec<u8>,
+    },
+    /// A flush barrier's ping: answer with [`DataPlane::send_pong`].
+    Ping {
+        /// The sender's node id (its claim).
+        from: u32,
+        /// The ping's number.
+        seq: u64,
+    },
+    /// The answer to one of our pings.
+    Pong {
+        /// The sender's node id (its claim).
+        from: u32,
+        /// The ping's number.
+        seq: u64,
+    },
+}
+
+/// Handles the coherence messages of one turn of the data-plane thread, on
+/// that thread (keep it short: transfers wait meanwhile; never wait for
+/// the data plane in it).
+pub type ControlSink = Box<dyn Fn(Vec<Control>) + Send + Sync>;
+
+/// Counters of the coherence batches carried by the data plane.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ControlCounters {
+    /// Batches sent as active messages.
+    pub sent: u64,
+    /// Batches received (handed to the driver).
+    pub received: u64,
+    /// Batches dropped (a queue full, the endpoint gone, a send failed).
+    pub drops: u64,
 }
 
 /// Queue depth of the command channel.
@@ -238,7 +322,7 @@ impl DataPlane {
                         return;
                     }
                 };
-                if let Err(e) = worker.accept_am(AM_SEND_ORDER, SEND_ORDER_BYTES_MAX, SEND_ORDERS_QUEUED_MAX) {
+                if let Err(e) = worker.accept_am(AM_ID, AM_BYTES_MAX, AM_QUEUED_MAX) {
                     let _ = init_tx.send(Err(e.to_string()));
                     return;
                 }
@@ -280,6 +364,56 @@ impl DataPlane {
     ) {
         let _ = self.hooks.orders.set(OrderServer { check, unconnected, send_timeout });
         self.wake.notify();
+    }
+
+    /// Hands the coherence messages peers send as active messages to `to`
+    /// from now on, on the data-plane thread, those of one turn together
+    /// (set once; until then they are dropped). The sender id is the
+    /// sender's claim, as on an unauthenticated gRPC stream: the daemon
+    /// uses this path only without peer TLS.
+    pub fn serve_control(&self, to: ControlSink) {
+        let _ = self.hooks.control.set(to);
+    }
+
+    /// Sends an encoded coherence batch to `peer` as an active message on
+    /// its endpoint, if the thread has one to that `incarnation` (an
+    /// endpoint to an earlier one leads to a dead process: shared memory
+    /// has no peer-failure detection) and the batch is small enough;
+    /// `false`: it did not take it (send it another way). Batches taken
+    /// keep their order; one may still be lost (endpoint dropped before it
+    /// left), as on any link: the protocol retransmits.
+    pub fn send_control(&self, peer: u32, incarnation: u64, from: u32, batch: &[u8]) -> bool {
+        if batch.len() > CONTROL_BYTES_MAX || self.hooks.connected.read().get(&peer) != Some(&incarnation) {
+            return false;
+        }
+        self.send(Cmd::Control { peer, msg: control_msg(KIND_CONTROL, from, batch) }).is_ok()
+    }
+
+    /// Sends a flush barrier's ping to `peer` (that `incarnation`) behind
+    /// the batches sent to it before; `false`: not taken (as
+    /// [`DataPlane::send_control`]).
+    pub fn send_ping(&self, peer: u32, incarnation: u64, from: u32, seq: u64) -> bool {
+        if self.hooks.connected.read().get(&peer) != Some(&incarnation) {
+            return false;
+        }
+        self.send(Cmd::Control { peer, msg: control_msg(KIND_PING, from, &seq.to_le_bytes()) }).is_ok()
+    }
+
+    /// Answers a ping of `peer` on the endpoint to it, whichever
+    /// incarnation it is; `false`: not taken.
+    pub fn send_pong(&self, peer: u32, from: u32, seq: u64) -> bool {
+        self.hooks.connected.read().contains_key(&peer)
+            && self.send(Cmd::Control { peer, msg: control_msg(KIND_PONG, from, &seq.to_le_bytes()) }).is_ok()
+    }
+
+    /// Counters of the coherence batches carried here.
+    pub fn control_counters(&self) -> ControlCounters {
+        use std::sync::atomic::Ordering::Relaxed;
+        ControlCounters {
+            sent: self.hooks.control_sent.load(Relaxed),
+            received: self.hooks.control_received.load(Relaxed),
+            drops: self.hooks.control_drops.load(Relaxed),
+        }
     }
 
     /// Reports every endpoint the data plane drops from now on (set once).
@@ -378,6 +512,34 @@ impl Drop for DataPlane {
     }
 }
 
+/// A control message: kind, sender id, body length, body.
+fn control_msg(kind: u8, from: u32, body: &[u8]) -> Vec<u8> {
+    let mut msg = Vec::with_capacity(CONTROL_HEADER + body.len());
+    msg.push(kind);
+    msg.extend_from_slice(&from.to_le_bytes());
+    msg.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    msg.extend_from_slice(body);
+    msg
+}
+
+/// Decodes a control message (`None`: malformed).
+fn parse_control(mut m: Vec<u8>) -> Option<Control> {
+    if m.len() < CONTROL_HEADER {
+        return None;
+    }
+    let from = u32::from_le_bytes([m[1], m[2], m[3], m[4]]);
+    let len = u32::from_le_bytes([m[5], m[6], m[7], m[8]]) as usize;
+    if CONTROL_HEADER + len != m.len() {
+        return None;
+    }
+    let seq = || m[CONTROL_HEADER..].try_into().ok().map(u64::from_le_bytes);
+    match m[0] {
+        KIND_PING => Some(Control::Ping { from, seq: seq()? }),
+        KIND_PONG => Some(Control::Pong { from, seq: seq()? }),
+        _ => Some(Control::Batch { from, batch: m.split_off(CONTROL_HEADER) }),
+    }
+}
+
 /// Where a batch's outcomes go, one `(item index, outcome)` as each read ends.
 type Completions = tokio::sync::mpsc::UnboundedSender<(usize, TransferOutcome)>;
 
@@ -459,14 +621,34 @@ fn run(
                         continue;
                     }
                     peers.remove(&peer.id);
+                    hooks.connected.write().remove(&peer.id);
                     let r = connect(worker, &peer, peer_failure).map(|conn| {
                         let d = conn.ep.describe();
                         peers.insert(peer.id, conn);
+                        hooks.connected.write().insert(peer.id, peer.incarnation);
                         d
                     });
                     let _ = reply.send(r);
                 }
                 Ok(Cmd::Transfer(p)) => queue.push_back(p),
+                Ok(Cmd::Control { peer, msg }) => {
+                    let sent = peers.get(&peer).map(|c| c.ep.am_send(AM_ID, msg));
+                    match sent {
+                        Some(Ok(r)) => {
+                            hooks.control_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            // Eager sends mostly end at once; the rest are
+                            // polled with the other leftovers.
+                            zombies.push(r);
+                        }
+                        Some(Err(e)) => {
+                            tracing::debug!(peer, "coherence batch not sent: {e}");
+                            hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                        None => {
+                            hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        }
+                    }
+                }
                 Ok(Cmd::Cancel { id }) => {
                     for f in inflight.iter_mut().filter(|f| f.id == id) {
                         for r in f.reqs.iter_mut().flatten() {
@@ -503,9 +685,36 @@ fn run(
             inflight.push(f);
         }
         while worker.progress() > 0 {}
-        // Peers' send orders: checked, then queued as sends (started on the
-        // next turn, under the same limits as reads).
-        let msgs = worker.take_am();
+        // Peers' coherence batches go to the driver; their send orders are
+        // checked, then queued as sends (started on the next turn, under
+        // the same limits as reads).
+        let mut msgs = worker.take_am();
+        let mut controls = Vec::new();
+        msgs.retain_mut(|m| match m.first() {
+            Some(&KIND_ORDER) => {
+                m.remove(0);
+                true
+            }
+            Some(&(KIND_CONTROL | KIND_PING | KIND_PONG)) => {
+                match parse_control(std::mem::take(m)) {
+                    Some(c) if hooks.control.get().is_some() => controls.push(c),
+                    _ => {
+                        hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+                false
+            }
+            _ => {
+                tracing::debug!("data plane: active message of no known kind dropped");
+                false
+            }
+        });
+        if !controls.is_empty()
+            && let Some(sink) = hooks.control.get()
+        {
+            hooks.control_received.fetch_add(controls.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            sink(controls);
+        }
         if !msgs.is_empty() {
             match hooks.orders.get() {
                 Some(server) => {
@@ -534,7 +743,7 @@ fn run(
         if worker.am_dropped() != dropped_orders {
             tracing::warn!(
                 dropped = worker.am_dropped() - dropped_orders,
-                "data plane: send orders dropped (over {SEND_ORDER_BYTES_MAX} bytes, not eager, or over {SEND_ORDERS_QUEUED_MAX} waiting)"
+                "data plane: active messages dropped (over {AM_BYTES_MAX} bytes, not eager, or over {AM_QUEUED_MAX} waiting)"
             );
             dropped_orders = worker.am_dropped();
         }
@@ -592,6 +801,7 @@ fn run(
         // its requests where UCX supports it); the peer manager reconnects.
         for id in failed_peers {
             if peer_failure {
+                hooks.connected.write().remove(&id);
                 if let Some(conn) = peers.remove(&id) {
                     // The peer manager shakes hands again (which connects a
                     // new endpoint); until then reads from it fail at once.
@@ -713,7 +923,10 @@ fn start<'w>(
         // The receives are posted: ask the holder to send.
         if let Some(conn) = conn {
             for m in p.orders {
-                match conn.ep.am_send(AM_SEND_ORDER, m) {
+                let mut msg = Vec::with_capacity(1 + m.len());
+                msg.push(KIND_ORDER);
+                msg.extend_from_slice(&m);
+                match conn.ep.am_send(AM_ID, msg) {
                     Ok(r) => f.orders.push(r),
                     Err(e) => {
                         tracing::debug!(peer = p.peer, "send order not sent: {e}");
@@ -905,5 +1118,98 @@ mod tests {
         assert_eq!(rx.recv().await.unwrap().1, TransferOutcome::Done, "the endpoint survived the timeout");
         gpool.copy_out(8 * 65536, &mut got).unwrap();
         assert_eq!(got, block);
+    }
+}
+
+#[cfg(test)]
+mod control_tests {
+    use super::*;
+
+    fn plane(name: &str, t: Transports) -> DataPlane {
+        let pool = Arc::new(SharedMapping::create(name, 1 << 20, false).unwrap());
+        let limits = Limits { inflight_requests_max: 64, inflight_bytes_max: 64 << 20 };
+        DataPlane::start(t, &[pool], limits).unwrap()
+    }
+
+    fn addr(id: u32, incarnation: u64, dp: &DataPlane) -> PeerAddr {
+        PeerAddr { id, incarnation, worker_address: dp.worker_address().to_vec(), pools: Vec::new() }
+    }
+
+    fn forward(tx: tokio::sync::mpsc::Sender<Control>) -> ControlSink {
+        Box::new(move |msgs| {
+            for m in msgs {
+                tx.try_send(m).expect("test channel full");
+            }
+        })
+    }
+
+    #[test]
+    fn malformed_control_messages_are_refused() {
+        let ok = control_msg(KIND_PING, 3, &9u64.to_le_bytes());
+        assert_eq!(parse_control(ok.clone()), Some(Control::Ping { from: 3, seq: 9 }));
+        assert_eq!(parse_control(ok[..ok.len() - 1].to_vec()), None, "short body");
+        assert_eq!(parse_control(control_msg(KIND_PONG, 3, b"abc")), None, "pong without a u64");
+        let mut long = control_msg(KIND_CONTROL, 3, b"abc");
+        long.push(0);
+        assert_eq!(parse_control(long), None, "length field below the body");
+        assert_eq!(parse_control(vec![KIND_CONTROL, 1, 0]), None, "no header");
+        assert_eq!(
+            parse_control(control_msg(KIND_CONTROL, 3, b"abc")),
+            Some(Control::Batch { from: 3, batch: b"abc".to_vec() })
+        );
+    }
+
+    /// Coherence batches as active messages, both transports: they arrive
+    /// whole and in order with the sender's id, a sleeping receiver wakes
+    /// for each (a missed wake-up costs the 100 ms poll timeout), batches
+    /// too big or to peers without an endpoint are refused at once.
+    #[tokio::test]
+    async fn control_batches_wake_a_sleeping_peer() {
+        for t in [Transports::SharedMemory, Transports::Tcp] {
+            let a = plane("ctl-a", t.clone());
+            let b = plane("ctl-b", t.clone());
+            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+            b.serve_control(forward(tx));
+            assert!(!a.send_control(2, 1, 1, b"no endpoint yet"), "{t:?}: taken without an endpoint");
+            a.connect(addr(2, 1, &b)).await.unwrap();
+            b.connect(addr(1, 1, &a)).await.unwrap();
+            assert!(!a.send_control(2, 1, 1, &vec![7u8; CONTROL_BYTES_MAX + 1]), "{t:?}: oversize batch taken");
+            assert!(!a.send_control(2, 9, 1, b"x"), "{t:?}: taken for another incarnation of the peer");
+            // After idle spells (UCX may stop polling an idle transport)...
+            for i in 0..3u32 {
+                tokio::time::sleep(Duration::from_millis(150)).await;
+                assert!(a.send_control(2, 1, 1, &i.to_le_bytes()));
+                assert_eq!(rx.recv().await.unwrap(), Control::Batch { from: 1, batch: i.to_le_bytes().to_vec() });
+            }
+            // ...one at a time, each after the receiver went back to sleep.
+            let t0 = Instant::now();
+            for i in 0..200u32 {
+                let batch: Vec<u8> = (0..(i % 7) * 50).map(|j| (i + j) as u8).chain(i.to_le_bytes()).collect();
+                assert!(a.send_control(2, 1, 1, &batch));
+                let got = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+                assert_eq!(got, Control::Batch { from: 1, batch }, "{t:?}: message {i}");
+            }
+            let took = t0.elapsed();
+            assert!(took < Duration::from_secs(5), "{t:?}: 200 messages took {took:?}: wake-ups missed");
+            // A burst keeps its order, and a ping comes behind it; its
+            // answer goes back.
+            for i in 0..16u32 {
+                assert!(a.send_control(2, 1, 1, &i.to_le_bytes()));
+            }
+            assert!(a.send_ping(2, 1, 1, 77));
+            assert!(!a.send_ping(2, 9, 1, 78), "{t:?}: ping taken for another incarnation");
+            for i in 0..16u32 {
+                let want = Control::Batch { from: 1, batch: i.to_le_bytes().to_vec() };
+                assert_eq!(rx.recv().await.unwrap(), want, "{t:?}: burst order");
+            }
+            assert_eq!(rx.recv().await.unwrap(), Control::Ping { from: 1, seq: 77 });
+            let (tx_a, mut rx_a) = tokio::sync::mpsc::channel(4);
+            a.serve_control(forward(tx_a));
+            assert!(b.send_pong(1, 2, 77));
+            assert_eq!(rx_a.recv().await.unwrap(), Control::Pong { from: 2, seq: 77 });
+            let (sent, received) = (a.control_counters().sent, b.control_counters().received);
+            assert_eq!((sent, received), (220, 220), "{t:?}");
+            assert_eq!(b.control_counters().drops, 0);
+        }
     }
 }

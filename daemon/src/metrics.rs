@@ -411,6 +411,17 @@ impl prometheus_client::collector::Collector for Snapshot {
                     "Lookup questions this daemon answered as a home.",
                     c.lookup_questions_answered,
                 ),
+                ("coherence_control_am_sent", "Coherence batches sent as UCX active messages.", c.control_am_sent),
+                (
+                    "coherence_control_am_received",
+                    "Coherence batches received as UCX active messages.",
+                    c.control_am_received,
+                ),
+                (
+                    "coherence_control_am_drops",
+                    "Coherence batches over UCX dropped (queue full, endpoint gone); the protocol retransmits.",
+                    c.control_am_drops,
+                ),
                 (
                     "coherence_peer_auth_refusals",
                     "Peer calls refused for who made them (not a configured peer, or a TLS certificate for another node).",

@@ -158,13 +158,12 @@ async fn writer(socket: std::path::PathBuf, sh: Arc<Shared>, keys: Vec<Key>, see
 async fn wait_members(c: &Client, n: u32, what: &str) {
     let t0 = Instant::now();
     loop {
-        if let Ok(s) = c.stats().await
-            && s.coherence.is_some_and(|c| c.serving && c.members == n && c.directory_ready)
-        {
+        let s = c.stats().await.ok().and_then(|s| s.coherence);
+        if s.as_ref().is_some_and(|c| c.serving && c.members == n && c.directory_ready) {
             eprintln!("{what}: {n} members after {:?}", t0.elapsed());
             return;
         }
-        assert!(t0.elapsed() < Duration::from_secs(20), "{what}: no view of {n} serving members");
+        assert!(t0.elapsed() < Duration::from_secs(20), "{what}: no view of {n} serving members; last stats {s:?}");
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
@@ -350,6 +349,19 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)], tls: bool) -> Verdi
     }
     if lapses > 0 {
         eprintln!("{transports}: {lapses} membership lease lapses during the run: misses of acknowledged keys allowed");
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        let k = n.client().await.stats().await.unwrap().coherence.unwrap();
+        eprintln!(
+            "{transports}: node {}: batches sent {} (as UCX messages {}, dropped {}), received {} (UCX {}), queue drops {}",
+            i + 1,
+            k.batches_sent,
+            k.control_am_sent,
+            k.control_am_drops,
+            k.batches_received,
+            k.control_am_received,
+            k.peer_queue_drops
+        );
     }
     for (i, n) in nodes.iter().enumerate() {
         let (c, m, _) = connect_ns(&n.socket).await.unwrap();
