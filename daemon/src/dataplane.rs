@@ -549,6 +549,8 @@ struct PeerConn<'w> {
     rkeys: HashMap<u32, (RemoteKey<'w>, u64, u64)>,
     ep: Endpoint<'w>,
     incarnation: u64,
+    /// Which endpoint this is (a new one for every connect).
+    serial: u64,
 }
 
 struct InFlight<'w> {
@@ -600,6 +602,9 @@ fn run(
     let mut inflight: Vec<InFlight<'_>> = Vec::new();
     let mut queue: VecDeque<Pending> = VecDeque::new();
     let mut zombies: Vec<Request<'_>> = Vec::new();
+    // Control messages not yet sent (eager sends mostly end at once), by
+    // peer and endpoint: one that fails means that connection broke.
+    let mut control_sends: Vec<(u32, u64, Request<'_>)> = Vec::new();
     let (mut reqs_in_flight, mut bytes_in_flight) = (0usize, 0u64);
     let efd = match worker.event_fd() {
         Ok(fd) => fd,
@@ -632,15 +637,13 @@ fn run(
                 }
                 Ok(Cmd::Transfer(p)) => queue.push_back(p),
                 Ok(Cmd::Control { peer, msg }) => {
-                    let sent = peers.get(&peer).map(|c| c.ep.am_send(AM_ID, msg));
+                    let sent = peers.get(&peer).map(|c| (c.serial, c.ep.am_send(AM_ID, msg)));
                     match sent {
-                        Some(Ok(r)) => {
+                        Some((serial, Ok(r))) => {
                             hooks.control_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            // Eager sends mostly end at once; the rest are
-                            // polled with the other leftovers.
-                            zombies.push(r);
+                            control_sends.push((peer, serial, r));
                         }
-                        Some(Err(e)) => {
+                        Some((_, Err(e))) => {
                             tracing::debug!(peer, "coherence batch not sent: {e}");
                             hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                         }
@@ -750,6 +753,22 @@ fn run(
         // Completions and deadlines.
         let now = Instant::now();
         let mut failed_peers = Vec::new();
+        control_sends.retain_mut(|(peer, serial, r)| match r.poll() {
+            None => true,
+            Some(Ok(())) => false,
+            Some(Err(e)) => {
+                // The connection broke under it (the protocol retransmits
+                // what was lost, on the stream until a new endpoint). Not
+                // if that endpoint was replaced already.
+                tracing::debug!(peer = *peer, "coherence message not delivered: {e}");
+                hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let current = peers.get(peer).is_some_and(|c| c.serial == *serial);
+                if current && !e.is_cancelled() && !failed_peers.contains(peer) {
+                    failed_peers.push(*peer);
+                }
+                false
+            }
+        });
         for f in inflight.iter_mut() {
             for (i, slot) in f.reqs.iter_mut().enumerate() {
                 if let Some(r) = slot
@@ -863,7 +882,8 @@ fn run(
                 tracing::warn!("data plane: arm failed: {e}");
             }
         }
-        let timeout_ms: u16 = if inflight.is_empty() && zombies.is_empty() { 100 } else { 1 };
+        let timeout_ms: u16 =
+            if inflight.is_empty() && zombies.is_empty() && control_sends.is_empty() { 100 } else { 1 };
         // (reached only with nothing in flight; zombies are polled each ms)
         let _ = kvmesh_ffi_os::with_raw_fd(efd, |fd| kvmesh_ffi_os::poll_readable(&[fd, wake.fd()], timeout_ms));
         wake.drain();
@@ -877,7 +897,9 @@ fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Resul
         let rk = ep.unpack_rkey(&p.rkey).map_err(|e| format!("pool {}: {e}", p.index))?;
         rkeys.insert(p.index, (rk, p.base, p.bytes));
     }
-    Ok(PeerConn { rkeys, ep, incarnation: peer.incarnation })
+    static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    Ok(PeerConn { rkeys, ep, incarnation: peer.incarnation, serial })
 }
 
 fn start<'w>(
