@@ -425,10 +425,12 @@ impl Cluster {
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
         }
-        if control_ucx {
-            // Handled on the data-plane thread as they arrive (no hop to a
-            // task); what they start on the runtime starts there. Weak: the
-            // data plane (owned through `peers`) holds the closure.
+        if cluster.peers.tls().is_none() {
+            // Taken whatever `peer.control` says here (peers may send them:
+            // the handshake told them so). Handled on the data-plane thread
+            // as they arrive (no hop to a task); what they start on the
+            // runtime starts there. Weak: the data plane (owned through
+            // `peers`) holds the closure.
             let weak = Arc::downgrade(&cluster);
             let runtime = tokio::runtime::Handle::current();
             cluster.peers.dataplane().serve_control(Box::new(move |msgs| {
@@ -1201,29 +1203,62 @@ impl Cluster {
     /// (see `send_batch`), on the data-plane thread, those of one of its
     /// turns together: their answers leave together when they are done.
     fn on_controls(self: &Arc<Self>, msgs: Vec<Control>) {
+        let mut batches = Vec::new();
+        let mut pings = Vec::new();
         for c in msgs {
             match c {
                 Control::Batch { from, .. } | Control::Ping { from, .. } | Control::Pong { from, .. }
                     if !self.links.contains_key(&from) =>
                 {
-                    self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(peer = from, "coherence message from a node not in [[peers]] dropped");
+                    // A claim no configured peer makes (only reachable
+                    // without peer TLS, like the stream's hello).
+                    self.peers.refusals.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(peer = from, "coherence message from a node not in [[peers]] dropped");
                 }
-                Control::Batch { from, batch } => self.on_batch(from, &batch),
-                Control::Ping { from, seq } => {
-                    // Behind every batch the endpoint carried before it,
-                    // all handled by now (they are handled in order).
-                    if !self.peers.dataplane().send_pong(from, self.id, seq) {
-                        self.send_frame(from, pb::Frame { body: Some(pb::frame::Body::Pong(seq)) });
+                Control::Batch { from, batch } => match Batch::decode(&batch) {
+                    Ok(batch) => batches.push((from, batch)),
+                    Err(e) => {
+                        self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(peer = from, "undecodable coherence batch: {e}");
                     }
-                }
+                },
+                Control::Ping { from, seq } => pings.push((from, seq)),
                 Control::Pong { from, seq } => self.pong_received(from, seq),
             }
         }
-        if self.cfg.flush_when_idle {
-            self.flush();
-            self.timer.notify_one();
+        if batches.is_empty() && pings.is_empty() {
+            return;
         }
+        // One lock for the turn's batches and their answers.
+        let pongs: Vec<(NodeId, Option<u64>, u64)> = {
+            let mut g = self.inner.lock();
+            for (from, batch) in batches {
+                self.receive_locked(&mut g, from, batch);
+            }
+            if self.cfg.flush_when_idle {
+                self.flush_locked(&mut g);
+            }
+            let view = g.node.view();
+            pings
+                .into_iter()
+                .map(|(from, seq)| (from, view.members.iter().find(|m| m.id == from).map(|m| m.incarnation), seq))
+                .collect()
+        };
+        self.timer.notify_one();
+        // Every batch the endpoint carried before a ping is handled now.
+        for (from, incarnation, seq) in pongs {
+            let dp = self.peers.dataplane();
+            if !incarnation.is_some_and(|inc| dp.send_pong(from, inc, self.id, seq)) {
+                self.send_frame(from, pb::Frame { body: Some(pb::frame::Body::Pong(seq)) });
+            }
+        }
+    }
+
+    fn receive_locked(self: &Arc<Self>, g: &mut Inner, from: NodeId, batch: Batch) {
+        tracing::trace!(from, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "received batch");
+        self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
+        self.release_grants(g, from, &batch);
+        self.feed_locked(g, Event::Receive { from, batch });
     }
 
     /// A flush barrier's ping came back.
@@ -1235,16 +1270,11 @@ impl Cluster {
         }
     }
 
+    /// A batch from a peer's stream.
     fn on_batch(self: &Arc<Self>, from: NodeId, bytes: &[u8]) {
         match Batch::decode(bytes) {
             Ok(batch) => {
-                tracing::trace!(from, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "received batch");
-                self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
-                {
-                    let mut g = self.inner.lock();
-                    self.release_grants(&mut g, from, &batch);
-                    self.feed_locked(&mut g, Event::Receive { from, batch });
-                }
+                self.receive_locked(&mut self.inner.lock(), from, batch);
                 self.timer.notify_one();
             }
             Err(e) => {
@@ -1749,6 +1779,8 @@ impl Cluster {
                 if !ucx {
                     self.send_frame(p, pb::Frame { body: Some(pb::frame::Body::Ping(seq)) });
                 } else if !(self.control_ucx && self.peers.dataplane().send_ping(p, incarnation, self.id, seq)) {
+                    // Not sent (no endpoint to that incarnation, or the
+                    // peer takes no such messages): nothing went that way.
                     self.barriers.lock().remove(&(p, seq));
                     continue;
                 }

@@ -98,15 +98,17 @@ pub struct PeerAddr {
     pub worker_address: Vec<u8>,
     /// Its pools.
     pub pools: Vec<RemotePool>,
+    /// It takes coherence messages as active messages (its handshake
+    /// said so: peer TLS off, and a version that has them).
+    pub control: bool,
 }
 
-/// Active-message id of every message between data planes; the first
-/// byte of a message says what it carries (`KIND_*`).
-pub const AM_ID: u16 = 1;
-/// A send order (the rest: a protobuf `SendRequest`).
-const KIND_ORDER: u8 = 1;
-/// A coherence batch (the rest: `u32` sender node id and `u32` batch
-/// length, little-endian, then the batch as the coherence codec encodes
+/// Active-message id of a send order (a protobuf `SendRequest`).
+pub const AM_SEND_ORDER: u16 = 1;
+/// Active-message id of a coherence message: a kind byte (`KIND_*`), `u32`
+/// sender node id and `u32` body length (little-endian), the body.
+pub const AM_CONTROL: u16 = 2;
+/// A coherence batch (the body: the batch as the coherence codec encodes
 /// it).
 const KIND_CONTROL: u8 = 2;
 /// A flush barrier's ping, and its answer (the rest: `u32` sender node id,
@@ -115,16 +117,17 @@ const KIND_CONTROL: u8 = 2;
 /// peer handled them.
 const KIND_PING: u8 = 3;
 const KIND_PONG: u8 = 4;
-/// Header of a control message: kind, sender id, batch length.
+/// Header of a control message: kind, sender id, body length.
 const CONTROL_HEADER: usize = 9;
+/// Coherence messages to one peer not yet sent at most (a peer that stopped
+/// reading: shared memory's queue to it is full); more are refused, so the
+/// caller uses the gRPC stream.
+const CONTROL_PENDING_MAX: usize = 1024;
 /// Largest send-order message accepted (bytes); getters split bigger orders.
 pub const SEND_ORDER_BYTES_MAX: usize = 64 << 10;
 /// Largest coherence batch carried as an active message (bytes); bigger
 /// ones go over the peer's gRPC stream.
 pub const CONTROL_BYTES_MAX: usize = 64 << 10;
-/// Largest active message accepted: kind byte, sender id, body.
-const AM_BYTES_MAX: usize =
-    CONTROL_HEADER + if SEND_ORDER_BYTES_MAX > CONTROL_BYTES_MAX { SEND_ORDER_BYTES_MAX } else { CONTROL_BYTES_MAX };
 /// Active messages waiting for the data-plane thread at most.
 const AM_QUEUED_MAX: usize = 4096;
 /// How long a cancelled receive may take to end before its endpoint is
@@ -166,10 +169,12 @@ enum Cmd {
         reply: oneshot::Sender<Result<String, String>>,
     },
     Transfer(Pending),
-    /// A coherence batch for `peer` (encoded with its kind byte).
+    /// A coherence message for `peer` (encoded with its header); `pending`
+    /// counts it until it is sent or dropped.
     Control {
         peer: u32,
         msg: Vec<u8>,
+        pending: Arc<std::sync::atomic::AtomicUsize>,
     },
     Cancel {
         id: u64,
@@ -218,15 +223,25 @@ struct Hooks {
     dropped: std::sync::OnceLock<DroppedEndpoints>,
     /// Where received coherence messages go.
     control: std::sync::OnceLock<ControlSink>,
-    /// Peers the thread has an endpoint to, and their incarnations
-    /// (written by the thread), so senders know at once whether a batch
-    /// can go this way.
-    connected: parking_lot::RwLock<HashMap<u32, u64>>,
-    /// Coherence batches dropped: queue full, no endpoint, send failed.
+    /// Peers the thread has an endpoint to (written by the thread), so
+    /// senders know at once whether a coherence message can go this way.
+    connected: parking_lot::RwLock<HashMap<u32, ControlPeer>>,
+    /// Coherence messages dropped: no endpoint, send failed or past its
+    /// deadline.
     control_drops: std::sync::atomic::AtomicU64,
-    /// Coherence batches sent and received as active messages.
+    /// Coherence messages (batches, pings, pongs) sent and received as
+    /// active messages.
     control_sent: std::sync::atomic::AtomicU64,
     control_received: std::sync::atomic::AtomicU64,
+}
+
+/// What senders of coherence messages need to know of an endpoint.
+struct ControlPeer {
+    incarnation: u64,
+    /// The peer takes coherence messages.
+    control: bool,
+    /// Messages to it not yet sent.
+    pending: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A coherence message a peer sent as an active message.
@@ -322,7 +337,10 @@ impl DataPlane {
                         return;
                     }
                 };
-                if let Err(e) = worker.accept_am(AM_ID, AM_BYTES_MAX, AM_QUEUED_MAX) {
+                if let Err(e) = worker
+                    .accept_am(AM_SEND_ORDER, SEND_ORDER_BYTES_MAX, AM_QUEUED_MAX)
+                    .and_then(|()| worker.accept_am(AM_CONTROL, CONTROL_HEADER + CONTROL_BYTES_MAX, AM_QUEUED_MAX))
+                {
                     let _ = init_tx.send(Err(e.to_string()));
                     return;
                 }
@@ -383,27 +401,43 @@ impl DataPlane {
     /// keep their order; one may still be lost (endpoint dropped before it
     /// left), as on any link: the protocol retransmits.
     pub fn send_control(&self, peer: u32, incarnation: u64, from: u32, batch: &[u8]) -> bool {
-        if batch.len() > CONTROL_BYTES_MAX || self.hooks.connected.read().get(&peer) != Some(&incarnation) {
-            return false;
-        }
-        self.send(Cmd::Control { peer, msg: control_msg(KIND_CONTROL, from, batch) }).is_ok()
+        batch.len() <= CONTROL_BYTES_MAX
+            && self.take_control(peer, incarnation, || control_msg(KIND_CONTROL, from, batch))
     }
 
     /// Sends a flush barrier's ping to `peer` (that `incarnation`) behind
     /// the batches sent to it before; `false`: not taken (as
     /// [`DataPlane::send_control`]).
     pub fn send_ping(&self, peer: u32, incarnation: u64, from: u32, seq: u64) -> bool {
-        if self.hooks.connected.read().get(&peer) != Some(&incarnation) {
-            return false;
-        }
-        self.send(Cmd::Control { peer, msg: control_msg(KIND_PING, from, &seq.to_le_bytes()) }).is_ok()
+        self.take_control(peer, incarnation, || control_msg(KIND_PING, from, &seq.to_le_bytes()))
     }
 
-    /// Answers a ping of `peer` on the endpoint to it, whichever
-    /// incarnation it is; `false`: not taken.
-    pub fn send_pong(&self, peer: u32, from: u32, seq: u64) -> bool {
-        self.hooks.connected.read().contains_key(&peer)
-            && self.send(Cmd::Control { peer, msg: control_msg(KIND_PONG, from, &seq.to_le_bytes()) }).is_ok()
+    /// Answers a ping of `peer` (that `incarnation`); `false`: not taken.
+    pub fn send_pong(&self, peer: u32, incarnation: u64, from: u32, seq: u64) -> bool {
+        self.take_control(peer, incarnation, || control_msg(KIND_PONG, from, &seq.to_le_bytes()))
+    }
+
+    /// Queues a coherence message for `peer` if the thread has an endpoint
+    /// to that `incarnation`, the peer takes such messages and not too
+    /// many wait to be sent to it.
+    fn take_control(&self, peer: u32, incarnation: u64, msg: impl FnOnce() -> Vec<u8>) -> bool {
+        use std::sync::atomic::Ordering::AcqRel;
+        let pending = {
+            let connected = self.hooks.connected.read();
+            let Some(c) = connected.get(&peer).filter(|c| c.incarnation == incarnation && c.control) else {
+                return false;
+            };
+            if c.pending.fetch_add(1, AcqRel) >= CONTROL_PENDING_MAX {
+                c.pending.fetch_sub(1, AcqRel);
+                return false;
+            }
+            Arc::clone(&c.pending)
+        };
+        let taken = self.send(Cmd::Control { peer, msg: msg(), pending: Arc::clone(&pending) }).is_ok();
+        if !taken {
+            pending.fetch_sub(1, AcqRel);
+        }
+        taken
     }
 
     /// Counters of the coherence batches carried here.
@@ -506,10 +540,24 @@ impl Drop for DataPlane {
     fn drop(&mut self) {
         let _ = self.tx.try_send(Cmd::Shutdown);
         self.wake.notify();
-        if let Some(t) = self.thread.take() {
+        // Not from the thread itself (a closure it runs may hold the last
+        // reference to what owns this): it ends on the shutdown command.
+        if let Some(t) = self.thread.take()
+            && t.thread().id() != std::thread::current().id()
+        {
             let _ = t.join();
         }
     }
+}
+
+/// A coherence message being sent.
+struct ControlSend<'w> {
+    peer: u32,
+    /// The endpoint's serial.
+    serial: u64,
+    req: Request<'w>,
+    deadline: Instant,
+    pending: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A control message: kind, sender id, body length, body.
@@ -536,7 +584,8 @@ fn parse_control(mut m: Vec<u8>) -> Option<Control> {
     match m[0] {
         KIND_PING => Some(Control::Ping { from, seq: seq()? }),
         KIND_PONG => Some(Control::Pong { from, seq: seq()? }),
-        _ => Some(Control::Batch { from, batch: m.split_off(CONTROL_HEADER) }),
+        KIND_CONTROL => Some(Control::Batch { from, batch: m.split_off(CONTROL_HEADER) }),
+        _ => None,
     }
 }
 
@@ -603,8 +652,9 @@ fn run(
     let mut queue: VecDeque<Pending> = VecDeque::new();
     let mut zombies: Vec<Request<'_>> = Vec::new();
     // Control messages not yet sent (eager sends mostly end at once), by
-    // peer and endpoint: one that fails means that connection broke.
-    let mut control_sends: Vec<(u32, u64, Request<'_>)> = Vec::new();
+    // peer and endpoint, with their deadlines: one that fails or lets its
+    // deadline pass means that connection broke.
+    let mut control_sends: Vec<ControlSend<'_>> = Vec::new();
     let (mut reqs_in_flight, mut bytes_in_flight) = (0usize, 0u64);
     let efd = match worker.event_fd() {
         Ok(fd) => fd,
@@ -630,25 +680,31 @@ fn run(
                     let r = connect(worker, &peer, peer_failure).map(|conn| {
                         let d = conn.ep.describe();
                         peers.insert(peer.id, conn);
-                        hooks.connected.write().insert(peer.id, peer.incarnation);
+                        let c = ControlPeer {
+                            incarnation: peer.incarnation,
+                            control: peer.control,
+                            pending: Arc::default(),
+                        };
+                        hooks.connected.write().insert(peer.id, c);
                         d
                     });
                     let _ = reply.send(r);
                 }
                 Ok(Cmd::Transfer(p)) => queue.push_back(p),
-                Ok(Cmd::Control { peer, msg }) => {
-                    let sent = peers.get(&peer).map(|c| (c.serial, c.ep.am_send(AM_ID, msg)));
+                Ok(Cmd::Control { peer, msg, pending }) => {
+                    let sent = peers.get(&peer).map(|c| (c.serial, c.ep.am_send(AM_CONTROL, msg)));
                     match sent {
-                        Some((serial, Ok(r))) => {
+                        Some((serial, Ok(req))) => {
                             hooks.control_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                            control_sends.push((peer, serial, r));
+                            let deadline = Instant::now() + CONTROL_TIMEOUT;
+                            control_sends.push(ControlSend { peer, serial, req, deadline, pending });
                         }
-                        Some((_, Err(e))) => {
-                            tracing::debug!(peer, "coherence batch not sent: {e}");
+                        other => {
+                            if let Some((_, Err(e))) = other {
+                                tracing::debug!(peer, "coherence message not sent: {e}");
+                            }
                             hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        }
-                        None => {
-                            hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            pending.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
                         }
                     }
                 }
@@ -691,27 +747,20 @@ fn run(
         // Peers' coherence batches go to the driver; their send orders are
         // checked, then queued as sends (started on the next turn, under
         // the same limits as reads).
-        let mut msgs = worker.take_am();
+        let mut msgs = Vec::new();
         let mut controls = Vec::new();
-        msgs.retain_mut(|m| match m.first() {
-            Some(&KIND_ORDER) => {
-                m.remove(0);
-                true
-            }
-            Some(&(KIND_CONTROL | KIND_PING | KIND_PONG)) => {
-                match parse_control(std::mem::take(m)) {
+        for (id, m) in worker.take_am() {
+            if id == AM_SEND_ORDER {
+                msgs.push(m);
+            } else {
+                match parse_control(m) {
                     Some(c) if hooks.control.get().is_some() => controls.push(c),
                     _ => {
                         hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     }
                 }
-                false
             }
-            _ => {
-                tracing::debug!("data plane: active message of no known kind dropped");
-                false
-            }
-        });
+        }
         if !controls.is_empty()
             && let Some(sink) = hooks.control.get()
         {
@@ -746,29 +795,42 @@ fn run(
         if worker.am_dropped() != dropped_orders {
             tracing::warn!(
                 dropped = worker.am_dropped() - dropped_orders,
-                "data plane: active messages dropped (over {AM_BYTES_MAX} bytes, not eager, or over {AM_QUEUED_MAX} waiting)"
+                "data plane: active messages dropped (over their size limit, not eager, or over {AM_QUEUED_MAX} waiting)"
             );
             dropped_orders = worker.am_dropped();
         }
         // Completions and deadlines.
         let now = Instant::now();
         let mut failed_peers = Vec::new();
-        control_sends.retain_mut(|(peer, serial, r)| match r.poll() {
-            None => true,
-            Some(Ok(())) => false,
-            Some(Err(e)) => {
-                // The connection broke under it (the protocol retransmits
-                // what was lost, on the stream until a new endpoint). Not
-                // if that endpoint was replaced already.
-                tracing::debug!(peer = *peer, "coherence message not delivered: {e}");
-                hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let current = peers.get(peer).is_some_and(|c| c.serial == *serial);
-                if current && !e.is_cancelled() && !failed_peers.contains(peer) {
-                    failed_peers.push(*peer);
+        let mut i = 0;
+        while i < control_sends.len() {
+            let failed = match control_sends[i].req.poll() {
+                None if now < control_sends[i].deadline => {
+                    i += 1;
+                    continue;
                 }
-                false
+                Some(Ok(())) => None,
+                None => Some("past its deadline".to_string()),
+                Some(Err(e)) => Some(e.to_string()),
+            };
+            let mut s = control_sends.swap_remove(i);
+            s.pending.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            let Some(why) = failed else { continue };
+            tracing::debug!(peer = s.peer, "coherence message not delivered: {why}");
+            hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            if s.req.poll().is_none() {
+                // Stuck (a peer that stopped reading): never waited for
+                // again; the protocol retransmits what mattered.
+                s.req.cancel();
+                zombies.push(s.req);
             }
-        });
+            // The connection broke under it: drop that endpoint (not a
+            // newer one) where UCX can close it.
+            let current = peers.get(&s.peer).is_some_and(|c| c.serial == s.serial);
+            if peer_failure && current && !failed_peers.contains(&s.peer) {
+                failed_peers.push(s.peer);
+            }
+        }
         for f in inflight.iter_mut() {
             for (i, slot) in f.reqs.iter_mut().enumerate() {
                 if let Some(r) = slot
@@ -945,10 +1007,7 @@ fn start<'w>(
         // The receives are posted: ask the holder to send.
         if let Some(conn) = conn {
             for m in p.orders {
-                let mut msg = Vec::with_capacity(1 + m.len());
-                msg.push(KIND_ORDER);
-                msg.extend_from_slice(&m);
-                match conn.ep.am_send(AM_ID, msg) {
+                match conn.ep.am_send(AM_SEND_ORDER, m) {
                     Ok(r) => f.orders.push(r),
                     Err(e) => {
                         tracing::debug!(peer = p.peer, "send order not sent: {e}");
@@ -1050,6 +1109,7 @@ mod tests {
                 .iter()
                 .map(|p| RemotePool { index: p.index, base: p.base, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
+            control: false,
         }
     }
 
@@ -1154,7 +1214,7 @@ mod control_tests {
     }
 
     fn addr(id: u32, incarnation: u64, dp: &DataPlane) -> PeerAddr {
-        PeerAddr { id, incarnation, worker_address: dp.worker_address().to_vec(), pools: Vec::new() }
+        PeerAddr { id, incarnation, worker_address: dp.worker_address().to_vec(), pools: Vec::new(), control: true }
     }
 
     fn forward(tx: tokio::sync::mpsc::Sender<Control>) -> ControlSink {
@@ -1197,6 +1257,13 @@ mod control_tests {
             b.connect(addr(1, 1, &a)).await.unwrap();
             assert!(!a.send_control(2, 1, 1, &vec![7u8; CONTROL_BYTES_MAX + 1]), "{t:?}: oversize batch taken");
             assert!(!a.send_control(2, 9, 1, b"x"), "{t:?}: taken for another incarnation of the peer");
+            assert!(!b.send_pong(1, 9, 2, 1), "{t:?}: pong taken for another incarnation of the peer");
+            // A peer whose handshake did not offer coherence messages (TLS
+            // on, or an older version) gets none.
+            let c = plane("ctl-c", t.clone());
+            c.connect(PeerAddr { control: false, ..addr(2, 1, &b) }).await.unwrap();
+            assert!(!c.send_control(2, 1, 3, b"x"), "{t:?}: taken for a peer that does not take them");
+            assert!(!c.send_ping(2, 1, 3, 5), "{t:?}: ping taken for a peer that does not take them");
             // After idle spells (UCX may stop polling an idle transport)...
             for i in 0..3u32 {
                 tokio::time::sleep(Duration::from_millis(150)).await;
@@ -1227,7 +1294,7 @@ mod control_tests {
             assert_eq!(rx.recv().await.unwrap(), Control::Ping { from: 1, seq: 77 });
             let (tx_a, mut rx_a) = tokio::sync::mpsc::channel(4);
             a.serve_control(forward(tx_a));
-            assert!(b.send_pong(1, 2, 77));
+            assert!(b.send_pong(1, 1, 2, 77));
             assert_eq!(rx_a.recv().await.unwrap(), Control::Pong { from: 2, seq: 77 });
             let (sent, received) = (a.control_counters().sent, b.control_counters().received);
             assert_eq!((sent, received), (220, 220), "{t:?}");

@@ -411,15 +411,19 @@ impl prometheus_client::collector::Collector for Snapshot {
                     "Lookup questions this daemon answered as a home.",
                     c.lookup_questions_answered,
                 ),
-                ("coherence_control_am_sent", "Coherence batches sent as UCX active messages.", c.control_am_sent),
+                (
+                    "coherence_control_am_sent",
+                    "Coherence messages (batches, barrier pings and pongs) sent as UCX active messages.",
+                    c.control_am_sent,
+                ),
                 (
                     "coherence_control_am_received",
-                    "Coherence batches received as UCX active messages.",
+                    "Coherence messages received as UCX active messages.",
                     c.control_am_received,
                 ),
                 (
                     "coherence_control_am_drops",
-                    "Coherence batches over UCX dropped (queue full, endpoint gone); the protocol retransmits.",
+                    "Coherence messages over UCX dropped (endpoint gone, send failed or stuck, malformed); the protocol retransmits.",
                     c.control_am_drops,
                 ),
                 (

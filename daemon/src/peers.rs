@@ -245,6 +245,7 @@ impl Peers {
                 .iter()
                 .map(|p| RemotePool { index: p.index, base: p.base_address, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
+            control: resp.accepts_control,
         };
         let desc = self.dp.connect(addr).await?;
         tracing::info!(
@@ -603,6 +604,7 @@ impl pb::peer_server::Peer for PeerService {
             worker_address: p.dp.worker_address().to_vec(),
             pools,
             transports: p.cfg.transports.clone(),
+            accepts_control: p.tls.is_none(),
         }))
     }
 

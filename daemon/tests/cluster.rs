@@ -352,6 +352,13 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)], tls: bool) -> Verdi
     }
     for (i, n) in nodes.iter().enumerate() {
         let k = n.client().await.stats().await.unwrap().coherence.unwrap();
+        // Without TLS the protocol travels as UCX active messages; with it,
+        // only on the authenticated streams.
+        if tls {
+            assert_eq!(k.control_am_sent + k.control_am_received, 0, "node {}: UCX control with TLS on", i + 1);
+        } else {
+            assert!(k.control_am_sent > 0 && k.control_am_received > 0, "node {}: no UCX control: {k:?}", i + 1);
+        }
         eprintln!(
             "{transports}: node {}: batches sent {} (as UCX messages {}, dropped {}), received {} (UCX {}), queue drops {}",
             i + 1,

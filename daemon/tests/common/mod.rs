@@ -21,7 +21,9 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
-        if std::env::var("KVMESH_KEEP_TEST_DIRS").is_ok() {
+        // `KVMESH_KEEP_TEST_DIRS=1`: keep configs and daemon logs (to read
+        // what a failing run left).
+        if std::env::var_os("KVMESH_KEEP_TEST_DIRS").is_some() {
             return;
         }
         let _ = std::fs::remove_dir_all(&self.0);
@@ -223,9 +225,8 @@ pub fn peer_config(id: u32, ports: &[u16], transports: &str, pools: &str) -> Str
 pub fn peer_config_tls(id: u32, ports: &[u16], transports: &str, pools: &str, tls: &str) -> String {
     let mut s = format!(
         "[node]\nid = {id}\n[peer]\nlisten = \"127.0.0.1:{}\"\ntransports = \"{transports}\"\n\
-         transfer_timeout_ms = 10000\ngrant_lease_ms = 30000\ntls = {tls}\ncontrol = \"{}\"\n{pools}",
-        ports[id as usize - 1],
-        std::env::var("KVMESH_TEST_CONTROL").unwrap_or("auto".into())
+         transfer_timeout_ms = 10000\ngrant_lease_ms = 30000\ntls = {tls}\n{pools}",
+        ports[id as usize - 1]
     );
     for (i, p) in ports.iter().enumerate() {
         if i as u32 + 1 != id {

@@ -393,25 +393,39 @@ fn sysv_id_of(base: usize) -> Option<i32> {
 pub struct Worker {
     ctx: Arc<Context>,
     h: sys::ucp_worker_h,
-    /// Where the active-message handler puts what arrives (boxed: UCX
-    /// holds its address; freed after the worker is destroyed).
+    /// Where the active-message handlers put what arrives (boxed: the
+    /// handlers hold its address; freed after the worker is destroyed).
     inbox: Box<AmInbox>,
+    /// One per accepted id (boxed: UCX holds their addresses, which must
+    /// not move when the vector grows; freed after the worker is
+    /// destroyed).
+    #[allow(clippy::vec_box)]
+    handlers: std::cell::RefCell<Vec<Box<AmHandler>>>,
     _not_send: PhantomData<*const ()>,
 }
 
-/// Active messages received and not yet taken, with their limits.
+/// Active messages received and not yet taken (with their ids), and the
+/// inbox's limit.
 struct AmInbox {
-    msgs: std::cell::RefCell<std::collections::VecDeque<Vec<u8>>>,
+    msgs: std::cell::RefCell<std::collections::VecDeque<(u16, Vec<u8>)>>,
     /// Messages refused (too long, rendezvous, inbox full).
     dropped: std::cell::Cell<u64>,
-    max_len: std::cell::Cell<usize>,
     max_msgs: std::cell::Cell<usize>,
+}
+
+/// What UCX passes the handler of one id.
+struct AmHandler {
+    /// The worker's inbox (lives as long as the worker).
+    inbox: *const AmInbox,
+    id: u16,
+    max_len: usize,
 }
 
 /// The active-message handler: copies an eager message into the inbox.
 /// Called by UCX from `ucp_worker_progress` on the worker's thread, with
-/// `arg` = the worker's boxed inbox (the box lives until after
-/// `ucp_worker_destroy`; outside progress it is only borrowed briefly).
+/// `arg` = one of the worker's boxed handlers (those boxes and the inbox
+/// live until after `ucp_worker_destroy`; outside progress the inbox is
+/// only borrowed briefly).
 // SAFETY: unsafe to call: only UCX calls it, with the argument registered
 // in `Worker::accept_am` and the pointers of one received message.
 unsafe extern "C" fn am_recv(
@@ -422,13 +436,16 @@ unsafe extern "C" fn am_recv(
     length: usize,
     param: *const sys::ucp_am_recv_param_t,
 ) -> sys::ucs_status_t {
-    // SAFETY: `arg` is the live boxed inbox registered with this handler.
-    let inbox = unsafe { &*(arg as *const AmInbox) };
+    // SAFETY: `arg` is a live boxed handler registered by `accept_am`.
+    let handler = unsafe { &*(arg as *const AmHandler) };
+    // SAFETY: the handler's inbox is the worker's boxed inbox, alive while
+    // the worker (and so this registration) is.
+    let inbox = unsafe { &*handler.inbox };
     // SAFETY: UCX passes a valid parameter struct for the callback's span.
     let attr = unsafe { (*param).recv_attr };
     let rndv = attr & sys::ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0;
     let full = inbox.msgs.borrow().len() >= inbox.max_msgs.get();
-    if rndv || length > inbox.max_len.get() || full {
+    if rndv || length > handler.max_len || full {
         // Returning OK drops the message (a rendezvous descriptor too).
         inbox.dropped.set(inbox.dropped.get() + 1);
         return sys::ucs_status_t::UCS_OK;
@@ -440,7 +457,7 @@ unsafe extern "C" fn am_recv(
         // received bytes valid until the callback returns.
         unsafe { std::slice::from_raw_parts(data as *const u8, length) }.to_vec()
     };
-    inbox.msgs.borrow_mut().push_back(bytes);
+    inbox.msgs.borrow_mut().push_back((handler.id, bytes));
     sys::ucs_status_t::UCS_OK
 }
 
@@ -458,18 +475,18 @@ impl Worker {
         let inbox = Box::new(AmInbox {
             msgs: Default::default(),
             dropped: Default::default(),
-            max_len: std::cell::Cell::new(0),
             max_msgs: std::cell::Cell::new(0),
         });
-        Ok(Worker { ctx: Arc::clone(ctx), h, inbox, _not_send: PhantomData })
+        Ok(Worker { ctx: Arc::clone(ctx), h, inbox, handlers: Default::default(), _not_send: PhantomData })
     }
 
     /// Accepts active messages with `id` of at most `max_len` bytes sent
-    /// eagerly (see [`Endpoint::am_send`]); at most `max_msgs` wait to be
-    /// taken. Others are dropped and counted ([`Worker::am_dropped`]).
+    /// eagerly (see [`Endpoint::am_send`]); at most `max_msgs` (of every
+    /// id, the last value set) wait to be taken. Others are dropped and
+    /// counted ([`Worker::am_dropped`]).
     pub fn accept_am(&self, id: u16, max_len: usize, max_msgs: usize) -> Result<(), UcxError> {
-        self.inbox.max_len.set(max_len);
         self.inbox.max_msgs.set(max_msgs);
+        let handler = Box::new(AmHandler { inbox: &*self.inbox, id, max_len });
         let param = sys::ucp_am_handler_param_t {
             field_mask: (sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_ID
                 | sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_CB
@@ -478,11 +495,14 @@ impl Worker {
             id: id as u32,
             flags: sys::ucp_am_cb_flags_UCP_AM_FLAG_WHOLE_MSG,
             cb: Some(am_recv),
-            arg: &*self.inbox as *const AmInbox as *mut c_void,
+            arg: &*handler as *const AmHandler as *mut c_void,
         };
-        // The inbox is dropped after the worker is destroyed.
-        // SAFETY: the argument (the boxed inbox) outlives the registration; `am_recv` matches ucp_am_recv_callback_t.
-        check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.h, &param) })
+        // The handler box (kept below) and the inbox are dropped after the
+        // worker is destroyed.
+        // SAFETY: the argument (the boxed handler) outlives the registration; `am_recv` matches ucp_am_recv_callback_t.
+        check("ucp_worker_set_am_recv_handler", unsafe { sys::ucp_worker_set_am_recv_handler(self.h, &param) })?;
+        self.handlers.borrow_mut().push(handler);
+        Ok(())
     }
 
     /// Whether active messages wait to be taken.
@@ -490,8 +510,9 @@ impl Worker {
         !self.inbox.msgs.borrow().is_empty()
     }
 
-    /// Takes the active messages received so far, oldest first.
-    pub fn take_am(&self) -> Vec<Vec<u8>> {
+    /// Takes the active messages received so far, oldest first, with
+    /// their ids.
+    pub fn take_am(&self) -> Vec<(u16, Vec<u8>)> {
         self.inbox.msgs.borrow_mut().drain(..).collect()
     }
 
@@ -939,34 +960,39 @@ mod tests {
         }
     }
 
-    /// Active messages arrive in the receiver's inbox in order; oversized
-    /// ones are dropped and counted. A tag receive reports how many bytes
-    /// the sender sent (zero for an empty message).
+    /// Active messages arrive in the receiver's inbox in order, with their
+    /// ids; ones over their id's limit are dropped and counted. A tag
+    /// receive reports how many bytes the sender sent (zero for an empty
+    /// message).
     #[test]
     fn active_messages_and_received_lengths() {
         for t in [Transports::SharedMemory, Transports::Tcp] {
             let ctx = Context::new(&t).unwrap();
             let (a, b) = (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap());
             b.accept_am(7, 4096, 16).unwrap();
+            b.accept_am(8, 100, 16).unwrap();
             let ep = a.connect(&b.address().unwrap(), t == Transports::Tcp).unwrap();
             let mut sends: Vec<_> = vec![
                 ep.am_send(7, b"first".to_vec()).unwrap(),
+                ep.am_send(8, b"other id".to_vec()).unwrap(),
+                ep.am_send(8, vec![3u8; 200]).unwrap(),
                 ep.am_send(7, vec![1u8; 3000]).unwrap(),
                 ep.am_send(7, vec![2u8; 5000]).unwrap(),
             ];
             let mut got = Vec::new();
             let mut spins = 0u64;
-            while got.len() < 2 || b.am_dropped() < 1 || sends.iter_mut().any(|r| r.poll().is_none()) {
+            while got.len() < 3 || b.am_dropped() < 2 || sends.iter_mut().any(|r| r.poll().is_none()) {
                 a.progress();
                 b.progress();
                 got.extend(b.take_am());
                 spins += 1;
                 assert!(spins < 10_000_000, "active messages never arrived over {t:?}");
             }
-            assert_eq!(got.len(), 2, "{t:?}");
-            assert_eq!(got[0], b"first");
-            assert_eq!(got[1], vec![1u8; 3000]);
-            assert_eq!(b.am_dropped(), 1, "the 5000-byte message is over the limit");
+            assert_eq!(got.len(), 3, "{t:?}");
+            assert_eq!(got[0], (7, b"first".to_vec()));
+            assert_eq!(got[1], (8, b"other id".to_vec()));
+            assert_eq!(got[2], (7, vec![1u8; 3000]));
+            assert_eq!(b.am_dropped(), 2, "the 5000-byte and the 200-byte messages are over their limits");
 
             let src = Arc::new(MemoryRegion::register(&ctx, pool(1 << 20)).unwrap());
             let dst = Arc::new(MemoryRegion::register(&ctx, pool(1 << 20)).unwrap());

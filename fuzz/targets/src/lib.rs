@@ -468,6 +468,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                         rkey: vec![2; 30],
                     }],
                     transports: "sm".into(),
+                    accepts_control: true,
                 }
                 .encode_to_vec(),
             ),
