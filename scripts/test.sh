@@ -129,7 +129,7 @@ rc=0
 out=$(target/debug/kvmesh-nemesis --kvmeshd target/debug/kvmeshd --daemons 3 --minutes 1 --seed 1 --tls | tail -1) || rc=$?
 echo "$out" | cut -c1-300 >&2
 if [[ $rc -eq 0 ]]; then
-    out=$(target/debug/kvmesh-nemesis --kvmeshd target/debug/kvmeshd --daemons 3 --minutes 1 --seed 3 | tail -1) || rc=$?
+    out=$(target/debug/kvmesh-nemesis --kvmeshd target/debug/kvmeshd --daemons 3 --minutes 1 --seed 3 --peer-control ucx | tail -1) || rc=$?
     echo "$out" | cut -c1-300 >&2
 fi
 if [[ $rc -eq 77 ]]; then

@@ -32,9 +32,9 @@ use kvmesh_client::{Allocation, Client, Key, Namespace};
 #[command(about = "kvmesh benchmarks")]
 struct Args {
     /// How the daemons the bench starts carry coherence batches between
-    /// them (`peer.control`): `auto` (UCX active messages) or `grpc` (the
-    /// peer streams), to compare the two.
-    #[arg(long, global = true, default_value = "auto", value_parser = ["auto", "grpc"])]
+    /// them (`peer.control`): `auto` (UCX active messages on sm, the peer
+    /// streams on tcp), `ucx`, or `grpc`, to compare them.
+    #[arg(long, global = true, default_value = "auto", value_parser = ["auto", "ucx", "grpc"])]
     peer_control: String,
     #[command(subcommand)]
     cmd: Cmd,

@@ -369,11 +369,15 @@ impl Cluster {
             );
         }
         // Batches over UCX only without peer TLS: an active message's
-        // sender is its own claim, as on a peer stream without TLS.
-        let control_ucx = match peers.config().control.as_str() {
-            "grpc" => false,
-            _ => peers.tls().is_none(),
-        };
+        // sender is its own claim, as on a peer stream without TLS. `auto`:
+        // on shared memory only — on tcp, lone gets measured slower that
+        // way (DATAPLANE.md).
+        let control_ucx = peers.tls().is_none()
+            && match peers.config().control.as_str() {
+                "ucx" => true,
+                "auto" => peers.config().transports == "sm",
+                _ => false,
+            };
         tracing::info!(
             over = if control_ucx { "UCX active messages (gRPC streams where no endpoint)" } else { "gRPC streams" },
             "coherence batches"

@@ -247,9 +247,10 @@ pub struct PeerConfig {
     /// Most bytes in flight.
     #[serde(deserialize_with = "de_bytes")]
     pub inflight_bytes_max: u64,
-    /// How coherence batches travel between daemons: `auto` (as UCX active
-    /// messages on the data plane's endpoints when peer TLS is off, else
-    /// on the gRPC streams), `grpc` (always the streams).
+    /// How coherence batches travel between daemons: `ucx` (as UCX active
+    /// messages on the data plane's endpoints; peer TLS must be off),
+    /// `auto` (so with `transports = "sm"` and peer TLS off, else on the
+    /// gRPC streams), `grpc` (always the streams).
     pub control: String,
     /// Mutual TLS between daemons.
     pub tls: PeerTlsConfig,
@@ -655,7 +656,13 @@ impl Config {
         }
         match self.peer.control.as_str() {
             "auto" | "grpc" => {}
-            t => return Err(format!("peer.control: {t:?} is not one of \"auto\", \"grpc\"")),
+            "ucx" if self.peer.tls.required() => {
+                return Err("peer.control: \"ucx\" sends coherence messages without authentication; \
+                            not with peer.tls.mode = \"required\" (use \"auto\" or \"grpc\")"
+                    .into());
+            }
+            "ucx" => {}
+            t => return Err(format!("peer.control: {t:?} is not one of \"auto\", \"ucx\", \"grpc\"")),
         }
         if let Some(l) = &self.peer.listen
             && l.parse::<std::net::SocketAddr>().is_err()
@@ -930,6 +937,12 @@ mod tests {
             (&format!("[peer]\ntransfer = \"push\"\n{pool}"), "peer.transfer"),
             (&format!("[peer]\npool_alloc = \"huge\"\n{pool}"), "peer.pool_alloc"),
             (&format!("[peer]\ncontrol = \"carrier-pigeon\"\n{pool}"), "peer.control"),
+            (
+                &format!(
+                    "[peer]\ncontrol = \"ucx\"\ntls = {{ mode = \"required\", ca = \"/c\", cert = \"/c\", key = \"/k\" }}\n{pool}"
+                ),
+                "peer.control",
+            ),
             (&format!("[peer]\nlisten = \"localhost\"\n{pool}"), "peer.listen"),
             (&format!("[peer]\ngrant_lease_ms = 100\ntransfer_timeout_ms = 200\n{pool}"), "peer.grant_lease_ms"),
             (&format!("[[peers]]\nid = 1\naddr = \"127.0.0.1:1\"\n{pool}"), "this node's own id"),

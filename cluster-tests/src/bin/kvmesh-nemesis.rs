@@ -75,6 +75,11 @@ struct Args {
     /// certificates are made with the `kvmesh` CLI beside `--kvmeshd`).
     #[arg(long)]
     tls: bool,
+    /// How the daemons carry coherence batches (`peer.control`): `auto`
+    /// (the gRPC streams on tcp), `ucx` (UCX active messages; not with
+    /// `--tls`), `grpc`.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "ucx", "grpc"])]
+    peer_control: String,
     /// Readers per daemon.
     #[arg(long, default_value_t = 2)]
     readers: usize,
@@ -501,18 +506,21 @@ struct Cluster {
     /// Directory of the cluster CA and node certificates (mutual TLS
     /// between the daemons), or none.
     certs: Option<PathBuf>,
+    /// `peer.control` of every daemon.
+    peer_control: String,
 }
 
 impl Cluster {
     fn config(&self, id: u32) -> String {
         let mut s = format!(
             "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n[node]\nid = {id}\n\
-             [peer]\nlisten = \"{}:7100\"\ntransports = \"tcp\"\ntransfer_timeout_ms = 2000\ntls = {}\n\
+             [peer]\nlisten = \"{}:7100\"\ntransports = \"tcp\"\ntransfer_timeout_ms = 2000\ncontrol = \"{}\"\ntls = {}\n\
              [[pools]]\nname = \"p\"\nbytes = \"32MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n\
              [membership]\nkind = \"etcd\"\nendpoints = [\"{}:2379\"]\nkey_prefix = \"/kvmesh-nemesis\"\n\
              lease_ttl_s = 2\ndial_timeout_ms = 500\n",
             self.sockets[id as usize - 1].display().to_string(),
             Net::addr(id),
+            self.peer_control,
             match &self.certs {
                 Some(d) => format!(
                     "{{ mode = \"required\", ca = {:?}, cert = {:?}, key = {:?} }}",
@@ -686,6 +694,7 @@ async fn run(a: Args) -> Result<bool, String> {
         sockets: sockets.clone(),
         env: a.plant_bug.iter().map(|b| ("KVMESH_TEST_BUG".to_string(), b.clone())).collect(),
         certs,
+        peer_control: a.peer_control.clone(),
     };
     tokio::time::sleep(Duration::from_millis(500)).await;
     for id in 1..=a.daemons {
