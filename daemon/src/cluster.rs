@@ -213,8 +213,8 @@ pub struct Cluster {
     /// Test-only (`KVMESH_TEST_HOOK=hold-first-registration-ms:N`).
     held: Option<Mutex<HeldFrame>>,
     /// Coherence batches go as UCX active messages where the data plane
-    /// has an endpoint to the peer (`peer.control`); gRPC streams carry
-    /// the rest (membership, pings, batches too big or without endpoint).
+    /// can take them (`peer.control`, `DataPlane::send_control`); gRPC
+    /// streams carry the rest (membership frames, and batches it refused).
     control_ucx: bool,
 }
 
@@ -544,7 +544,7 @@ impl Cluster {
                         return;
                     }
                 }
-                let incarnation = g.node.view().members.iter().find(|m| m.id == to).map(|m| m.incarnation);
+                let incarnation = g.node.view().member(to).map(|m| m.incarnation);
                 self.send_batch(to, incarnation, frame);
             }
             Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
@@ -755,7 +755,6 @@ impl Cluster {
         if self.control_ucx
             && let Some(inc) = incarnation
             && let Some(pb::frame::Body::Batch(bytes)) = &f.body
-            && self.links.contains_key(&to)
             && self.peers.dataplane().send_control(to, inc, self.id, bytes)
         {
             return;
@@ -1243,10 +1242,7 @@ impl Cluster {
                 self.flush_locked(&mut g);
             }
             let view = g.node.view();
-            pings
-                .into_iter()
-                .map(|(from, seq)| (from, view.members.iter().find(|m| m.id == from).map(|m| m.incarnation), seq))
-                .collect()
+            pings.into_iter().map(|(from, seq)| (from, view.member(from).map(|m| m.incarnation), seq)).collect()
         };
         self.timer.notify_one();
         // Every batch the endpoint carried before a ping is handled now.

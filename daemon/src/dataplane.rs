@@ -275,14 +275,15 @@ pub enum Control {
 /// the data plane in it).
 pub type ControlSink = Box<dyn Fn(Vec<Control>) + Send + Sync>;
 
-/// Counters of the coherence batches carried by the data plane.
+/// Counters of the coherence messages (batches, pings, pongs) carried by
+/// the data plane.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ControlCounters {
-    /// Batches sent as active messages.
+    /// Sent as active messages.
     pub sent: u64,
-    /// Batches received (handed to the driver).
+    /// Received (handed to the driver).
     pub received: u64,
-    /// Batches dropped (a queue full, the endpoint gone, a send failed).
+    /// Dropped (no endpoint, a send failed or stuck, malformed).
     pub drops: u64,
 }
 
@@ -440,7 +441,7 @@ impl DataPlane {
         taken
     }
 
-    /// Counters of the coherence batches carried here.
+    /// Counters of the coherence messages carried here.
     pub fn control_counters(&self) -> ControlCounters {
         use std::sync::atomic::Ordering::Relaxed;
         ControlCounters {
@@ -584,7 +585,12 @@ fn parse_control(mut m: Vec<u8>) -> Option<Control> {
     match m[0] {
         KIND_PING => Some(Control::Ping { from, seq: seq()? }),
         KIND_PONG => Some(Control::Pong { from, seq: seq()? }),
-        KIND_CONTROL => Some(Control::Batch { from, batch: m.split_off(CONTROL_HEADER) }),
+        KIND_CONTROL => {
+            // In place: the header goes, the body moves down (no copy into
+            // a new buffer).
+            m.drain(..CONTROL_HEADER);
+            Some(Control::Batch { from, batch: m })
+        }
         _ => None,
     }
 }
@@ -1094,9 +1100,13 @@ mod tests {
     use super::*;
 
     fn plane(name: &str) -> (DataPlane, Arc<SharedMapping>) {
+        plane_on(name, Transports::Tcp)
+    }
+
+    fn plane_on(name: &str, t: Transports) -> (DataPlane, Arc<SharedMapping>) {
         let pool = Arc::new(SharedMapping::create(name, 1 << 20, false).unwrap());
         let limits = Limits { inflight_requests_max: 64, inflight_bytes_max: 64 << 20 };
-        (DataPlane::start(Transports::Tcp, &[Arc::clone(&pool)], limits).unwrap(), pool)
+        (DataPlane::start(t, &[Arc::clone(&pool)], limits).unwrap(), pool)
     }
 
     fn addr(id: u32, dp: &DataPlane) -> PeerAddr {
@@ -1201,20 +1211,10 @@ mod tests {
         gpool.copy_out(8 * 65536, &mut got).unwrap();
         assert_eq!(got, block);
     }
-}
 
-#[cfg(test)]
-mod control_tests {
-    use super::*;
-
-    fn plane(name: &str, t: Transports) -> DataPlane {
-        let pool = Arc::new(SharedMapping::create(name, 1 << 20, false).unwrap());
-        let limits = Limits { inflight_requests_max: 64, inflight_bytes_max: 64 << 20 };
-        DataPlane::start(t, &[pool], limits).unwrap()
-    }
-
-    fn addr(id: u32, incarnation: u64, dp: &DataPlane) -> PeerAddr {
-        PeerAddr { id, incarnation, worker_address: dp.worker_address().to_vec(), pools: Vec::new(), control: true }
+    /// A peer that takes coherence messages, at incarnation 1.
+    fn control_addr(id: u32, dp: &DataPlane) -> PeerAddr {
+        PeerAddr { control: true, ..addr(id, dp) }
     }
 
     fn forward(tx: tokio::sync::mpsc::Sender<Control>) -> ControlSink {
@@ -1248,23 +1248,23 @@ mod control_tests {
     #[tokio::test]
     async fn control_batches_wake_a_sleeping_peer() {
         for t in [Transports::SharedMemory, Transports::Tcp] {
-            let a = plane("ctl-a", t.clone());
-            let b = plane("ctl-b", t.clone());
+            let (a, _) = plane_on("ctl-a", t.clone());
+            let (b, _) = plane_on("ctl-b", t.clone());
             let (tx, mut rx) = tokio::sync::mpsc::channel(64);
             b.serve_control(forward(tx));
             assert!(!a.send_control(2, 1, 1, b"no endpoint yet"), "{t:?}: taken without an endpoint");
-            a.connect(addr(2, 1, &b)).await.unwrap();
-            b.connect(addr(1, 1, &a)).await.unwrap();
+            a.connect(control_addr(2, &b)).await.unwrap();
+            b.connect(control_addr(1, &a)).await.unwrap();
             assert!(!a.send_control(2, 1, 1, &vec![7u8; CONTROL_BYTES_MAX + 1]), "{t:?}: oversize batch taken");
             assert!(!a.send_control(2, 9, 1, b"x"), "{t:?}: taken for another incarnation of the peer");
             assert!(!b.send_pong(1, 9, 2, 1), "{t:?}: pong taken for another incarnation of the peer");
             // A peer whose handshake did not offer coherence messages (TLS
             // on, or an older version) gets none.
-            let c = plane("ctl-c", t.clone());
-            c.connect(PeerAddr { control: false, ..addr(2, 1, &b) }).await.unwrap();
+            let (c, _) = plane_on("ctl-c", t.clone());
+            c.connect(PeerAddr { control: false, ..control_addr(2, &b) }).await.unwrap();
             assert!(!c.send_control(2, 1, 3, b"x"), "{t:?}: taken for a peer that does not take them");
             assert!(!c.send_ping(2, 1, 3, 5), "{t:?}: ping taken for a peer that does not take them");
-            // After idle spells (UCX may stop polling an idle transport)...
+            // After idle spells...
             for i in 0..3u32 {
                 tokio::time::sleep(Duration::from_millis(150)).await;
                 assert!(a.send_control(2, 1, 1, &i.to_le_bytes()));
