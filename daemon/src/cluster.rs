@@ -882,16 +882,55 @@ impl Cluster {
     /// Moves the holder's whole slots into the reserved local slots, and
     /// reports on `tx` what arrived for each (the core validates it against
     /// the grant). Returns which reads were reported.
+    ///
+    /// Reads into a staged pool (GPU memory UCX cannot reach) land in
+    /// staging slots first: they go in waves of at most the read staging
+    /// slots, each waiting for its slots (until the reads' deadline).
     async fn read_slots(
         &self,
         from: NodeId,
         reads: &[Read],
         tx: tokio::sync::mpsc::UnboundedSender<(usize, Result<SlotImage, TransferError>)>,
     ) -> Vec<bool> {
+        let staged_hook = self.peers.hook() == Some(crate::peers::TestHook::StageHostPools);
+        let staged = {
+            let st = self.store.lock();
+            reads.iter().any(|r| {
+                st.pools().get(to_store(r.dest).pool as usize).is_some_and(|p| p.memory.is_gpu() || staged_hook)
+            })
+        };
+        let Some(staging) = self.peers.staging().filter(|_| staged) else {
+            return self.read_wave(from, reads, 0, Vec::new(), &tx).await;
+        };
+        let limit = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
+        let mut reported = Vec::with_capacity(reads.len());
+        for (w, wave) in reads.chunks(staging.recv_slots()).enumerate() {
+            let earliest = wave.iter().map(|r| r.deadline).min().expect("chunks are not empty");
+            let slots = staging.take_recv(wave.len(), self.instant_of(earliest).min(limit)).await;
+            if slots.is_none() {
+                tracing::debug!(peer = from, reads = wave.len(), "no staging slot in time: reads refused (misses)");
+            }
+            let base = w * staging.recv_slots();
+            reported.extend(self.read_wave(from, wave, base, slots.unwrap_or_default(), &tx).await);
+        }
+        reported
+    }
+
+    /// One wave of [`Cluster::read_slots`]: `reads` are its reads from
+    /// `base` on; `slots`, staging slots for those landing in a staged
+    /// pool (one each; a read without one is refused).
+    async fn read_wave(
+        &self,
+        from: NodeId,
+        reads: &[Read],
+        base: usize,
+        mut slots: Vec<crate::staging::StagingSlot>,
+        tx: &tokio::sync::mpsc::UnboundedSender<(usize, Result<SlotImage, TransferError>)>,
+    ) -> Vec<bool> {
         let mut reported = vec![false; reads.len()];
         let report = |i: usize, r: Result<SlotImage, TransferError>, reported: &mut Vec<bool>| {
             reported[i] = true;
-            let _ = tx.send((i, r));
+            let _ = tx.send((base + i, r));
         };
         // The holder is a live member that just granted us these reads: if
         // the background handshake has not reached it yet, or reached an
@@ -919,17 +958,16 @@ impl Cluster {
         let mut index = Vec::with_capacity(reads.len());
         let mut send_items = Vec::new();
         let mut geometry = Vec::with_capacity(reads.len());
+        let mut any_staged_remote = false;
+        let staged_hook = self.peers.hook() == Some(crate::peers::TestHook::StageHostPools);
         for (i, r) in reads.iter().enumerate() {
             let d = to_store(r.dest);
             let rs = to_store(r.remote);
             let local = {
                 let st = self.store.lock();
-                // Host pools only: a clustered daemon has no GPU pool (config).
-                st.pools()
-                    .get(d.pool as usize)
-                    .and_then(|p| p.memory.host().map(|m| (p.stride, p.slot_payload_bytes, Arc::clone(m))))
+                st.pools().get(d.pool as usize).map(|p| (p.stride, p.slot_payload_bytes, p.memory.clone()))
             };
-            let Some((stride, cap, mapping)) = local else {
+            let Some((stride, cap, memory)) = local else {
                 report(i, Err(TransferError::NoSpace), &mut reported);
                 continue;
             };
@@ -952,18 +990,36 @@ impl Cluster {
                 report(i, Err(TransferError::PeerGone), &mut reported);
                 continue;
             }
+            // Where the bytes land: our pool, or — for a pool UCX cannot
+            // reach (GPU) — a staging slot, validated there and then
+            // copied into the pool.
+            let (dest, local_pool, local_offset) = match memory.host() {
+                Some(m) if !staged_hook => (Dest::Pool(Arc::clone(m)), d.pool, d.slot as u64 * stride),
+                _ => match slots.pop() {
+                    Some(slot) => {
+                        let (region, offset) = (slot.region(), slot.offset());
+                        (Dest::Staged { slot, memory }, region, offset)
+                    }
+                    None => {
+                        tracing::debug!(peer = from, "no staging slot: read refused (a miss)");
+                        report(i, Err(TransferError::NoSpace), &mut reported);
+                        continue;
+                    }
+                },
+            };
+            any_staged_remote |= rp.staged;
             let tag = self.peers.next_tag();
             items.push(TransferItem {
                 remote_pool: rs.pool,
                 remote_offset: rs.slot as u64 * stride,
                 len: stride,
-                local_pool: d.pool,
-                local_offset: d.slot as u64 * stride,
+                local_pool,
+                local_offset,
                 tag,
             });
             send_items.push(pb::SendItem { pool: rs.pool, slot: rs.slot, generation: rs.generation, tag });
             index.push(i);
-            geometry.push((stride, cap, mapping));
+            geometry.push((stride, cap, Some(dest)));
         }
         if items.is_empty() {
             return reported;
@@ -972,7 +1028,8 @@ impl Cluster {
         let earliest = index.iter().map(|&i| reads[i].deadline).min().expect("non-empty");
         let until = self.instant_of(earliest).min(limit);
         let dp = self.peers.dataplane();
-        let mode = self.peers.mode();
+        // A staged pool of the holder is never read one-sided: it sends.
+        let mode = if any_staged_remote { Mode::Recv } else { self.peers.mode() };
         let t_post = Instant::now();
         if let Some(first) = index.iter().map(|&i| reads[i].started).min() {
             self.remote_metrics.transfer_post_seconds.observe(t_post.saturating_duration_since(first).as_secs_f64());
@@ -1005,18 +1062,52 @@ impl Cluster {
             let i = index[k];
             let result = match outcome {
                 TransferOutcome::Done => {
-                    let (stride, cap, mapping) = &geometry[k];
-                    moved += *stride;
+                    let (stride, cap, dest) = &mut geometry[k];
+                    let (stride, cap) = (*stride, *cap);
+                    moved += stride;
                     let d = to_store(reads[i].dest);
+                    let ns = reads[i].expect.key.ns;
                     let tv = Instant::now();
-                    let r = match mapping.read(d.slot as u64 * stride, *stride) {
-                        Ok(bytes) => Ok(slot_image(&bytes, *cap, reads[i].expect.key.ns)),
-                        Err(_) => Err(TransferError::NoSpace),
+                    let r = match dest.take() {
+                        Some(Dest::Pool(mapping)) => match mapping.read(d.slot as u64 * stride, stride) {
+                            Ok(bytes) => Ok(slot_image(&bytes, cap, ns, false)),
+                            Err(_) => Err(TransferError::NoSpace),
+                        },
+                        Some(Dest::Staged { slot, memory }) => {
+                            // Validated where it arrived (the CPU form of
+                            // the pool's checksum), then copied into the
+                            // pool before the core may register it.
+                            let image = slot.bytes(stride).map(|b| slot_image(&b, cap, ns, memory.is_gpu()));
+                            match image
+                                .and_then(|im| slot.copy_to(&memory, d.slot as u64 * stride, stride).map(|()| im))
+                            {
+                                Ok(im) => {
+                                    if let Some(s) = self.peers.staging() {
+                                        s.staged_reads.fetch_add(1, Ordering::Relaxed);
+                                    }
+                                    Ok(im)
+                                }
+                                Err(e) => {
+                                    tracing::warn!(peer = from, "staged read: {e}");
+                                    Err(TransferError::NoSpace)
+                                }
+                            }
+                        }
+                        None => Err(TransferError::NoSpace),
                     };
                     validating += tv.elapsed();
                     r
                 }
-                TransferOutcome::TimedOut => Err(TransferError::Timeout),
+                TransferOutcome::TimedOut => match geometry[k].2.take() {
+                    // UCX may still write the staging slot it was receiving
+                    // into: that one is never reused. The pool's slot was
+                    // never UCX's: it is freed, not quarantined.
+                    Some(Dest::Staged { slot, .. }) => {
+                        slot.quarantine();
+                        Err(TransferError::PeerGone)
+                    }
+                    _ => Err(TransferError::Timeout),
+                },
                 TransferOutcome::Failed(e) => {
                     tracing::debug!(peer = from, "transfer failed: {e}");
                     failed = true;
@@ -1816,6 +1907,7 @@ impl Cluster {
     pub fn stats(&self) -> kvmesh_proto::engine::v1::CoherenceStats {
         let etcd = self.etcd_status.as_ref();
         let control = self.peers.dataplane().control_counters();
+        let staging = self.peers.staging();
         let g = self.inner.lock();
         let m = g.node.metrics();
         let h = &m.inval_to_ack_us;
@@ -1865,6 +1957,9 @@ impl Cluster {
             control_am_sent: control.sent,
             control_am_received: control.received,
             control_am_drops: control.drops,
+            staged_reads: staging.map_or(0, |s| s.staged_reads.load(Ordering::Relaxed)),
+            staged_sends: staging.map_or(0, |s| s.staged_sends.load(Ordering::Relaxed)),
+            staging_exhausted: staging.map_or(0, |s| s.exhausted.load(Ordering::Relaxed)),
         }
     }
 
@@ -1991,7 +2086,18 @@ fn from_pb_view(v: &pb::View) -> View {
 const SEND_ORDER_ITEMS: usize = 1024;
 const _: () = assert!(SEND_ORDER_ITEMS * 38 + 64 <= crate::dataplane::SEND_ORDER_BYTES_MAX);
 
-fn slot_image(bytes: &[u8], cap: u64, fingerprint: u64) -> SlotImage {
+/// Where a read lands.
+enum Dest {
+    /// Straight into our pool's (host) slot.
+    Pool(Arc<kvmesh_ffi_os::SharedMapping>),
+    /// Into a staging slot, then copied into the pool's slot (a pool UCX
+    /// cannot reach: GPU memory).
+    Staged { slot: crate::staging::StagingSlot, memory: crate::memory::PoolMemory },
+}
+
+/// What a slot's bytes say (header, trailer, payload checksum: xxh3-64, or
+/// `kvsum64` for a GPU pool's slot).
+fn slot_image(bytes: &[u8], cap: u64, fingerprint: u64, gpu: bool) -> SlotImage {
     let none = CoreMeta { key: BlockKey { ns: 0, key: 0 }, version: 0, generation: 0, checksum: 0 };
     let core = |m: &LayoutMeta| {
         if m.state != SlotState::Valid || m.namespace != fingerprint || m.payload_len > cap {
@@ -2012,7 +2118,9 @@ fn slot_image(bytes: &[u8], cap: u64, fingerprint: u64) -> SlotImage {
         return SlotImage { header: none, trailer: none, payload_checksum: 1 };
     };
     let len = h.payload_len.min(cap) as usize;
-    let payload_checksum = kvmesh_common::checksum(&bytes[HEADER_BYTES..HEADER_BYTES + len]);
+    let payload = &bytes[HEADER_BYTES..HEADER_BYTES + len];
+    let payload_checksum =
+        if gpu { kvmesh_kernels::checksum::kvsum64(payload) } else { kvmesh_common::checksum(payload) };
     let mut header = core(&h);
     let trailer = core(&tr);
     if h.payload_len != tr.payload_len {

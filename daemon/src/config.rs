@@ -247,6 +247,10 @@ pub struct PeerConfig {
     /// Most bytes in flight.
     #[serde(deserialize_with = "de_bytes")]
     pub inflight_bytes_max: u64,
+    /// Host staging slots through which blocks of GPU pools move between
+    /// daemons (each the size of the largest GPU slot; docs/GPU.md): at
+    /// most this many such blocks in flight, sent or received, at once.
+    pub staging_slots: u32,
     /// How coherence batches travel between daemons: `ucx` (as UCX active
     /// messages on the data plane's endpoints; peer TLS must be off),
     /// `auto` (so with `transports = "sm"` and peer TLS off, else on the
@@ -292,6 +296,7 @@ impl Default for PeerConfig {
             grant_lease_ms: 5_000,
             inflight_requests_max: 4096,
             inflight_bytes_max: 1 << 30,
+            staging_slots: 64,
             control: "auto".into(),
             tls: PeerTlsConfig::default(),
         }
@@ -549,6 +554,9 @@ fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
 /// per-slot bookkeeping bounded too).
 pub const POOL_SLOTS_MAX: u64 = 1 << 24;
 
+/// Most host memory the staging slots of GPU pools may take.
+pub const STAGING_BYTES_MAX: u64 = 16 << 30;
+
 impl Config {
     /// The configuration as TOML (every field, defaults filled in).
     pub fn to_toml(&self) -> Result<String, String> {
@@ -597,18 +605,12 @@ impl Config {
                 let Some(ordinal) = kvmesh_kernels::cuda::parse_device(&p.device) else {
                     return Err(format!("{}: {:?} is neither \"host\" nor \"cuda:N\"", f("device"), p.device));
                 };
-                // One line that says why it cannot be: no driver, no such
-                // device, or a clustered daemon (GPU pools move between
-                // daemons through a staging path not built yet).
-                let clustered = self.peer.listen.is_some() || !self.peers.is_empty();
+                // One line that says why it cannot be: no driver, or no
+                // such device. (A clustered daemon moves GPU blocks through
+                // host staging slots: `peer.staging_slots`.)
                 let why = match kvmesh_kernels::cuda::device_count() {
                     Err(e) => Some(e.to_string()),
                     Ok(n) if ordinal >= n => Some(format!("no CUDA device {ordinal} (this machine has {n})")),
-                    Ok(_) if clustered => Some(
-                        "GPU pools are single-node for now: a clustered daemon (peer.listen, [[peers]]) \
-                         cannot move GPU blocks to peers yet (docs/GPU.md)"
-                            .to_string(),
-                    ),
                     Ok(_) => None,
                 };
                 if let Some(why) = why {
@@ -674,10 +676,32 @@ impl Config {
             ("grant_lease_ms", self.peer.grant_lease_ms),
             ("inflight_requests_max", self.peer.inflight_requests_max as u64),
             ("inflight_bytes_max", self.peer.inflight_bytes_max),
+            ("staging_slots", self.peer.staging_slots as u64),
         ] {
             if v == 0 {
                 return Err(format!("peer.{name}: must be greater than 0"));
             }
+        }
+        if self.peer.staging_slots < 2 {
+            return Err("peer.staging_slots: at least 2 (half serve reads, half sends)".into());
+        }
+        // The staging memory of GPU pools (allocated only when a clustered
+        // daemon has one): bounded.
+        let gpu_stride = self
+            .pools
+            .iter()
+            .filter(|p| p.device != "host")
+            .map(|p| kvmesh_common::slot::slot_stride(p.slot_payload_bytes))
+            .max();
+        if let Some(stride) = gpu_stride
+            && (self.peer.listen.is_some() || !self.peers.is_empty())
+            && u64::from(self.peer.staging_slots).saturating_mul(stride) > STAGING_BYTES_MAX
+        {
+            return Err(format!(
+                "peer.staging_slots: {} slots of the largest GPU slot ({stride} bytes) exceed {} GiB of host staging memory",
+                self.peer.staging_slots,
+                STAGING_BYTES_MAX >> 30
+            ));
         }
         let c = &self.coherence;
         for (name, v) in [
@@ -1000,10 +1024,15 @@ mod tests {
         // A device that no machine has (or no driver): refused either way.
         let e = Config::parse(&text.replace("cuda:0", "cuda:999"), "gpu.toml").unwrap_err();
         assert!(e.starts_with("gpu.toml: pools[0] (g).device = \"cuda:999\": "), "{e}");
-        // Clustered with a GPU pool: refused (no staged data path yet) —
-        // or, without a driver, refused for that.
+        // Clustered with a GPU pool: staged through host slots, bounded.
         let clustered = format!("[peer]\nlisten = \"127.0.0.1:1\"\ntls = {{ mode = \"off\" }}\n{text}");
-        let e = Config::parse(&clustered, "gpu.toml").unwrap_err();
-        assert!(e.contains("pools[0] (g).device = \"cuda:0\": "), "{e}");
+        let big = clustered.replace("4096", "1073741824").replace("1MiB", "2GiB");
+        let e = Config::parse(&big, "gpu.toml").unwrap_err();
+        if kvmesh_kernels::cuda::driver().is_err() {
+            assert!(e.contains("pools[0] (g).device = \"cuda:0\": no CUDA driver"), "{e}");
+        } else {
+            assert!(e.contains("peer.staging_slots: 64 slots of the largest GPU slot"), "{e}");
+            assert!(Config::parse(&clustered, "gpu.toml").is_ok());
+        }
     }
 }

@@ -33,6 +33,8 @@ use kvmesh_ffi_os::{EventFd, SharedMapping};
 use kvmesh_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Transports, Worker};
 use tokio::sync::oneshot;
 
+use crate::staging::StagingSlot;
+
 /// One read: `len` bytes at `remote_offset` of the peer's pool
 /// `remote_pool` into our pool `local_pool` at `local_offset`.
 #[derive(Clone, Copy, Debug)]
@@ -136,7 +138,7 @@ const RECV_CANCEL_GRACE: Duration = Duration::from_secs(1);
 
 /// What a holder sends for one order: to `node` (that incarnation), each
 /// item from our pool with the getter's tag; `len` 0 for a refused slot.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct SendOrder {
     /// The getter.
     pub node: u32,
@@ -144,6 +146,9 @@ pub struct SendOrder {
     pub incarnation: u64,
     /// What to send (`local_*` and `len`, `tag`).
     pub items: Vec<TransferItem>,
+    /// Staging slots some items are sent from (slots of staged pools,
+    /// copied there): held until the sends end.
+    pub staged: Vec<StagingSlot>,
 }
 
 /// Checks a received send-order message and says what to send (`None`:
@@ -211,6 +216,8 @@ pub struct DataPlane {
     wake: Arc<EventFd>,
     worker_address: Vec<u8>,
     pools: Vec<LocalPool>,
+    /// Region index of the staging memory, if any (never advertised).
+    staging_region: Option<u32>,
     transports: Transports,
     hooks: Arc<Hooks>,
     thread: Option<std::thread::JoinHandle<()>>,
@@ -297,23 +304,28 @@ impl DataPlane {
         let ctx = Context::new(&transports).map_err(|e| format!("UCX context ({}): {e}", transports.tls()))?;
         let mut regions = Vec::new();
         for (i, p) in pools.iter().enumerate() {
-            regions.push(Arc::new(
+            regions.push(Some(Arc::new(
                 MemoryRegion::register(&ctx, Arc::clone(p)).map_err(|e| format!("register pool {i}: {e}"))?,
-            ));
+            )));
         }
-        DataPlane::start_with(ctx, regions, transports, limits)
+        DataPlane::start_with(ctx, regions, None, transports, limits)
     }
 
     /// Starts the thread on pools already known to UCX (registered, or
-    /// allocated by it), one region per pool in pool order.
+    /// allocated by it), one entry per pool in pool order (`None`: a pool
+    /// UCX cannot reach, moved through `staging`, the staging memory
+    /// registered with UCX; its region index is
+    /// [`DataPlane::staging_region`]).
     pub fn start_with(
         ctx: Arc<Context>,
-        regions: Vec<Arc<MemoryRegion>>,
+        mut regions: Vec<Option<Arc<MemoryRegion>>>,
+        staging: Option<Arc<MemoryRegion>>,
         transports: Transports,
         limits: Limits,
     ) -> Result<DataPlane, String> {
         let mut local = Vec::new();
         for (i, mr) in regions.iter().enumerate() {
+            let Some(mr) = mr else { continue };
             local.push(LocalPool {
                 index: i as u32,
                 base: mr.base(),
@@ -321,6 +333,10 @@ impl DataPlane {
                 rkey: mr.pack_rkey().map_err(|e| e.to_string())?,
             });
         }
+        let staging_region = staging.map(|s| {
+            regions.push(Some(s));
+            (regions.len() - 1) as u32
+        });
         let wake = Arc::new(EventFd::new().map_err(|e| format!("eventfd: {e}"))?);
         let (tx, rx) = bounded::<Cmd>(COMMANDS_MAX);
         let (init_tx, init_rx) = std::sync::mpsc::channel();
@@ -364,6 +380,7 @@ impl DataPlane {
             wake,
             worker_address,
             pools: local,
+            staging_region,
             transports,
             hooks,
             thread: Some(thread),
@@ -461,9 +478,14 @@ impl DataPlane {
         &self.worker_address
     }
 
-    /// Our pools' registrations.
+    /// Our pools' registrations (pools UCX cannot reach have none).
     pub fn pools(&self) -> &[LocalPool] {
         &self.pools
+    }
+
+    /// Region index of the staging memory (for [`TransferItem::local_pool`]).
+    pub fn staging_region(&self) -> Option<u32> {
+        self.staging_region
     }
 
     /// The transports UCX may use.
@@ -517,12 +539,29 @@ impl DataPlane {
         orders: Vec<Vec<u8>>,
         deadline: Instant,
     ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
+        self.transfer_staged(mode, peer, incarnation, items, orders, Vec::new(), deadline)
+    }
+
+    /// As [`DataPlane::transfer_ordered`], holding `staged` (the staging
+    /// slots sends go from) until the batch ends; quarantined if a request
+    /// did not end by its deadline.
+    #[allow(clippy::too_many_arguments)]
+    pub fn transfer_staged(
+        &self,
+        mode: Mode,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        orders: Vec<Vec<u8>>,
+        staged: Vec<StagingSlot>,
+        deadline: Instant,
+    ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
         let n = items.len();
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
         if let Err(e) =
-            self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, orders, deadline, reply }))
+            self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply }))
         {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
@@ -623,6 +662,8 @@ struct InFlight<'w> {
     bytes: u64,
     deadline: Instant,
     reply: Completions,
+    /// Staging slots the batch sends from (returned when it ends).
+    staged: Vec<StagingSlot>,
 }
 
 impl InFlight<'_> {
@@ -639,13 +680,14 @@ struct Pending {
     incarnation: u64,
     items: Vec<TransferItem>,
     orders: Vec<Vec<u8>>,
+    staged: Vec<StagingSlot>,
     deadline: Instant,
     reply: Completions,
 }
 
 fn run(
     worker: &Worker,
-    regions: &[Arc<MemoryRegion>],
+    regions: &[Option<Arc<MemoryRegion>>],
     rx: Receiver<Cmd>,
     wake: &EventFd,
     limits: Limits,
@@ -750,61 +792,6 @@ fn run(
             inflight.push(f);
         }
         while worker.progress() > 0 {}
-        // Peers' coherence batches go to the driver; their send orders are
-        // checked, then queued as sends (started on the next turn, under
-        // the same limits as reads).
-        let mut msgs = Vec::new();
-        let mut controls = Vec::new();
-        for (id, m) in worker.take_am() {
-            if id == AM_SEND_ORDER {
-                msgs.push(m);
-            } else {
-                match parse_control(m) {
-                    Some(c) if hooks.control.get().is_some() => controls.push(c),
-                    _ => {
-                        hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                }
-            }
-        }
-        if !controls.is_empty()
-            && let Some(sink) = hooks.control.get()
-        {
-            hooks.control_received.fetch_add(controls.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            sink(controls);
-        }
-        if !msgs.is_empty() {
-            match hooks.orders.get() {
-                Some(server) => {
-                    for m in msgs {
-                        let Some(o) = (server.check)(&m) else { continue };
-                        if peers.get(&o.node).is_some_and(|c| c.incarnation == o.incarnation) {
-                            let (reply, _) = tokio::sync::mpsc::unbounded_channel();
-                            queue.push_back(Pending {
-                                id: 0,
-                                mode: Mode::Send,
-                                peer: o.node,
-                                incarnation: o.incarnation,
-                                items: o.items,
-                                orders: Vec::new(),
-                                deadline: Instant::now() + server.send_timeout,
-                                reply,
-                            });
-                        } else {
-                            let _ = server.unconnected.send(o);
-                        }
-                    }
-                }
-                None => tracing::warn!(orders = msgs.len(), "data plane: send orders before serving them; dropped"),
-            }
-        }
-        if worker.am_dropped() != dropped_orders {
-            tracing::warn!(
-                dropped = worker.am_dropped() - dropped_orders,
-                "data plane: active messages dropped (over their size limit, not eager, or over {AM_QUEUED_MAX} waiting)"
-            );
-            dropped_orders = worker.am_dropped();
-        }
         // Completions and deadlines.
         let now = Instant::now();
         let mut failed_peers = Vec::new();
@@ -931,12 +918,75 @@ fn run(
                 // Send orders still in flight must not be dropped here (a
                 // dropped request waits for itself).
                 zombies.append(&mut f.orders);
+                // A request that did not end may still read its staging
+                // slot: those are never reused.
+                if f.outcomes.iter().any(|o| o == &Some(TransferOutcome::TimedOut)) {
+                    f.staged.drain(..).for_each(StagingSlot::quarantine);
+                }
                 false
             } else {
                 true
             }
         });
         zombies.retain_mut(|r| r.poll().is_none());
+        // (After the completions: a staging slot a send just finished with
+        // is free again for the order that follows it on the endpoint.)
+        // Peers' coherence batches go to the driver; their send orders are
+        // checked, then queued as sends (started on the next turn, under
+        // the same limits as reads).
+        let mut msgs = Vec::new();
+        let mut controls = Vec::new();
+        for (id, m) in worker.take_am() {
+            if id == AM_SEND_ORDER {
+                msgs.push(m);
+            } else {
+                match parse_control(m) {
+                    Some(c) if hooks.control.get().is_some() => controls.push(c),
+                    _ => {
+                        hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
+            }
+        }
+        if !controls.is_empty()
+            && let Some(sink) = hooks.control.get()
+        {
+            hooks.control_received.fetch_add(controls.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            sink(controls);
+        }
+        if !msgs.is_empty() {
+            match hooks.orders.get() {
+                Some(server) => {
+                    for m in msgs {
+                        let Some(o) = (server.check)(&m) else { continue };
+                        if peers.get(&o.node).is_some_and(|c| c.incarnation == o.incarnation) {
+                            let (reply, _) = tokio::sync::mpsc::unbounded_channel();
+                            queue.push_back(Pending {
+                                id: 0,
+                                mode: Mode::Send,
+                                peer: o.node,
+                                incarnation: o.incarnation,
+                                items: o.items,
+                                orders: Vec::new(),
+                                staged: o.staged,
+                                deadline: Instant::now() + server.send_timeout,
+                                reply,
+                            });
+                        } else {
+                            let _ = server.unconnected.send(o);
+                        }
+                    }
+                }
+                None => tracing::warn!(orders = msgs.len(), "data plane: send orders before serving them; dropped"),
+            }
+        }
+        if worker.am_dropped() != dropped_orders {
+            tracing::warn!(
+                dropped = worker.am_dropped() - dropped_orders,
+                "data plane: active messages dropped (over their size limit, not eager, or over {AM_QUEUED_MAX} waiting)"
+            );
+            dropped_orders = worker.am_dropped();
+        }
         // While reads are in flight, keep progressing: emulated gets move a
         // fragment per round trip, and sleeping between fragments would
         // cost a wakeup each. Sleep only when idle.
@@ -973,7 +1023,7 @@ fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Resul
 fn start<'w>(
     worker: &'w Worker,
     peers: &HashMap<u32, PeerConn<'w>>,
-    regions: &[Arc<MemoryRegion>],
+    regions: &[Option<Arc<MemoryRegion>>],
     p: Pending,
     bytes: u64,
 ) -> InFlight<'w> {
@@ -990,6 +1040,7 @@ fn start<'w>(
         bytes,
         deadline: p.deadline,
         reply: p.reply,
+        staged: p.staged,
     };
     let conn = peers.get(&p.peer).filter(|c| c.incarnation == p.incarnation);
     let not_connected = || format!("peer {} (incarnation {}) not connected", p.peer, p.incarnation);
@@ -1001,7 +1052,7 @@ fn start<'w>(
             return f;
         }
         for (i, it) in p.items.iter().enumerate() {
-            let Some(dst) = regions.get(it.local_pool as usize) else {
+            let Some(dst) = regions.get(it.local_pool as usize).and_then(Option::as_ref) else {
                 f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
                 continue;
             };
@@ -1035,7 +1086,7 @@ fn start<'w>(
     };
     if p.mode == Mode::Send {
         for (i, it) in p.items.iter().enumerate() {
-            let Some(src) = regions.get(it.local_pool as usize) else {
+            let Some(src) = regions.get(it.local_pool as usize).and_then(Option::as_ref) else {
                 f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
                 continue;
             };
@@ -1068,7 +1119,7 @@ fn start<'w>(
             );
             continue;
         };
-        let Some(dst) = regions.get(it.local_pool as usize) else {
+        let Some(dst) = regions.get(it.local_pool as usize).and_then(Option::as_ref) else {
             f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
             continue;
         };
@@ -1158,7 +1209,7 @@ mod tests {
                 return None; // dropped, as an undecodable order would be
             }
             let incarnation = if slots.contains(&5) { 9 } else { 1 };
-            Some(SendOrder { node: 1, incarnation, items })
+            Some(SendOrder { node: 1, incarnation, items, staged: Vec::new() })
         });
         let (unconnected, mut nowhere) = tokio::sync::mpsc::unbounded_channel();
         holder.serve_orders(check, unconnected, Duration::from_secs(10));

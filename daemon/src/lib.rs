@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod peers;
 pub mod server;
 pub mod service;
+pub mod staging;
 pub mod store;
 pub mod tls;
 

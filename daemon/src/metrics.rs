@@ -427,6 +427,17 @@ impl prometheus_client::collector::Collector for Snapshot {
                     c.control_am_drops,
                 ),
                 (
+                    "coherence_staged_reads",
+                    "Blocks fetched through a host staging slot (pools UCX cannot reach: GPU pools without CUDA support in UCX).",
+                    c.staged_reads,
+                ),
+                ("coherence_staged_sends", "Blocks sent to peers from a host staging slot.", c.staged_sends),
+                (
+                    "coherence_staging_exhausted",
+                    "Staged reads or sends refused because every staging slot was busy (misses; see peer.staging_slots).",
+                    c.staging_exhausted,
+                ),
+                (
                     "coherence_peer_auth_refusals",
                     "Peer calls refused for who made them (not a configured peer, or a TLS certificate for another node).",
                     c.peer_auth_refusals,

@@ -24,6 +24,8 @@ use crate::config::{PeerConfig, PeerEntry};
 use crate::dataplane::{
     CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, SendOrder, TransferItem, TransferOutcome,
 };
+use crate::memory::PoolMemory;
+use crate::staging::Staging;
 use crate::store::{PEER_SESSION_BASE, SlotRef, Store};
 use crate::tls::PeerTls;
 
@@ -49,6 +51,10 @@ pub enum TestHook {
     /// After granting a slot, bump its header generation as if the slot had
     /// been evicted and reused before the peer's read.
     CorruptGrantedSlots,
+    /// Move host pools' blocks as GPU pools' move without a CUDA-capable
+    /// UCX (through staging slots, sent on send orders): the staged data
+    /// path, tested without a GPU.
+    StageHostPools,
 }
 
 /// The peer side of a daemon.
@@ -60,6 +66,8 @@ pub struct Peers {
     store: Arc<Mutex<Store>>,
     peers: Vec<Arc<PeerState>>,
     hook: Option<TestHook>,
+    /// Staging slots, when a pool is staged (docs/GPU.md).
+    staging: Option<Arc<Staging>>,
     next_tag: AtomicU64,
     tls: Option<Arc<PeerTls>>,
     /// Calls refused because the caller is not a configured peer.
@@ -71,6 +79,7 @@ pub struct Peers {
 
 impl Peers {
     /// Peers of this node.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         node_id: u32,
         incarnation: u64,
@@ -79,14 +88,18 @@ impl Peers {
         dp: Arc<DataPlane>,
         store: Arc<Mutex<Store>>,
         tls: Option<Arc<PeerTls>>,
+        staging: Option<Arc<Staging>>,
     ) -> Peers {
-        let hook = match std::env::var("KVMESH_TEST_HOOK").as_deref() {
-            Ok("corrupt-granted-slots") => {
-                tracing::warn!("TEST HOOK ACTIVE: granted slots are corrupted before peers read them");
-                Some(TestHook::CorruptGrantedSlots)
+        let hook = test_hook();
+        match hook {
+            Some(TestHook::CorruptGrantedSlots) => {
+                tracing::warn!("TEST HOOK ACTIVE: granted slots are corrupted before peers read them")
             }
-            _ => None,
-        };
+            Some(TestHook::StageHostPools) => {
+                tracing::warn!("TEST HOOK ACTIVE: host pools move through staging slots, as GPU pools do")
+            }
+            None => {}
+        }
         let peers = entries
             .into_iter()
             .map(|entry| {
@@ -106,6 +119,7 @@ impl Peers {
             store,
             peers,
             hook,
+            staging,
             next_tag: AtomicU64::new(1),
             tls,
             unknown_refusals: AtomicU64::new(0),
@@ -240,9 +254,11 @@ impl Peers {
             id: e.id,
             incarnation: resp.incarnation,
             worker_address: resp.worker_address.clone(),
+            // Staged pools have no remote key: never read one-sided.
             pools: resp
                 .pools
                 .iter()
+                .filter(|p| !p.staged)
                 .map(|p| RemotePool { index: p.index, base: p.base_address, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
             control: resp.accepts_control,
@@ -338,11 +354,17 @@ impl Peers {
         self.hook
     }
 
+    /// The staging slots (when a pool is staged).
+    pub fn staging(&self) -> Option<&Arc<Staging>> {
+        self.staging.as_ref()
+    }
+
     /// Serves getters' send orders (tcp): the data-plane thread checks each
     /// against the grants and sends at once; an order from a getter it has
     /// no endpoint to yet is handed to a task that shakes hands first.
     pub fn serve_send_orders(self: &Arc<Self>) {
         let store = Arc::clone(&self.store);
+        let staging = self.staging.clone();
         let incarnation = self.incarnation;
         let ids: Vec<u32> = self.peers.iter().map(|p| p.entry.id).collect();
         let check = move |bytes: &[u8]| -> Option<SendOrder> {
@@ -368,7 +390,7 @@ impl Peers {
             // An order for an earlier incarnation of this daemon: its
             // grants died with it; refuse every slot.
             let stale = r.holder_incarnation != incarnation;
-            Some(order_of(&store.lock(), &r, stale))
+            Some(order_of(&store.lock(), &r, stale, staging.as_ref()))
         };
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let send_timeout = Duration::from_millis(self.cfg.transfer_timeout_ms);
@@ -450,7 +472,8 @@ impl Peers {
         let granted: Vec<bool> = o.items.iter().map(|i| i.len > 0).collect();
         let deadline = Instant::now() + Duration::from_millis(self.cfg.transfer_timeout_ms);
         let n = o.items.len();
-        let (_, mut rx) = self.dp.transfer_stream(Mode::Send, o.node, o.incarnation, o.items, deadline);
+        let (_, mut rx) =
+            self.dp.transfer_staged(Mode::Send, o.node, o.incarnation, o.items, Vec::new(), o.staged, deadline);
         let mut sent = vec![false; n];
         for _ in 0..n {
             match rx.recv().await {
@@ -500,7 +523,7 @@ pub fn check_pools(r: &pb::HandshakeResponse) -> Result<(), String> {
         if p.base_address.checked_add(p.bytes).is_none() {
             return Err(format!("pool {}: {} bytes at {:#x} wrap the address space", p.index, p.bytes, p.base_address));
         }
-        if p.rkey.is_empty() || p.rkey.len() > kvmesh_ucx::RKEY_MAX {
+        if (p.rkey.is_empty() && !p.staged) || p.rkey.len() > kvmesh_ucx::RKEY_MAX {
             return Err(format!("pool {}: remote key of {} bytes", p.index, p.rkey.len()));
         }
     }
@@ -535,14 +558,16 @@ async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item =
 /// What a holder sends for a getter's order: only slots granted to that
 /// getter (pinned under its session) go out; the others (and all of them
 /// when `refuse_all`) as empty messages with the getter's tag, so its
-/// receives end at once as refusals.
-fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool) -> SendOrder {
+/// receives end at once as refusals. A slot of a staged pool is copied
+/// into a staging slot and sent from there (refused when none is free).
+fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool, staging: Option<&Arc<Staging>>) -> SendOrder {
     let session = PEER_SESSION_BASE + r.node_id as u64;
     // A slot named twice in one order is sent once (a getter reads each
     // granted slot into one place): repeats are refused, so one message
     // cannot multiply the bytes a holder sends.
     let mut seen = rustc_hash::FxHashSet::default();
     seen.reserve(r.items.len());
+    let mut staged = Vec::new();
     let items = r
         .items
         .iter()
@@ -550,14 +575,61 @@ fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool) -> SendOrder {
             let sref = SlotRef { pool: it.pool, slot: it.slot, generation: it.generation };
             let first = seen.insert((it.pool, it.slot));
             let geometry = st.pool_geometry(it.pool).filter(|_| first && !refuse_all && st.holds_pin(session, sref));
-            let (local_pool, local_offset, len) = match geometry {
+            let (mut local_pool, mut local_offset, mut len) = match geometry {
                 Some((stride, _)) => (it.pool, it.slot as u64 * stride, stride),
                 None => (0, 0, 0),
             };
+            if len > 0 && pool_is_staged(st, it.pool, staging) {
+                // The slot is pinned under the getter's grant: it stays
+                // as granted while it is copied.
+                let memory = &st.pools()[it.pool as usize].memory;
+                match staging.and_then(|s| s.take_send()) {
+                    Some(slot) => match slot.fill_from(memory, local_offset, len) {
+                        Ok(()) => {
+                            (local_pool, local_offset) = (slot.region(), slot.offset());
+                            staging.expect("took a slot").staged_sends.fetch_add(1, Ordering::Relaxed);
+                            staged.push(slot);
+                        }
+                        Err(e) => {
+                            tracing::warn!(pool = it.pool, slot = it.slot, "staging copy failed: {e}");
+                            len = 0;
+                        }
+                    },
+                    None => len = 0,
+                }
+            }
             TransferItem { remote_pool: 0, remote_offset: 0, len, local_pool, local_offset, tag: it.tag }
         })
         .collect();
-    SendOrder { node: r.node_id, incarnation: r.incarnation, items }
+    SendOrder { node: r.node_id, incarnation: r.incarnation, items, staged }
+}
+
+/// Whether `pool` moves through staging slots: UCX cannot reach it (a GPU
+/// pool), or the test hook stages every pool.
+fn pool_is_staged(st: &Store, pool: u32, staging: Option<&Arc<Staging>>) -> bool {
+    staging.is_some()
+        && st
+            .pools()
+            .get(pool as usize)
+            .is_some_and(|p| p.memory.is_gpu() || test_hook() == Some(TestHook::StageHostPools))
+}
+
+/// The test hook of this process (`KVMESH_TEST_HOOK`), read once.
+pub fn test_hook() -> Option<TestHook> {
+    static HOOK: std::sync::OnceLock<Option<TestHook>> = std::sync::OnceLock::new();
+    *HOOK.get_or_init(|| match std::env::var("KVMESH_TEST_HOOK").as_deref() {
+        Ok("corrupt-granted-slots") => Some(TestHook::CorruptGrantedSlots),
+        Ok("stage-host-pools") => Some(TestHook::StageHostPools),
+        _ => None,
+    })
+}
+
+/// Which pools move through staging slots: GPU pools (UCX cannot reach
+/// device memory without CUDA support, and kvmesh does not register it
+/// yet), and every pool under the `stage-host-pools` test hook.
+pub fn staged_pools(memories: &[&PoolMemory]) -> Vec<bool> {
+    let all = test_hook() == Some(TestHook::StageHostPools);
+    memories.iter().map(|m| m.is_gpu() || all).collect()
 }
 
 /// Most slots one send-order message may name (getters send at most
@@ -584,17 +656,24 @@ impl pb::peer_server::Peer for PeerService {
         // The pools' remote keys go only to an authenticated peer.
         p.authenticate(certs.as_deref().map(Vec::as_slice), r.node_id)?;
         let st = p.store.lock();
+        let staged = staged_pools(&st.pools().iter().map(|sp| &sp.memory).collect::<Vec<_>>());
         let pools = st
             .pools()
             .iter()
-            .zip(p.dp.pools())
-            .map(|(sp, dp)| pb::PoolDesc {
-                index: sp.index,
-                base_address: dp.base,
-                bytes: sp.memory.len(),
-                slot_stride_bytes: sp.stride,
-                slot_payload_bytes: sp.slot_payload_bytes,
-                rkey: dp.rkey.clone(),
+            .map(|sp| {
+                // A staged pool is sent from staging slots: no remote key
+                // (a GPU pool has no registration at all).
+                let dp = p.dp.pools().iter().find(|d| d.index == sp.index);
+                let staged = staged[sp.index as usize] || dp.is_none();
+                pb::PoolDesc {
+                    index: sp.index,
+                    base_address: dp.map_or(0, |d| d.base),
+                    bytes: sp.memory.len(),
+                    slot_stride_bytes: sp.stride,
+                    slot_payload_bytes: sp.slot_payload_bytes,
+                    rkey: if staged { Vec::new() } else { dp.map(|d| d.rkey.clone()).unwrap_or_default() },
+                    staged,
+                }
             })
             .collect();
         tracing::info!(peer = r.node_id, incarnation = r.incarnation, "handshake from peer");
@@ -619,7 +698,7 @@ impl pb::peer_server::Peer for PeerService {
         if r.items.len() > 65536 {
             return Err(Status::invalid_argument(format!("send of {} blocks exceeds 65536", r.items.len())));
         }
-        let order = order_of(&p.store.lock(), &r, false);
+        let order = order_of(&p.store.lock(), &r, false, p.staging.as_ref());
         let sent = p.send_connecting(order, false).await.map_err(Status::unavailable)?;
         Ok(Response::new(pb::SendResponse { sent }))
     }
@@ -711,10 +790,10 @@ mod tests {
             holder_incarnation: 0,
             items: vec![item, pb::SendItem { tag: 2, ..item }, pb::SendItem { tag: 3, ..item }],
         };
-        let lens: Vec<u64> = order_of(&st, &order(2), false).items.iter().map(|i| i.len).collect();
+        let lens: Vec<u64> = order_of(&st, &order(2), false, None).items.iter().map(|i| i.len).collect();
         assert!(lens[0] > 0 && lens[1..] == [0, 0], "sent once: {lens:?}");
         // Not pinned for node 3, and everything refused for a stale order.
-        assert!(order_of(&st, &order(3), false).items.iter().all(|i| i.len == 0));
-        assert!(order_of(&st, &order(2), true).items.iter().all(|i| i.len == 0));
+        assert!(order_of(&st, &order(3), false, None).items.iter().all(|i| i.len == 0));
+        assert!(order_of(&st, &order(2), true, None).items.iter().all(|i| i.len == 0));
     }
 }

@@ -583,6 +583,8 @@ pub async fn run_with(
     };
     let reaper_every = Duration::from_millis(cfg.limits.reaper_interval_ms);
     let peer_cfg = cfg.peer.clone();
+    let staging_lock = cfg.pools.iter().any(|p| p.mlock);
+    let pool_count = cfg.pools.len();
     let peer_entries = cfg.peers.clone();
     let coherence_cfg = cfg.coherence.clone();
     let membership_cfg = cfg.membership.clone();
@@ -650,30 +652,68 @@ pub async fn run_with(
                  (it can read every cached block); see docs/SECURITY.md"
             ),
         }
-        let (mappings, incarnation) = {
+        // Pools UCX cannot reach (GPU pools: kvmesh does not register
+        // device memory with UCX yet, and Debian's UCX has no CUDA support)
+        // move through host staging slots (docs/GPU.md).
+        let (mappings, staged, stride_max, incarnation) = {
             let st = store.lock();
-            let host = st.pools().iter().map(|p| p.memory.host().cloned()).collect::<Option<Vec<_>>>();
+            let staged = crate::peers::staged_pools(&st.pools().iter().map(|p| &p.memory).collect::<Vec<_>>());
+            let stride_max = st.pools().iter().zip(&staged).filter(|(_, s)| **s).map(|(p, _)| p.stride).max();
             (
-                host.ok_or_else(|| anyhow!("a clustered daemon has a GPU pool (the config refuses this)"))?,
+                st.pools().iter().map(|p| p.memory.host().cloned()).collect::<Vec<_>>(),
+                staged,
+                stride_max,
                 st.instance_id,
             )
         };
+        match ctx.cuda_memory() {
+            Ok(true) => tracing::info!(
+                "UCX supports CUDA memory; kvmesh still moves GPU pools' blocks through host staging slots (docs/GPU.md)"
+            ),
+            Ok(false) => {
+                tracing::info!("UCX has no CUDA memory support: GPU pools' blocks move through host staging slots")
+            }
+            Err(e) => tracing::warn!("UCX memory types unknown: {e}"),
+        }
         let mut regs = Vec::new();
         for (i, m) in mappings.iter().enumerate() {
-            regs.push(match regions[i].take() {
-                Some(r) => r,
-                None => Arc::new(
+            regs.push(match (regions[i].take(), m) {
+                (Some(r), _) => Some(r),
+                (None, Some(m)) => Some(Arc::new(
                     kvmesh_ucx::MemoryRegion::register(&ctx, Arc::clone(m))
                         .map_err(|e| anyhow!("register pool {i}: {e}"))?,
-                ),
+                )),
+                (None, None) => None,
             });
         }
+        let staging = match stride_max {
+            Some(stride) => {
+                let slots = peer_cfg.staging_slots;
+                let s = crate::staging::Staging::new(slots, stride, regs.len() as u32, staging_lock)
+                    .map_err(|e| anyhow!("peer.staging_slots: {e}"))?;
+                let mr = kvmesh_ucx::MemoryRegion::register(&ctx, Arc::clone(s.mapping()))
+                    .map_err(|e| anyhow!("register the staging slots: {e}"))?;
+                tracing::info!(
+                    slots,
+                    slot_bytes = stride,
+                    pools = ?staged.iter().enumerate().filter(|(_, s)| **s).map(|(i, _)| i).collect::<Vec<_>>(),
+                    "staged pools: blocks move between daemons through host staging slots"
+                );
+                Some((s, Arc::new(mr)))
+            }
+            None => None,
+        };
         let limits = crate::dataplane::Limits {
             inflight_requests_max: peer_cfg.inflight_requests_max as usize,
             inflight_bytes_max: peer_cfg.inflight_bytes_max,
         };
-        let dp = crate::dataplane::DataPlane::start_with(ctx, regs, transports.clone(), limits)
+        let (staging, staging_region) = match staging {
+            Some((s, mr)) => (Some(s), Some(mr)),
+            None => (None, None),
+        };
+        let dp = crate::dataplane::DataPlane::start_with(ctx, regs, staging_region, transports.clone(), limits)
             .map_err(|e| anyhow!("{e}"))?;
+        debug_assert_eq!(dp.staging_region(), staging.as_ref().map(|_| pool_count as u32));
         tracing::info!(transports = transports.tls(), "UCX data plane ready");
         if let Some(listen) = &peer_cfg.listen {
             let l = tokio::net::TcpListener::bind(listen)
@@ -690,6 +730,7 @@ pub async fn run_with(
             Arc::new(dp),
             Arc::clone(&store),
             tls,
+            staging,
         )))
     } else {
         None

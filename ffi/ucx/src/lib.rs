@@ -214,6 +214,21 @@ impl Context {
     }
 }
 
+impl Context {
+    /// Whether this UCX build moves CUDA device memory (a build `--with-cuda`;
+    /// Debian's has no CUDA transport): `ucp_context_query`'s memory types.
+    pub fn cuda_memory(&self) -> Result<bool, UcxError> {
+        let mut attr = sys::ucp_context_attr_t {
+            field_mask: sys::ucp_context_attr_field_UCP_ATTR_FIELD_MEMORY_TYPES as u64,
+            ..Default::default()
+        };
+        // SAFETY: the context is alive (self); attr is a valid out-struct
+        // whose field mask asks only for the memory types.
+        check("ucp_context_query", unsafe { sys::ucp_context_query(self.h, &mut attr) })?;
+        Ok(attr.memory_types & (1u64 << sys::ucs_memory_type_UCS_MEMORY_TYPE_CUDA) != 0)
+    }
+}
+
 impl Drop for Context {
     fn drop(&mut self) {
         // SAFETY: every worker and memory region holds an Arc<Context>, so

@@ -466,6 +466,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                         slot_stride_bytes: 4096 + 128,
                         slot_payload_bytes: 4096,
                         rkey: vec![2; 30],
+                        staged: false,
                     }],
                     transports: "sm".into(),
                     accepts_control: true,

@@ -1,0 +1,267 @@
+//! Host staging slots: how blocks of pools UCX cannot reach move between
+//! daemons (docs/GPU.md, "Data plane between daemons").
+//!
+//! A GPU pool is device memory; a UCX build without CUDA support (Debian's
+//! 1.13) can neither register it nor read it. Such a pool is *staged*: a
+//! holder copies a granted slot (device → host) into a staging slot and
+//! sends it from there on the getter's send order; a getter receives into a
+//! staging slot, validates what arrived there (header, trailer, payload
+//! checksum: every remote read is checked before use) and copies the whole
+//! slot into its own pool (host → device) before the copy can be registered.
+//!
+//! The staging slots are one memfd of `slots` slots of the largest staged
+//! stride, registered with UCX like a pool but never advertised to peers
+//! (nothing reads them one-sided). Half of them (at least one) serve this
+//! daemon's reads, the rest its sends, so neither role starves the other.
+//! A getter waits for read slots (its reads go in waves of at most that
+//! many); a holder takes a send slot at once or refuses that slot of the
+//! order (the getter's read fails: a miss, counted in
+//! `staging_exhausted`). A slot returns to the free list when its guard
+//! drops; a slot UCX may still write (a receive past its deadline) or read
+//! (a send that did not end) is quarantined: never reused.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use kvmesh_ffi_os::{ReadRegion, SharedMapping};
+use parking_lot::Mutex;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+use crate::memory::PoolMemory;
+
+/// The staging slots of a daemon.
+pub struct Staging {
+    mapping: Arc<SharedMapping>,
+    /// Bytes of one staging slot (the largest stride of a staged pool).
+    slot_bytes: u64,
+    /// The data plane's region index of the staging memory.
+    region: u32,
+    free: Mutex<Vec<u32>>,
+    /// Slots this daemon's reads may hold, and its sends (one permit per
+    /// slot in use; a quarantined slot's permit is forgotten).
+    recv: Arc<Semaphore>,
+    recv_total: usize,
+    send: Arc<Semaphore>,
+    /// Slots read through a staging slot (getter side).
+    pub staged_reads: AtomicU64,
+    /// Slots sent from a staging slot (holder side).
+    pub staged_sends: AtomicU64,
+    /// Reads or sends refused: no staging slot free.
+    pub exhausted: AtomicU64,
+    /// Slots never reused (UCX may still touch them).
+    pub quarantined: AtomicU64,
+}
+
+impl Staging {
+    /// `slots` (at least 2) staging slots of `slot_bytes` each in a fresh
+    /// memfd (locked in RAM when `lock`), for the data plane's region
+    /// `region`.
+    pub fn new(slots: u32, slot_bytes: u64, region: u32, lock: bool) -> Result<Arc<Staging>, String> {
+        let bytes = slot_bytes
+            .checked_mul(u64::from(slots))
+            .filter(|&b| b > 0 && slots >= 2)
+            .ok_or_else(|| format!("staging: {slots} slots of {slot_bytes} bytes (at least 2 slots)"))?;
+        let recv_total = slots as usize / 2;
+        let mapping = SharedMapping::create("kvmesh-staging", bytes, lock)
+            .map_err(|e| format!("staging: cannot allocate {bytes} bytes: {e}"))?;
+        Ok(Arc::new(Staging {
+            mapping: Arc::new(mapping),
+            slot_bytes,
+            region,
+            free: Mutex::new((0..slots).rev().collect()),
+            recv: Arc::new(Semaphore::new(recv_total)),
+            recv_total,
+            send: Arc::new(Semaphore::new(slots as usize - recv_total)),
+            staged_reads: AtomicU64::new(0),
+            staged_sends: AtomicU64::new(0),
+            exhausted: AtomicU64::new(0),
+            quarantined: AtomicU64::new(0),
+        }))
+    }
+
+    /// The memory (to register with UCX).
+    pub fn mapping(&self) -> &Arc<SharedMapping> {
+        &self.mapping
+    }
+
+    /// Bytes of one staging slot.
+    pub fn slot_bytes(&self) -> u64 {
+        self.slot_bytes
+    }
+
+    /// Staging slots free now.
+    pub fn free_slots(&self) -> usize {
+        self.free.lock().len()
+    }
+
+    /// Most slots this daemon's reads hold at once (a getter's wave).
+    pub fn recv_slots(&self) -> usize {
+        self.recv_total
+    }
+
+    /// A slot to send from, now; `None` when every send slot is busy
+    /// (counted).
+    pub fn take_send(self: &Arc<Self>) -> Option<StagingSlot> {
+        match Arc::clone(&self.send).try_acquire_owned() {
+            Ok(permit) => Some(self.slot(permit)),
+            Err(_) => {
+                self.exhausted.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// `n` (at most [`Staging::recv_slots`]) slots to receive into, waiting
+    /// for them until `deadline`; `None` past it (counted).
+    pub async fn take_recv(self: &Arc<Self>, n: usize, deadline: std::time::Instant) -> Option<Vec<StagingSlot>> {
+        let n = n.min(self.recv_total);
+        let wait = Arc::clone(&self.recv).acquire_many_owned(n as u32);
+        match tokio::time::timeout_at(deadline.into(), wait).await {
+            Ok(Ok(mut permits)) => {
+                let mut slots = Vec::with_capacity(n);
+                while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
+                    slots.push(self.slot(one));
+                }
+                slots.push(self.slot(permits));
+                Some(slots)
+            }
+            _ => {
+                self.exhausted.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    fn slot(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> StagingSlot {
+        // Every slot in use holds a permit, so a permit means a free slot.
+        let index = self.free.lock().pop().expect("a permit for every free slot");
+        StagingSlot { staging: Arc::clone(self), index, permit: Some(permit) }
+    }
+}
+
+/// One staging slot, taken for one transfer; back to the free list when
+/// dropped (unless quarantined).
+pub struct StagingSlot {
+    staging: Arc<Staging>,
+    index: u32,
+    /// `None` once quarantined (the permit forgotten).
+    permit: Option<OwnedSemaphorePermit>,
+}
+
+impl std::fmt::Debug for StagingSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StagingSlot").field("index", &self.index).finish()
+    }
+}
+
+impl StagingSlot {
+    /// The data plane's region index of the staging memory.
+    pub fn region(&self) -> u32 {
+        self.staging.region
+    }
+
+    /// Offset of this slot in the staging memory.
+    pub fn offset(&self) -> u64 {
+        u64::from(self.index) * self.staging.slot_bytes
+    }
+
+    fn check(&self, len: u64) -> Result<(), String> {
+        if len > self.staging.slot_bytes {
+            return Err(format!("{len} bytes do not fit a staging slot of {}", self.staging.slot_bytes));
+        }
+        Ok(())
+    }
+
+    /// Copies `len` bytes at `offset` of `pool` into this slot (device →
+    /// host for a GPU pool).
+    pub fn fill_from(&self, pool: &PoolMemory, offset: u64, len: u64) -> Result<(), String> {
+        self.check(len)?;
+        let mut w = self.staging.mapping.write(self.offset(), len).map_err(|e| e.to_string())?;
+        pool.copy_out(offset, &mut w)
+    }
+
+    /// The first `len` bytes of this slot (what a receive wrote).
+    pub fn bytes(&self, len: u64) -> Result<ReadRegion, String> {
+        self.check(len)?;
+        self.staging.mapping.read(self.offset(), len).map_err(|e| e.to_string())
+    }
+
+    /// Copies the first `len` bytes of this slot to `offset` of `pool`
+    /// (host → device for a GPU pool).
+    pub fn copy_to(&self, pool: &PoolMemory, offset: u64, len: u64) -> Result<(), String> {
+        let r = self.bytes(len)?;
+        pool.copy_in(offset, &r)
+    }
+
+    /// Never reuse this slot: UCX may still write or read it.
+    pub fn quarantine(mut self) {
+        if let Some(p) = self.permit.take() {
+            p.forget();
+        }
+        self.staging.quarantined.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Drop for StagingSlot {
+    fn drop(&mut self) {
+        if let Some(p) = self.permit.take() {
+            // The index first: the permit released after it finds it free.
+            self.staging.free.lock().push(self.index);
+            drop(p);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Half the slots serve reads (waiting for them), half sends (refused
+    /// at once when busy, counted); slots come back when dropped, never
+    /// when quarantined; bytes go in and out.
+    #[tokio::test]
+    async fn slots_are_lent_returned_and_quarantined() {
+        let st = Staging::new(4, 4096, 7, false).unwrap();
+        assert_eq!(st.recv_slots(), 2);
+        let soon = || Instant::now() + Duration::from_millis(50);
+        let reads = st.take_recv(5, soon()).await.unwrap();
+        assert_eq!(reads.len(), 2, "at most the read slots");
+        assert!(st.take_recv(1, soon()).await.is_none(), "both read slots lent: waited, then refused");
+        let s1 = st.take_send().unwrap();
+        let s2 = st.take_send().unwrap();
+        assert!(st.take_send().is_none(), "both send slots lent");
+        assert_eq!(st.exhausted.load(Ordering::Relaxed), 2);
+        let mut offsets: Vec<u64> = reads.iter().chain([&s1, &s2]).map(|s| s.offset()).collect();
+        offsets.sort();
+        offsets.dedup();
+        assert_eq!(offsets.len(), 4, "four distinct slots");
+        assert_eq!(s1.region(), 7);
+        let pool = PoolMemory::Host(Arc::new(SharedMapping::create("t", 8192, false).unwrap()));
+        pool.copy_in(4096, &[9u8; 100]).unwrap();
+        s1.fill_from(&pool, 4096, 100).unwrap();
+        assert_eq!(&s1.bytes(100).unwrap()[..], &[9u8; 100][..]);
+        s1.copy_to(&pool, 0, 100).unwrap();
+        let mut back = [0u8; 100];
+        pool.copy_out(0, &mut back).unwrap();
+        assert_eq!(back, [9u8; 100]);
+        assert!(s1.bytes(4097).is_err(), "bigger than a slot");
+        // A waiting read gets a slot as soon as one comes back.
+        let waiter = tokio::spawn({
+            let st = Arc::clone(&st);
+            async move { st.take_recv(1, Instant::now() + Duration::from_secs(5)).await.map(|v| v.len()) }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let mut reads = reads.into_iter();
+        drop(reads.next());
+        assert_eq!(waiter.await.unwrap(), Some(1));
+        // Quarantined: never back (neither the slot nor its permit).
+        reads.next().unwrap().quarantine();
+        drop(s1);
+        s2.quarantine();
+        assert_eq!(st.quarantined.load(Ordering::Relaxed), 2);
+        assert_eq!(st.free_slots(), 2, "the waiter's slot and s1 came back; two quarantined");
+        assert!(st.take_send().is_some(), "s1's permit is back");
+        assert!(st.take_recv(1, soon()).await.is_some(), "the waiter's slot is back");
+    }
+}
