@@ -11,8 +11,11 @@
 #       is there, python/gpu_check.py (kernels on torch tensors) and
 #       python/gpu_daemon_check.py against a kvmeshd with a GPU pool (put,
 #       pin read in place with torch, verify, zero-copy put, a second
-#       process reading the lent pool). Prints a JSON last line; under 5
-#       minutes. Exit 0 ok, 1 a check failed, 77 no GPU here (skipped).
+#       process reading the lent pool), and python/gpu_cluster_check.py
+#       (two kvmeshd with GPU pools on loopback tcp: GPU blocks fetched
+#       from one by the other through host staging slots). Prints a JSON
+#       last line; under 5 minutes. Exit 0 ok, 1 a check failed, 77 no GPU
+#       here (skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUNDLE=target/gpu-check
@@ -37,7 +40,8 @@ if [[ "${1:-}" == "--build" ]]; then
     cp -r "$site" "$BUNDLE/python/kvmesh"
     find "$BUNDLE/python" -name '__pycache__' -prune -exec rm -rf {} +
     find "$BUNDLE/python" -name '*.so' -exec strip {} \;
-    cp python/gpu_check.py python/gpu_daemon_check.py python/gpu_connector_check.py "$BUNDLE/python/"
+    cp python/gpu_check.py python/gpu_daemon_check.py python/gpu_connector_check.py python/gpu_cluster_check.py \
+        "$BUNDLE/python/"
     du -sh "$BUNDLE" >&2
     echo "gpu-check: bundle in $BUNDLE" >&2
     exit 0
@@ -133,12 +137,27 @@ TOML
 fi
 echo "daemon: $dm_json" >&2
 echo "connector: $cn_json" >&2
+
+# Two daemons with GPU pools: blocks fetched between them through host
+# staging slots (UCX tcp on loopback; the bundle's UCX has no CUDA support).
+cl_json='{"check":"cluster-gpu","skipped":"no GPU driver (the Rust check skipped)"}'
+cl_rc=77
+if [[ $rust_rc -ne 77 ]] && command -v python3 >/dev/null; then
+    set +e
+    cl_json=$(LD_LIBRARY_PATH="$PWD/$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PYTHONPATH="$BUNDLE/python" \
+        timeout 180 python3 "$BUNDLE/python/gpu_cluster_check.py" --kvmeshd "$BUNDLE/kvmeshd" \
+        --device "cuda:${KVMESH_GPU:-0}" | tail -1)
+    cl_rc=$?
+    set -e
+fi
+echo "cluster: $cl_json" >&2
 ok=false
-if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) && ( $dm_rc -eq 0 || $dm_rc -eq 77 ) && ( $cn_rc -eq 0 || $cn_rc -eq 77 ) ]]; then ok=true; fi
+if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) && ( $dm_rc -eq 0 || $dm_rc -eq 77 ) && ( $cn_rc -eq 0 || $cn_rc -eq 77 ) && ( $cl_rc -eq 0 || $cl_rc -eq 77 ) ]]; then ok=true; fi
 [[ -n "$rust_json" ]] || rust_json='null'
 [[ -n "$py_json" ]] || py_json='null'
 [[ -n "$dm_json" ]] || dm_json='null'
 [[ -n "$cn_json" ]] || cn_json='null'
-echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"daemon_rc\":$dm_rc,\"connector_rc\":$cn_rc,\"rust\":$rust_json,\"python\":$py_json,\"daemon\":$dm_json,\"connector\":$cn_json}"
+[[ -n "$cl_json" ]] || cl_json='null'
+echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"daemon_rc\":$dm_rc,\"connector_rc\":$cn_rc,\"cluster_rc\":$cl_rc,\"rust\":$rust_json,\"python\":$py_json,\"daemon\":$dm_json,\"connector\":$cn_json,\"cluster\":$cl_json}"
 if [[ $rust_rc -eq 77 ]]; then exit 77; fi
 $ok

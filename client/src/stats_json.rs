@@ -67,8 +67,42 @@ pub fn stats_json(s: &crate::Stats) -> String {
                 "etcd_connected": c.etcd_connected, "etcd_errors": c.etcd_errors,
                 "etcd_keepalives_dropped": c.etcd_keepalives_dropped,
                 "copies": c.copies, "directory_entries": c.directory_entries,
+                "peer_refusals": c.peer_refusals, "versions_exhausted": c.versions_exhausted,
+                "peer_auth_refusals": c.peer_auth_refusals, "lease_lapses": c.lease_lapses,
+                "copies_dropped_lapsed": c.copies_dropped_lapsed, "lookups": c.lookups,
+                "lookups_incomplete": c.lookups_incomplete,
+                "lookup_questions_answered": c.lookup_questions_answered,
+                "control_am_sent": c.control_am_sent, "control_am_received": c.control_am_received,
+                "control_am_drops": c.control_am_drops, "staged_reads": c.staged_reads,
+                "staged_sends": c.staged_sends, "staging_exhausted": c.staging_exhausted,
             })
         }),
     })
     .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    /// Every field of `CoherenceStats` is in the JSON under its proto name
+    /// (the histogram buckets aside), so a new counter cannot be left out.
+    #[test]
+    fn every_coherence_counter_is_in_the_json() {
+        let proto = include_str!("../../proto/kvmesh/engine/v1/engine.proto");
+        let start = proto.find("message CoherenceStats {").expect("the message");
+        let body = &proto[start..start + proto[start..].find("\n}").expect("its end")];
+        let fields: Vec<&str> = body
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with("//") && l.ends_with(';') && l.contains(" = "))
+            .filter_map(|l| l.split(" = ").next()?.split_whitespace().last())
+            .filter(|f| *f != "inval_to_ack_buckets")
+            .collect();
+        assert!(fields.len() > 40, "{fields:?}");
+        let s = crate::Stats { coherence: Some(Default::default()), ..Default::default() };
+        let v: serde_json::Value = serde_json::from_str(&super::stats_json(&s)).unwrap();
+        let c = v["coherence"].as_object().unwrap();
+        for f in &fields {
+            assert!(c.contains_key(*f), "coherence.{f} is missing from the stats JSON");
+        }
+    }
 }

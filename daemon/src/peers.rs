@@ -390,7 +390,9 @@ impl Peers {
             // An order for an earlier incarnation of this daemon: its
             // grants died with it; refuse every slot.
             let stale = r.holder_incarnation != incarnation;
-            Some(order_of(&store.lock(), &r, stale, staging.as_ref()))
+            let (mut o, jobs) = order_of(&store.lock(), &r, stale, staging.as_ref());
+            stage(&mut o, jobs, staging.as_ref());
+            Some(o)
         };
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let send_timeout = Duration::from_millis(self.cfg.transfer_timeout_ms);
@@ -558,50 +560,77 @@ async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item =
 /// What a holder sends for a getter's order: only slots granted to that
 /// getter (pinned under its session) go out; the others (and all of them
 /// when `refuse_all`) as empty messages with the getter's tag, so its
-/// receives end at once as refusals. A slot of a staged pool is copied
-/// into a staging slot and sent from there (refused when none is free).
-fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool, staging: Option<&Arc<Staging>>) -> SendOrder {
+/// receives end at once as refusals. A slot of a staged pool goes out
+/// from a staging slot: its copy is a [`StageJob`] for [`stage`], run
+/// after the store lock is released (the grant's pin keeps the slot).
+fn order_of(
+    st: &Store,
+    r: &pb::SendRequest,
+    refuse_all: bool,
+    staging: Option<&Arc<Staging>>,
+) -> (SendOrder, Vec<StageJob>) {
     let session = PEER_SESSION_BASE + r.node_id as u64;
     // A slot named twice in one order is sent once (a getter reads each
     // granted slot into one place): repeats are refused, so one message
     // cannot multiply the bytes a holder sends.
     let mut seen = rustc_hash::FxHashSet::default();
     seen.reserve(r.items.len());
-    let mut staged = Vec::new();
+    let mut jobs = Vec::new();
     let items = r
         .items
         .iter()
-        .map(|it| {
+        .enumerate()
+        .map(|(i, it)| {
             let sref = SlotRef { pool: it.pool, slot: it.slot, generation: it.generation };
             let first = seen.insert((it.pool, it.slot));
             let geometry = st.pool_geometry(it.pool).filter(|_| first && !refuse_all && st.holds_pin(session, sref));
-            let (mut local_pool, mut local_offset, mut len) = match geometry {
+            let (local_pool, local_offset, len) = match geometry {
                 Some((stride, _)) => (it.pool, it.slot as u64 * stride, stride),
                 None => (0, 0, 0),
             };
             if len > 0 && pool_is_staged(st, it.pool, staging) {
-                // The slot is pinned under the getter's grant: it stays
-                // as granted while it is copied.
-                let memory = &st.pools()[it.pool as usize].memory;
-                match staging.and_then(|s| s.take_send()) {
-                    Some(slot) => match slot.fill_from(memory, local_offset, len) {
-                        Ok(()) => {
-                            (local_pool, local_offset) = (slot.region(), slot.offset());
-                            staging.expect("took a slot").staged_sends.fetch_add(1, Ordering::Relaxed);
-                            staged.push(slot);
-                        }
-                        Err(e) => {
-                            tracing::warn!(pool = it.pool, slot = it.slot, "staging copy failed: {e}");
-                            len = 0;
-                        }
-                    },
-                    None => len = 0,
-                }
+                let memory = st.pools()[it.pool as usize].memory.clone();
+                jobs.push(StageJob { item: i, memory, offset: local_offset, len });
             }
             TransferItem { remote_pool: 0, remote_offset: 0, len, local_pool, local_offset, tag: it.tag }
         })
         .collect();
-    SendOrder { node: r.node_id, incarnation: r.incarnation, items, staged }
+    (SendOrder { node: r.node_id, incarnation: r.incarnation, items, staged: Vec::new() }, jobs)
+}
+
+/// A granted slot of a staged pool to copy into a staging slot before it
+/// is sent.
+struct StageJob {
+    item: usize,
+    memory: PoolMemory,
+    offset: u64,
+    len: u64,
+}
+
+/// Copies the staged slots of `o` into send staging slots (device → host
+/// for a GPU pool) and points their items there; an item that gets no
+/// slot, or whose copy fails, is refused (an empty message).
+fn stage(o: &mut SendOrder, jobs: Vec<StageJob>, staging: Option<&Arc<Staging>>) {
+    for j in jobs {
+        let item = &mut o.items[j.item];
+        let Some(slot) = staging.and_then(|s| s.take_send()) else {
+            item.len = 0;
+            continue;
+        };
+        match slot.fill_from(&j.memory, j.offset, j.len) {
+            Ok(()) => {
+                (item.local_pool, item.local_offset) = (slot.region(), slot.offset());
+                if let Some(s) = staging {
+                    s.staged_sends.fetch_add(1, Ordering::Relaxed);
+                }
+                o.staged.push(slot);
+            }
+            Err(e) => {
+                tracing::warn!(pool = item.local_pool, offset = j.offset, "staging copy failed: {e}");
+                item.len = 0;
+            }
+        }
+    }
 }
 
 /// Whether `pool` moves through staging slots: UCX cannot reach it (a GPU
@@ -698,7 +727,8 @@ impl pb::peer_server::Peer for PeerService {
         if r.items.len() > 65536 {
             return Err(Status::invalid_argument(format!("send of {} blocks exceeds 65536", r.items.len())));
         }
-        let order = order_of(&p.store.lock(), &r, false, p.staging.as_ref());
+        let (mut order, jobs) = order_of(&p.store.lock(), &r, false, p.staging.as_ref());
+        stage(&mut order, jobs, p.staging.as_ref());
         let sent = p.send_connecting(order, false).await.map_err(Status::unavailable)?;
         Ok(Response::new(pb::SendResponse { sent }))
     }
@@ -790,10 +820,10 @@ mod tests {
             holder_incarnation: 0,
             items: vec![item, pb::SendItem { tag: 2, ..item }, pb::SendItem { tag: 3, ..item }],
         };
-        let lens: Vec<u64> = order_of(&st, &order(2), false, None).items.iter().map(|i| i.len).collect();
+        let lens: Vec<u64> = order_of(&st, &order(2), false, None).0.items.iter().map(|i| i.len).collect();
         assert!(lens[0] > 0 && lens[1..] == [0, 0], "sent once: {lens:?}");
         // Not pinned for node 3, and everything refused for a stale order.
-        assert!(order_of(&st, &order(3), false, None).items.iter().all(|i| i.len == 0));
-        assert!(order_of(&st, &order(2), true, None).items.iter().all(|i| i.len == 0));
+        assert!(order_of(&st, &order(3), false, None).0.items.iter().all(|i| i.len == 0));
+        assert!(order_of(&st, &order(2), true, None).0.items.iter().all(|i| i.len == 0));
     }
 }
