@@ -1074,19 +1074,27 @@ impl Cluster {
                             Err(_) => Err(TransferError::NoSpace),
                         },
                         Some(Dest::Staged { slot, memory }) => {
-                            // Validated where it arrived (the CPU form of
-                            // the pool's checksum), then copied into the
-                            // pool before the core may register it.
+                            // Checked where it arrived (header, trailer and
+                            // the CPU form of the pool's checksum, against
+                            // the grant), and only then copied into the
+                            // pool; the core checks the same image again
+                            // before it registers the copy. What was
+                            // hashed is what is copied.
                             let image = slot.bytes(stride).map(|b| slot_image(&b, cap, ns, memory.is_gpu()));
-                            match image
-                                .and_then(|im| slot.copy_to(&memory, d.slot as u64 * stride, stride).map(|()| im))
-                            {
-                                Ok(im) => {
-                                    if let Some(s) = self.peers.staging() {
-                                        s.staged_reads.fetch_add(1, Ordering::Relaxed);
+                            match image {
+                                Ok(im) if !im.matches(&reads[i].expect) => Ok(im), // refused by the core
+                                Ok(im) => match slot.copy_to(&memory, d.slot as u64 * stride, stride) {
+                                    Ok(()) => {
+                                        if let Some(s) = self.peers.staging() {
+                                            s.staged_reads.fetch_add(1, Ordering::Relaxed);
+                                        }
+                                        Ok(im)
                                     }
-                                    Ok(im)
-                                }
+                                    Err(e) => {
+                                        tracing::warn!(peer = from, "staged read: copy into the pool: {e}");
+                                        Err(TransferError::NoSpace)
+                                    }
+                                },
                                 Err(e) => {
                                     tracing::warn!(peer = from, "staged read: {e}");
                                     Err(TransferError::NoSpace)

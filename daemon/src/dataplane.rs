@@ -146,9 +146,12 @@ pub struct SendOrder {
     pub incarnation: u64,
     /// What to send (`local_*` and `len`, `tag`).
     pub items: Vec<TransferItem>,
-    /// Staging slots some items are sent from (slots of staged pools,
-    /// copied there): held until the sends end.
-    pub staged: Vec<StagingSlot>,
+    /// Staging slots some items are sent from (item index, slot): held
+    /// until the sends end.
+    pub staged: Vec<(usize, StagingSlot)>,
+    /// Slots of staged pools still to copy into staging slots (off the
+    /// data-plane thread: [`crate::staging::stage`]) before the order goes.
+    pub jobs: Vec<crate::staging::StageJob>,
 }
 
 /// Checks a received send-order message and says what to send (`None`:
@@ -160,6 +163,9 @@ struct OrderServer {
     /// Orders from getters we have no endpoint to yet: the async side
     /// connects, then sends.
     unconnected: tokio::sync::mpsc::UnboundedSender<SendOrder>,
+    /// Orders with slots to stage first (device copies): the async side
+    /// stages them on a blocking thread, then sends.
+    staging: tokio::sync::mpsc::UnboundedSender<SendOrder>,
     /// How long one order's sends may take.
     send_timeout: Duration,
 }
@@ -389,16 +395,18 @@ impl DataPlane {
 
     /// Serves peers' send orders from now on: `check` decides what each
     /// order may send (it runs on the data-plane thread: keep it short);
-    /// orders from getters without an endpoint yet go to `unconnected`;
+    /// orders from getters without an endpoint yet go to `unconnected`,
+    /// orders with slots to stage to `staging`;
     /// one order's sends may take `send_timeout`. Set once; later calls
     /// are ignored.
     pub fn serve_orders(
         &self,
         check: OrderCheck,
         unconnected: tokio::sync::mpsc::UnboundedSender<SendOrder>,
+        staging: tokio::sync::mpsc::UnboundedSender<SendOrder>,
         send_timeout: Duration,
     ) {
-        let _ = self.hooks.orders.set(OrderServer { check, unconnected, send_timeout });
+        let _ = self.hooks.orders.set(OrderServer { check, unconnected, staging, send_timeout });
         self.wake.notify();
     }
 
@@ -543,8 +551,8 @@ impl DataPlane {
     }
 
     /// As [`DataPlane::transfer_ordered`], holding `staged` (the staging
-    /// slots sends go from) until the batch ends; quarantined if a request
-    /// did not end by its deadline.
+    /// slots sends go from, by item) until the batch ends; the slot of a
+    /// request that did not end by its deadline is quarantined.
     #[allow(clippy::too_many_arguments)]
     pub fn transfer_staged(
         &self,
@@ -553,7 +561,7 @@ impl DataPlane {
         incarnation: u64,
         items: Vec<TransferItem>,
         orders: Vec<Vec<u8>>,
-        staged: Vec<StagingSlot>,
+        staged: Vec<(usize, StagingSlot)>,
         deadline: Instant,
     ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
         let n = items.len();
@@ -662,8 +670,9 @@ struct InFlight<'w> {
     bytes: u64,
     deadline: Instant,
     reply: Completions,
-    /// Staging slots the batch sends from (returned when it ends).
-    staged: Vec<StagingSlot>,
+    /// Staging slots the batch sends from, by item (returned when it
+    /// ends).
+    staged: Vec<(usize, StagingSlot)>,
 }
 
 impl InFlight<'_> {
@@ -680,7 +689,7 @@ struct Pending {
     incarnation: u64,
     items: Vec<TransferItem>,
     orders: Vec<Vec<u8>>,
-    staged: Vec<StagingSlot>,
+    staged: Vec<(usize, StagingSlot)>,
     deadline: Instant,
     reply: Completions,
 }
@@ -919,9 +928,11 @@ fn run(
                 // dropped request waits for itself).
                 zombies.append(&mut f.orders);
                 // A request that did not end may still read its staging
-                // slot: those are never reused.
-                if f.outcomes.iter().any(|o| o == &Some(TransferOutcome::TimedOut)) {
-                    f.staged.drain(..).for_each(StagingSlot::quarantine);
+                // slot: that one is never reused.
+                for (i, slot) in f.staged.drain(..) {
+                    if f.outcomes[i] == Some(TransferOutcome::TimedOut) {
+                        slot.quarantine();
+                    }
                 }
                 false
             } else {
@@ -959,7 +970,10 @@ fn run(
                 Some(server) => {
                     for m in msgs {
                         let Some(o) = (server.check)(&m) else { continue };
-                        if peers.get(&o.node).is_some_and(|c| c.incarnation == o.incarnation) {
+                        if !o.jobs.is_empty() {
+                            // Device copies first, off this thread.
+                            let _ = server.staging.send(o);
+                        } else if peers.get(&o.node).is_some_and(|c| c.incarnation == o.incarnation) {
                             let (reply, _) = tokio::sync::mpsc::unbounded_channel();
                             queue.push_back(Pending {
                                 id: 0,
@@ -1086,7 +1100,12 @@ fn start<'w>(
     };
     if p.mode == Mode::Send {
         for (i, it) in p.items.iter().enumerate() {
-            let Some(src) = regions.get(it.local_pool as usize).and_then(Option::as_ref) else {
+            // A refusal (an empty message) goes from any registered region.
+            let src = match it.len {
+                0 => regions.iter().flatten().next(),
+                _ => regions.get(it.local_pool as usize).and_then(Option::as_ref),
+            };
+            let Some(src) = src else {
                 f.settle(i, TransferOutcome::Failed(format!("no local pool {}", it.local_pool)));
                 continue;
             };
@@ -1209,10 +1228,11 @@ mod tests {
                 return None; // dropped, as an undecodable order would be
             }
             let incarnation = if slots.contains(&5) { 9 } else { 1 };
-            Some(SendOrder { node: 1, incarnation, items, staged: Vec::new() })
+            Some(SendOrder { node: 1, incarnation, items, staged: Vec::new(), jobs: Vec::new() })
         });
         let (unconnected, mut nowhere) = tokio::sync::mpsc::unbounded_channel();
-        holder.serve_orders(check, unconnected, Duration::from_secs(10));
+        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
+        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
         let order: Vec<u8> =
             [(1u64, 11u64), (2, 12)].iter().flat_map(|(s, t)| [s.to_le_bytes(), t.to_le_bytes()]).flatten().collect();
         let item = |slot: u64, tag: u64| TransferItem {

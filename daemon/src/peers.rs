@@ -25,7 +25,7 @@ use crate::dataplane::{
     CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, SendOrder, TransferItem, TransferOutcome,
 };
 use crate::memory::PoolMemory;
-use crate::staging::Staging;
+use crate::staging::{StageJob, Staging};
 use crate::store::{PEER_SESSION_BASE, SlotRef, Store};
 use crate::tls::PeerTls;
 
@@ -390,13 +390,26 @@ impl Peers {
             // An order for an earlier incarnation of this daemon: its
             // grants died with it; refuse every slot.
             let stale = r.holder_incarnation != incarnation;
-            let (mut o, jobs) = order_of(&store.lock(), &r, stale, staging.as_ref());
-            stage(&mut o, jobs, staging.as_ref());
-            Some(o)
+            Some(order_of(&store.lock(), &r, stale, staging.as_ref()))
         };
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let (staging_tx, mut staging_rx) = tokio::sync::mpsc::unbounded_channel::<SendOrder>();
         let send_timeout = Duration::from_millis(self.cfg.transfer_timeout_ms);
-        self.dp.serve_orders(Box::new(check), tx, send_timeout);
+        self.dp.serve_orders(Box::new(check), tx, staging_tx, send_timeout);
+        // Orders with slots of staged pools: copied into staging slots on
+        // a blocking thread (device copies), then sent.
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            while let Some(o) = staging_rx.recv().await {
+                let Some(p) = weak.upgrade() else { break };
+                tokio::spawn(async move {
+                    let o = p.staged(o).await;
+                    if let Err(e) = p.send_connecting(o, false).await {
+                        tracing::debug!("staged send order not served: {e}");
+                    }
+                });
+            }
+        });
         // Weak: the data plane (owned by Peers) holds the senders.
         let weak = Arc::downgrade(self);
         // At most UNCONNECTED_ORDERS_MAX such orders are served at once;
@@ -433,6 +446,24 @@ impl Peers {
                 p.reset_if(id, inc).await;
             }
         });
+    }
+
+    /// `o` with its staged slots copied into send staging slots (on a
+    /// blocking thread: device copies).
+    async fn staged(&self, mut o: SendOrder) -> SendOrder {
+        let Some(staging) = self.staging.clone().filter(|_| !o.jobs.is_empty()) else { return o };
+        let (node, incarnation) = (o.node, o.incarnation);
+        match tokio::task::spawn_blocking(move || {
+            crate::staging::stage(&mut o, &staging);
+            o
+        })
+        .await
+        {
+            Ok(o) => o,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            // The runtime is shutting down: nothing to send.
+            Err(_) => SendOrder { node, incarnation, items: Vec::new(), staged: Vec::new(), jobs: Vec::new() },
+        }
     }
 
     /// Sends an order's slots, shaking hands with the getter first if we
@@ -561,14 +592,10 @@ async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item =
 /// getter (pinned under its session) go out; the others (and all of them
 /// when `refuse_all`) as empty messages with the getter's tag, so its
 /// receives end at once as refusals. A slot of a staged pool goes out
-/// from a staging slot: its copy is a [`StageJob`] for [`stage`], run
-/// after the store lock is released (the grant's pin keeps the slot).
-fn order_of(
-    st: &Store,
-    r: &pb::SendRequest,
-    refuse_all: bool,
-    staging: Option<&Arc<Staging>>,
-) -> (SendOrder, Vec<StageJob>) {
+/// from a staging slot: its copy is a job of the order for
+/// [`crate::staging::stage`], run off the data-plane thread and outside the
+/// store lock (the grant's pin keeps the slot as granted).
+fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool, staging: Option<&Arc<Staging>>) -> SendOrder {
     let session = PEER_SESSION_BASE + r.node_id as u64;
     // A slot named twice in one order is sent once (a getter reads each
     // granted slot into one place): repeats are refused, so one message
@@ -595,42 +622,7 @@ fn order_of(
             TransferItem { remote_pool: 0, remote_offset: 0, len, local_pool, local_offset, tag: it.tag }
         })
         .collect();
-    (SendOrder { node: r.node_id, incarnation: r.incarnation, items, staged: Vec::new() }, jobs)
-}
-
-/// A granted slot of a staged pool to copy into a staging slot before it
-/// is sent.
-struct StageJob {
-    item: usize,
-    memory: PoolMemory,
-    offset: u64,
-    len: u64,
-}
-
-/// Copies the staged slots of `o` into send staging slots (device → host
-/// for a GPU pool) and points their items there; an item that gets no
-/// slot, or whose copy fails, is refused (an empty message).
-fn stage(o: &mut SendOrder, jobs: Vec<StageJob>, staging: Option<&Arc<Staging>>) {
-    for j in jobs {
-        let item = &mut o.items[j.item];
-        let Some(slot) = staging.and_then(|s| s.take_send()) else {
-            item.len = 0;
-            continue;
-        };
-        match slot.fill_from(&j.memory, j.offset, j.len) {
-            Ok(()) => {
-                (item.local_pool, item.local_offset) = (slot.region(), slot.offset());
-                if let Some(s) = staging {
-                    s.staged_sends.fetch_add(1, Ordering::Relaxed);
-                }
-                o.staged.push(slot);
-            }
-            Err(e) => {
-                tracing::warn!(pool = item.local_pool, offset = j.offset, "staging copy failed: {e}");
-                item.len = 0;
-            }
-        }
-    }
+    SendOrder { node: r.node_id, incarnation: r.incarnation, items, staged: Vec::new(), jobs }
 }
 
 /// Whether `pool` moves through staging slots: UCX cannot reach it (a GPU
@@ -727,8 +719,8 @@ impl pb::peer_server::Peer for PeerService {
         if r.items.len() > 65536 {
             return Err(Status::invalid_argument(format!("send of {} blocks exceeds 65536", r.items.len())));
         }
-        let (mut order, jobs) = order_of(&p.store.lock(), &r, false, p.staging.as_ref());
-        stage(&mut order, jobs, p.staging.as_ref());
+        let order = order_of(&p.store.lock(), &r, false, p.staging.as_ref());
+        let order = p.staged(order).await;
         let sent = p.send_connecting(order, false).await.map_err(Status::unavailable)?;
         Ok(Response::new(pb::SendResponse { sent }))
     }
@@ -820,10 +812,10 @@ mod tests {
             holder_incarnation: 0,
             items: vec![item, pb::SendItem { tag: 2, ..item }, pb::SendItem { tag: 3, ..item }],
         };
-        let lens: Vec<u64> = order_of(&st, &order(2), false, None).0.items.iter().map(|i| i.len).collect();
+        let lens: Vec<u64> = order_of(&st, &order(2), false, None).items.iter().map(|i| i.len).collect();
         assert!(lens[0] > 0 && lens[1..] == [0, 0], "sent once: {lens:?}");
         // Not pinned for node 3, and everything refused for a stale order.
-        assert!(order_of(&st, &order(3), false, None).0.items.iter().all(|i| i.len == 0));
-        assert!(order_of(&st, &order(2), true, None).0.items.iter().all(|i| i.len == 0));
+        assert!(order_of(&st, &order(3), false, None).items.iter().all(|i| i.len == 0));
+        assert!(order_of(&st, &order(2), true, None).items.iter().all(|i| i.len == 0));
     }
 }

@@ -610,6 +610,9 @@ pub async fn run_with(
     let mut premade: Vec<Option<Arc<kvmesh_ffi_os::SharedMapping>>> = vec![None; cfg.pools.len()];
     if let (true, Some(ctx)) = (ucx_alloc, &ctx) {
         for i in 0..cfg.pools.len() {
+            if cfg.pools[i].device != "host" {
+                continue; // device memory: the store allocates it (staged)
+            }
             let bytes = Store::pool_bytes(&cfg, i);
             let mr = kvmesh_ucx::MemoryRegion::allocate(ctx, bytes as usize)
                 .map_err(|e| anyhow!("pool {}: UCX cannot allocate {bytes} bytes: {e}", cfg.pools[i].name))?;

@@ -41,6 +41,8 @@ pub struct Staging {
     /// slot in use; a quarantined slot's permit is forgotten).
     recv: Arc<Semaphore>,
     recv_total: usize,
+    /// Read slots quarantined (their permits forgotten): waves shrink.
+    recv_quarantined: std::sync::atomic::AtomicUsize,
     send: Arc<Semaphore>,
     /// Slots read through a staging slot (getter side).
     pub staged_reads: AtomicU64,
@@ -71,6 +73,7 @@ impl Staging {
             free: Mutex::new((0..slots).rev().collect()),
             recv: Arc::new(Semaphore::new(recv_total)),
             recv_total,
+            recv_quarantined: std::sync::atomic::AtomicUsize::new(0),
             send: Arc::new(Semaphore::new(slots as usize - recv_total)),
             staged_reads: AtomicU64::new(0),
             staged_sends: AtomicU64::new(0),
@@ -94,16 +97,17 @@ impl Staging {
         self.free.lock().len()
     }
 
-    /// Most slots this daemon's reads hold at once (a getter's wave).
+    /// Most slots this daemon's reads hold at once (a getter's wave): the
+    /// read slots not quarantined.
     pub fn recv_slots(&self) -> usize {
-        self.recv_total
+        self.recv_total.saturating_sub(self.recv_quarantined.load(Ordering::Relaxed))
     }
 
     /// A slot to send from, now; `None` when every send slot is busy
     /// (counted).
     pub fn take_send(self: &Arc<Self>) -> Option<StagingSlot> {
         match Arc::clone(&self.send).try_acquire_owned() {
-            Ok(permit) => Some(self.slot(permit)),
+            Ok(permit) => Some(self.slot(permit, false)),
             Err(_) => {
                 self.exhausted.fetch_add(1, Ordering::Relaxed);
                 None
@@ -111,31 +115,34 @@ impl Staging {
         }
     }
 
-    /// `n` (at most [`Staging::recv_slots`]) slots to receive into, waiting
-    /// for them until `deadline`; `None` past it (counted).
+    /// `n` slots to receive into (fewer when fewer read slots are left:
+    /// [`Staging::recv_slots`]), waiting for them until `deadline`; `None`
+    /// past it, or when no read slot is left (counted per read refused).
     pub async fn take_recv(self: &Arc<Self>, n: usize, deadline: std::time::Instant) -> Option<Vec<StagingSlot>> {
-        let n = n.min(self.recv_total);
-        let wait = Arc::clone(&self.recv).acquire_many_owned(n as u32);
-        match tokio::time::timeout_at(deadline.into(), wait).await {
-            Ok(Ok(mut permits)) => {
-                let mut slots = Vec::with_capacity(n);
-                while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
-                    slots.push(self.slot(one));
-                }
-                slots.push(self.slot(permits));
-                Some(slots)
-            }
-            _ => {
-                self.exhausted.fetch_add(1, Ordering::Relaxed);
-                None
-            }
+        let k = n.min(self.recv_slots());
+        let got = if k == 0 {
+            None
+        } else {
+            let wait = Arc::clone(&self.recv).acquire_many_owned(k as u32);
+            tokio::time::timeout_at(deadline.into(), wait).await.ok().and_then(Result::ok)
+        };
+        let Some(mut permits) = got else {
+            self.exhausted.fetch_add(n as u64, Ordering::Relaxed);
+            return None;
+        };
+        self.exhausted.fetch_add((n - k) as u64, Ordering::Relaxed);
+        let mut slots = Vec::with_capacity(k);
+        while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
+            slots.push(self.slot(one, true));
         }
+        slots.push(self.slot(permits, true));
+        Some(slots)
     }
 
-    fn slot(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> StagingSlot {
+    fn slot(self: &Arc<Self>, permit: OwnedSemaphorePermit, recv: bool) -> StagingSlot {
         // Every slot in use holds a permit, so a permit means a free slot.
         let index = self.free.lock().pop().expect("a permit for every free slot");
-        StagingSlot { staging: Arc::clone(self), index, permit: Some(permit) }
+        StagingSlot { staging: Arc::clone(self), index, recv, permit: Some(permit) }
     }
 }
 
@@ -144,6 +151,8 @@ impl Staging {
 pub struct StagingSlot {
     staging: Arc<Staging>,
     index: u32,
+    /// A read slot (else a send slot).
+    recv: bool,
     /// `None` once quarantined (the permit forgotten).
     permit: Option<OwnedSemaphorePermit>,
 }
@@ -198,6 +207,9 @@ impl StagingSlot {
         if let Some(p) = self.permit.take() {
             p.forget();
         }
+        if self.recv {
+            self.staging.recv_quarantined.fetch_add(1, Ordering::Relaxed);
+        }
         self.staging.quarantined.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -208,6 +220,55 @@ impl Drop for StagingSlot {
             // The index first: the permit released after it finds it free.
             self.staging.free.lock().push(self.index);
             drop(p);
+        }
+    }
+}
+
+/// A granted slot of a staged pool to copy into a send staging slot
+/// before it goes out (item `item` of its send order).
+#[derive(Clone)]
+pub struct StageJob {
+    /// Index of the item in its order.
+    pub item: usize,
+    /// The pool's memory.
+    pub memory: PoolMemory,
+    /// Offset of the slot in it.
+    pub offset: u64,
+    /// Bytes (the slot's stride).
+    pub len: u64,
+}
+
+impl std::fmt::Debug for StageJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageJob")
+            .field("item", &self.item)
+            .field("offset", &self.offset)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// Copies the staged slots of `o` (its `jobs`) into send staging slots
+/// (device → host for a GPU pool) and points their items there; an item
+/// that gets no slot, or whose copy fails, is refused (an empty message
+/// from the staging memory). Blocking: not on the data-plane thread.
+pub fn stage(o: &mut crate::dataplane::SendOrder, staging: &Arc<Staging>) {
+    for j in std::mem::take(&mut o.jobs) {
+        let item = &mut o.items[j.item];
+        let slot = staging.take_send();
+        let copied = slot.as_ref().map(|s| s.fill_from(&j.memory, j.offset, j.len));
+        match (slot, copied) {
+            (Some(slot), Some(Ok(()))) => {
+                (item.local_pool, item.local_offset) = (slot.region(), slot.offset());
+                staging.staged_sends.fetch_add(1, Ordering::Relaxed);
+                o.staged.push((j.item, slot));
+            }
+            (_, copied) => {
+                if let Some(Err(e)) = copied {
+                    tracing::warn!(offset = j.offset, "staging copy failed: {e}");
+                }
+                (item.local_pool, item.local_offset, item.len) = (staging.region, 0, 0);
+            }
         }
     }
 }
@@ -227,11 +288,12 @@ mod tests {
         let soon = || Instant::now() + Duration::from_millis(50);
         let reads = st.take_recv(5, soon()).await.unwrap();
         assert_eq!(reads.len(), 2, "at most the read slots");
+        assert_eq!(st.exhausted.load(Ordering::Relaxed), 3, "three reads got no slot");
         assert!(st.take_recv(1, soon()).await.is_none(), "both read slots lent: waited, then refused");
         let s1 = st.take_send().unwrap();
         let s2 = st.take_send().unwrap();
         assert!(st.take_send().is_none(), "both send slots lent");
-        assert_eq!(st.exhausted.load(Ordering::Relaxed), 2);
+        assert_eq!(st.exhausted.load(Ordering::Relaxed), 5);
         let mut offsets: Vec<u64> = reads.iter().chain([&s1, &s2]).map(|s| s.offset()).collect();
         offsets.sort();
         offsets.dedup();
@@ -255,13 +317,60 @@ mod tests {
         let mut reads = reads.into_iter();
         drop(reads.next());
         assert_eq!(waiter.await.unwrap(), Some(1));
-        // Quarantined: never back (neither the slot nor its permit).
+        // Quarantined: never back (neither the slot nor its permit), and
+        // reads go in smaller waves.
         reads.next().unwrap().quarantine();
+        assert_eq!(st.recv_slots(), 1);
         drop(s1);
         s2.quarantine();
         assert_eq!(st.quarantined.load(Ordering::Relaxed), 2);
         assert_eq!(st.free_slots(), 2, "the waiter's slot and s1 came back; two quarantined");
         assert!(st.take_send().is_some(), "s1's permit is back");
-        assert!(st.take_recv(1, soon()).await.is_some(), "the waiter's slot is back");
+        let two = st.take_recv(2, soon()).await.unwrap();
+        assert_eq!(two.len(), 1, "one read slot left: a wave of two gets one, at once");
+        let last = two.into_iter().next().unwrap();
+        last.quarantine();
+        assert_eq!(st.recv_slots(), 0);
+        let t0 = Instant::now();
+        assert!(st.take_recv(1, Instant::now() + Duration::from_secs(5)).await.is_none());
+        assert!(t0.elapsed() < Duration::from_secs(1), "no read slot left: refused at once, not at the deadline");
+    }
+
+    /// A staged order: its jobs are copied into send slots and its items
+    /// point there; with no slot free an item becomes a refusal (an empty
+    /// message from the staging memory).
+    #[test]
+    fn stage_points_items_at_staging_slots_or_refuses_them() {
+        use crate::dataplane::{SendOrder, TransferItem};
+        let st = Staging::new(2, 4096, 9, false).unwrap(); // one send slot
+        let pool = PoolMemory::Host(Arc::new(SharedMapping::create("p", 16384, false).unwrap()));
+        pool.copy_in(4096, &[7u8; 4096]).unwrap();
+        pool.copy_in(8192, &[8u8; 4096]).unwrap();
+        let item = |off| TransferItem {
+            remote_pool: 0,
+            remote_offset: 0,
+            len: 4096,
+            local_pool: 0,
+            local_offset: off,
+            tag: off,
+        };
+        let job = |item, offset| StageJob { item, memory: pool.clone(), offset, len: 4096 };
+        let mut o = SendOrder {
+            node: 2,
+            incarnation: 1,
+            items: vec![item(4096), item(8192)],
+            staged: Vec::new(),
+            jobs: vec![job(0, 4096), job(1, 8192)],
+        };
+        stage(&mut o, &st);
+        assert!(o.jobs.is_empty());
+        assert_eq!(o.staged.len(), 1);
+        let (i, slot) = &o.staged[0];
+        assert_eq!(*i, 0);
+        assert_eq!((o.items[0].local_pool, o.items[0].local_offset, o.items[0].len), (9, slot.offset(), 4096));
+        assert_eq!(&slot.bytes(4096).unwrap()[..], &[7u8; 4096][..]);
+        assert_eq!((o.items[1].local_pool, o.items[1].len), (9, 0), "no send slot: refused");
+        assert_eq!(st.staged_sends.load(Ordering::Relaxed), 1);
+        assert_eq!(st.exhausted.load(Ordering::Relaxed), 1);
     }
 }
