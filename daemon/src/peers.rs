@@ -453,8 +453,12 @@ impl Peers {
     async fn staged(&self, mut o: SendOrder) -> SendOrder {
         let Some(staging) = self.staging.clone().filter(|_| !o.jobs.is_empty()) else { return o };
         let (node, incarnation) = (o.node, o.incarnation);
+        // Wait for send slots a while (earlier sends free them): the
+        // getter's read waits for us anyway, until about the same deadline.
+        let deadline = Instant::now() + Duration::from_millis(self.cfg.transfer_timeout_ms / 2);
+        let slots = staging.take_send_wait(o.jobs.len(), deadline).await;
         match tokio::task::spawn_blocking(move || {
-            crate::staging::stage(&mut o, &staging);
+            crate::staging::stage(&mut o, &staging, slots);
             o
         })
         .await

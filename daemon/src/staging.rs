@@ -36,6 +36,7 @@ pub struct Staging {
     slot_bytes: u64,
     /// The data plane's region index of the staging memory.
     region: u32,
+    slot_count: u32,
     free: Mutex<Vec<u32>>,
     /// Slots this daemon's reads may hold, and its sends (one permit per
     /// slot in use; a quarantined slot's permit is forgotten).
@@ -44,6 +45,7 @@ pub struct Staging {
     /// Read slots quarantined (their permits forgotten): waves shrink.
     recv_quarantined: std::sync::atomic::AtomicUsize,
     send: Arc<Semaphore>,
+    send_quarantined: std::sync::atomic::AtomicUsize,
     /// Slots read through a staging slot (getter side).
     pub staged_reads: AtomicU64,
     /// Slots sent from a staging slot (holder side).
@@ -70,10 +72,12 @@ impl Staging {
             mapping: Arc::new(mapping),
             slot_bytes,
             region,
+            slot_count: slots,
             free: Mutex::new((0..slots).rev().collect()),
             recv: Arc::new(Semaphore::new(recv_total)),
             recv_total,
             recv_quarantined: std::sync::atomic::AtomicUsize::new(0),
+            send_quarantined: std::sync::atomic::AtomicUsize::new(0),
             send: Arc::new(Semaphore::new(slots as usize - recv_total)),
             staged_reads: AtomicU64::new(0),
             staged_sends: AtomicU64::new(0),
@@ -103,16 +107,26 @@ impl Staging {
         self.recv_total.saturating_sub(self.recv_quarantined.load(Ordering::Relaxed))
     }
 
-    /// A slot to send from, now; `None` when every send slot is busy
-    /// (counted).
-    pub fn take_send(self: &Arc<Self>) -> Option<StagingSlot> {
-        match Arc::clone(&self.send).try_acquire_owned() {
-            Ok(permit) => Some(self.slot(permit, false)),
-            Err(_) => {
-                self.exhausted.fetch_add(1, Ordering::Relaxed);
-                None
+    /// Up to `n` slots to send from, waiting for them until `deadline`
+    /// (a holder's sends end by themselves, so the wait is short unless
+    /// peers ask for more than its send slots at once); fewer — none past
+    /// the deadline — leave the rest of the order refused (counted).
+    pub async fn take_send_wait(self: &Arc<Self>, n: usize, deadline: std::time::Instant) -> Vec<StagingSlot> {
+        let send_left =
+            (self.slot_count as usize - self.recv_total).saturating_sub(self.send_quarantined.load(Ordering::Relaxed));
+        let k = n.min(send_left);
+        let mut slots = Vec::with_capacity(k);
+        if k > 0 {
+            let wait = Arc::clone(&self.send).acquire_many_owned(k as u32);
+            if let Ok(Ok(mut permits)) = tokio::time::timeout_at(deadline.into(), wait).await {
+                while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
+                    slots.push(self.slot(one, false));
+                }
+                slots.push(self.slot(permits, false));
             }
         }
+        self.exhausted.fetch_add((n - slots.len()) as u64, Ordering::Relaxed);
+        slots
     }
 
     /// `n` slots to receive into (fewer when fewer read slots are left:
@@ -207,9 +221,8 @@ impl StagingSlot {
         if let Some(p) = self.permit.take() {
             p.forget();
         }
-        if self.recv {
-            self.staging.recv_quarantined.fetch_add(1, Ordering::Relaxed);
-        }
+        let lost = if self.recv { &self.staging.recv_quarantined } else { &self.staging.send_quarantined };
+        lost.fetch_add(1, Ordering::Relaxed);
         self.staging.quarantined.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -248,14 +261,14 @@ impl std::fmt::Debug for StageJob {
     }
 }
 
-/// Copies the staged slots of `o` (its `jobs`) into send staging slots
-/// (device → host for a GPU pool) and points their items there; an item
-/// that gets no slot, or whose copy fails, is refused (an empty message
-/// from the staging memory). Blocking: not on the data-plane thread.
-pub fn stage(o: &mut crate::dataplane::SendOrder, staging: &Arc<Staging>) {
+/// Copies the staged slots of `o` (its `jobs`) into `slots` (device →
+/// host for a GPU pool) and points their items there; an item that gets
+/// no slot, or whose copy fails, is refused (an empty message from the
+/// staging memory). Blocking: not on the data-plane thread.
+pub fn stage(o: &mut crate::dataplane::SendOrder, staging: &Arc<Staging>, mut slots: Vec<StagingSlot>) {
     for j in std::mem::take(&mut o.jobs) {
         let item = &mut o.items[j.item];
-        let slot = staging.take_send();
+        let slot = slots.pop();
         let copied = slot.as_ref().map(|s| s.fill_from(&j.memory, j.offset, j.len));
         match (slot, copied) {
             (Some(slot), Some(Ok(()))) => {
@@ -290,9 +303,9 @@ mod tests {
         assert_eq!(reads.len(), 2, "at most the read slots");
         assert_eq!(st.exhausted.load(Ordering::Relaxed), 3, "three reads got no slot");
         assert!(st.take_recv(1, soon()).await.is_none(), "both read slots lent: waited, then refused");
-        let s1 = st.take_send().unwrap();
-        let s2 = st.take_send().unwrap();
-        assert!(st.take_send().is_none(), "both send slots lent");
+        let mut sends = st.take_send_wait(2, soon()).await;
+        let (s1, s2) = (sends.pop().unwrap(), sends.pop().unwrap());
+        assert!(st.take_send_wait(1, soon()).await.is_empty(), "both send slots lent: waited, then refused");
         assert_eq!(st.exhausted.load(Ordering::Relaxed), 5);
         let mut offsets: Vec<u64> = reads.iter().chain([&s1, &s2]).map(|s| s.offset()).collect();
         offsets.sort();
@@ -325,7 +338,7 @@ mod tests {
         s2.quarantine();
         assert_eq!(st.quarantined.load(Ordering::Relaxed), 2);
         assert_eq!(st.free_slots(), 2, "the waiter's slot and s1 came back; two quarantined");
-        assert!(st.take_send().is_some(), "s1's permit is back");
+        assert_eq!(st.take_send_wait(2, soon()).await.len(), 1, "s1's permit is back; s2's is gone");
         let two = st.take_recv(2, soon()).await.unwrap();
         assert_eq!(two.len(), 1, "one read slot left: a wave of two gets one, at once");
         let last = two.into_iter().next().unwrap();
@@ -362,7 +375,13 @@ mod tests {
             staged: Vec::new(),
             jobs: vec![job(0, 4096), job(1, 8192)],
         };
-        stage(&mut o, &st);
+        let slots = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(st.take_send_wait(2, std::time::Instant::now() + std::time::Duration::from_millis(20)));
+        assert_eq!(slots.len(), 1, "one send slot");
+        stage(&mut o, &st, slots);
         assert!(o.jobs.is_empty());
         assert_eq!(o.staged.len(), 1);
         let (i, slot) = &o.staged[0];
