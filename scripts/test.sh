@@ -122,7 +122,7 @@ cargo run --locked -q -p kvmesh-bench -- events --rate 2000 --seconds 0.5 --roun
 # Cluster-wide lookups on a small filled cluster: the bench fails on any answer
 # that names the wrong daemon, on an incomplete answer, or on a fetch.
 cargo run --locked -q -p kvmesh-bench -- lookup --daemons 3 --fill 2000 --batch 16 --samples 60 --rounds 2 | tail -1 | cut -c1-200 >&2
-echo "== nemesis: 3 daemons and etcd in network namespaces, 60 s of partitions, pauses, kills, drains, pool pressure, with namespace invalidations, twice (mutual TLS: coherence on gRPC streams; without: as UCX active messages); then with a planted bug" >&2
+echo "== nemesis: 3 daemons and etcd in network namespaces, 60 s of partitions, pauses, kills, drains, pool pressure, with namespace invalidations, twice (mutual TLS: coherence on gRPC streams; without: as UCX active messages), 30 s with every pool staged (the GPU data path on host pools); then with a planted bug" >&2
 cargo build --locked -q -p kvmesh-cluster-tests --bin kvmesh-nemesis
 cargo build --locked -q -p kvmeshd --bin kvmeshd --bin kvmesh
 rc=0
@@ -131,6 +131,13 @@ echo "$out" | cut -c1-300 >&2
 if [[ $rc -eq 0 ]]; then
     out=$(target/debug/kvmesh-nemesis --kvmeshd target/debug/kvmeshd --daemons 3 --minutes 1 --seed 3 --peer-control ucx | tail -1) || rc=$?
     echo "$out" | cut -c1-300 >&2
+fi
+if [[ $rc -eq 0 ]]; then
+    # Every pool staged as GPU pools are without a CUDA-capable UCX (blocks
+    # through host staging slots, sent on orders), under the same faults.
+    out=$(KVMESH_TEST_HOOK=stage-host-pools target/debug/kvmesh-nemesis --kvmeshd target/debug/kvmeshd --daemons 3 \
+        --minutes 0.5 --seed 4 | tail -1) || rc=$?
+    echo "staged: $out" | cut -c1-300 >&2
 fi
 if [[ $rc -eq 77 ]]; then
     skipped "nemesis: $out"
