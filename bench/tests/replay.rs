@@ -79,7 +79,11 @@ fn replay_with_ample_capacity_hits_exactly_the_ideal_and_reads_no_wrong_byte() {
         }
     }
     let csv = std::fs::read_to_string(out_dir.join("timeseries.csv")).unwrap();
-    assert!(csv.starts_with("second,offered,started,finished,late") && csv.lines().count() > 2, "{csv}");
+    // A header and a row per second of the run (one when the 200 requests
+    // took under a second of wall time).
+    assert!(csv.starts_with("second,offered,started,finished,late") && csv.lines().count() >= 2, "{csv}");
+    let rows: u64 = csv.lines().skip(1).map(|l| l.split(',').nth(3).unwrap().parse::<u64>().unwrap()).sum();
+    assert_eq!(rows, 200, "every request finished in some second: {csv}");
     let _ = std::fs::remove_dir_all(out_dir);
     let _ = std::fs::remove_file(trace);
 }
