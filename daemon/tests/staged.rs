@@ -17,7 +17,9 @@ const HOOK: &[(&str, &str)] = &[("KVMESH_TEST_HOOK", "stage-host-pools")];
 fn staged_pair(tag: &str, transports: &str, peer_extra: &str) -> (Daemon, Daemon) {
     let ports = [free_port(), free_port()];
     let pools = format!("{}{}", pool("p16k", "32MiB", "16KiB"), pool("p64k", "64MiB", "64KiB"));
-    let tls = format!("{{ mode = \"off\" }}\n{peer_extra}");
+    // Staged reads go in waves (96 through one read slot below): on a
+    // loaded machine gets get 10 s, not 2, before they give up.
+    let tls = format!("{{ mode = \"off\" }}\n{peer_extra}\n[coherence]\nop_timeout_ms = 10000");
     let a = Daemon::start_with(&format!("{tag}-a"), &peer_config_tls(1, &ports, transports, &pools, &tls), HOOK);
     let b = Daemon::start_with(&format!("{tag}-b"), &peer_config_tls(2, &ports, transports, &pools, &tls), HOOK);
     (a, b)
