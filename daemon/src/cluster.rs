@@ -50,6 +50,7 @@ use tonic::Status;
 use crate::config::{CoherenceConfig, MembershipConfig, PeerEntry};
 use crate::dataplane::{Control, Mode, TransferItem, TransferOutcome};
 use crate::peers::{Peers, TestHook};
+use crate::staging::is_staged;
 use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
 use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
 
@@ -892,12 +893,9 @@ impl Cluster {
         reads: &[Read],
         tx: tokio::sync::mpsc::UnboundedSender<(usize, Result<SlotImage, TransferError>)>,
     ) -> Vec<bool> {
-        let staged_hook = self.peers.hook() == Some(crate::peers::TestHook::StageHostPools);
         let staged = {
             let st = self.store.lock();
-            reads.iter().any(|r| {
-                st.pools().get(to_store(r.dest).pool as usize).is_some_and(|p| p.memory.is_gpu() || staged_hook)
-            })
+            reads.iter().any(|r| st.pools().get(to_store(r.dest).pool as usize).is_some_and(|p| is_staged(&p.memory)))
         };
         let Some(staging) = self.peers.staging().filter(|_| staged) else {
             return self.read_wave(from, reads, 0, Vec::new(), &tx).await;
@@ -959,14 +957,20 @@ impl Cluster {
         let mut send_items = Vec::new();
         let mut geometry = Vec::with_capacity(reads.len());
         let mut any_staged_remote = false;
-        let staged_hook = self.peers.hook() == Some(crate::peers::TestHook::StageHostPools);
-        for (i, r) in reads.iter().enumerate() {
+        // Our pools' geometry, under one lock for the whole batch.
+        let locals: Vec<_> = {
+            let st = self.store.lock();
+            reads
+                .iter()
+                .map(|r| {
+                    let p = st.pools().get(to_store(r.dest).pool as usize)?;
+                    Some((p.stride, p.slot_payload_bytes, p.memory.clone()))
+                })
+                .collect()
+        };
+        for ((i, r), local) in reads.iter().enumerate().zip(locals) {
             let d = to_store(r.dest);
             let rs = to_store(r.remote);
-            let local = {
-                let st = self.store.lock();
-                st.pools().get(d.pool as usize).map(|p| (p.stride, p.slot_payload_bytes, p.memory.clone()))
-            };
             let Some((stride, cap, memory)) = local else {
                 report(i, Err(TransferError::NoSpace), &mut reported);
                 continue;
@@ -993,8 +997,8 @@ impl Cluster {
             // Where the bytes land: our pool, or — for a pool UCX cannot
             // reach (GPU) — a staging slot, validated there and then
             // copied into the pool.
-            let (dest, local_pool, local_offset) = match memory.host() {
-                Some(m) if !staged_hook => (Dest::Pool(Arc::clone(m)), d.pool, d.slot as u64 * stride),
+            let (dest, local_pool, local_offset) = match memory.host().filter(|_| !is_staged(&memory)) {
+                Some(m) => (Dest::Pool(Arc::clone(m)), d.pool, d.slot as u64 * stride),
                 _ => match slots.pop() {
                     Some(slot) => {
                         let (region, offset) = (slot.region(), slot.offset());

@@ -521,19 +521,8 @@ impl DataPlane {
     }
 
     /// Reads `items` from `peer`; one `(index, outcome)` per item arrives
-    /// on the returned channel as each read ends, all by `deadline`.
-    pub fn transfer_stream(
-        &self,
-        mode: Mode,
-        peer: u32,
-        incarnation: u64,
-        items: Vec<TransferItem>,
-        deadline: Instant,
-    ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
-        self.transfer_ordered(mode, peer, incarnation, items, Vec::new(), deadline)
-    }
-
-    /// As [`DataPlane::transfer_stream`]; with `Mode::Recv`, once the
+    /// on the returned channel as each read ends, all by `deadline`. With
+    /// `Mode::Recv`, once the
     /// receives are posted, `orders` (encoded send orders, each at most
     /// [`SEND_ORDER_BYTES_MAX`]) go to the peer as active messages. A
     /// receive that gets fewer bytes than asked (the holder refused the

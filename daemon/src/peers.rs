@@ -24,8 +24,7 @@ use crate::config::{PeerConfig, PeerEntry};
 use crate::dataplane::{
     CONTROL_TIMEOUT, DataPlane, Mode, PeerAddr, RemotePool, SendOrder, TransferItem, TransferOutcome,
 };
-use crate::memory::PoolMemory;
-use crate::staging::{StageJob, Staging};
+use crate::staging::{StageJob, Staging, is_staged};
 use crate::store::{PEER_SESSION_BASE, SlotRef, Store};
 use crate::tls::PeerTls;
 
@@ -65,7 +64,6 @@ pub struct Peers {
     dp: Arc<DataPlane>,
     store: Arc<Mutex<Store>>,
     peers: Vec<Arc<PeerState>>,
-    hook: Option<TestHook>,
     /// Staging slots, when a pool is staged (docs/GPU.md).
     staging: Option<Arc<Staging>>,
     next_tag: AtomicU64,
@@ -90,8 +88,7 @@ impl Peers {
         tls: Option<Arc<PeerTls>>,
         staging: Option<Arc<Staging>>,
     ) -> Peers {
-        let hook = test_hook();
-        match hook {
+        match test_hook() {
             Some(TestHook::CorruptGrantedSlots) => {
                 tracing::warn!("TEST HOOK ACTIVE: granted slots are corrupted before peers read them")
             }
@@ -118,7 +115,6 @@ impl Peers {
             dp,
             store,
             peers,
-            hook,
             staging,
             next_tag: AtomicU64::new(1),
             tls,
@@ -351,7 +347,7 @@ impl Peers {
 
     /// The fault injection active in this process, if any.
     pub fn hook(&self) -> Option<TestHook> {
-        self.hook
+        test_hook()
     }
 
     /// The staging slots (when a pool is staged).
@@ -619,24 +615,16 @@ fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool, staging: Option<&
                 Some((stride, _)) => (it.pool, it.slot as u64 * stride, stride),
                 None => (0, 0, 0),
             };
-            if len > 0 && pool_is_staged(st, it.pool, staging) {
-                let memory = st.pools()[it.pool as usize].memory.clone();
-                jobs.push(StageJob { item: i, memory, offset: local_offset, len });
+            if len > 0 && staging.is_some() {
+                let memory = &st.pools()[it.pool as usize].memory;
+                if is_staged(memory) {
+                    jobs.push(StageJob { item: i, memory: memory.clone(), offset: local_offset, len });
+                }
             }
             TransferItem { remote_pool: 0, remote_offset: 0, len, local_pool, local_offset, tag: it.tag }
         })
         .collect();
     SendOrder { node: r.node_id, incarnation: r.incarnation, items, staged: Vec::new(), jobs }
-}
-
-/// Whether `pool` moves through staging slots: UCX cannot reach it (a GPU
-/// pool), or the test hook stages every pool.
-fn pool_is_staged(st: &Store, pool: u32, staging: Option<&Arc<Staging>>) -> bool {
-    staging.is_some()
-        && st
-            .pools()
-            .get(pool as usize)
-            .is_some_and(|p| p.memory.is_gpu() || test_hook() == Some(TestHook::StageHostPools))
 }
 
 /// The test hook of this process (`KVMESH_TEST_HOOK`), read once.
@@ -647,14 +635,6 @@ pub fn test_hook() -> Option<TestHook> {
         Ok("stage-host-pools") => Some(TestHook::StageHostPools),
         _ => None,
     })
-}
-
-/// Which pools move through staging slots: GPU pools (UCX cannot reach
-/// device memory without CUDA support, and kvmesh does not register it
-/// yet), and every pool under the `stage-host-pools` test hook.
-pub fn staged_pools(memories: &[&PoolMemory]) -> Vec<bool> {
-    let all = test_hook() == Some(TestHook::StageHostPools);
-    memories.iter().map(|m| m.is_gpu() || all).collect()
 }
 
 /// Most slots one send-order message may name (getters send at most
@@ -681,7 +661,6 @@ impl pb::peer_server::Peer for PeerService {
         // The pools' remote keys go only to an authenticated peer.
         p.authenticate(certs.as_deref().map(Vec::as_slice), r.node_id)?;
         let st = p.store.lock();
-        let staged = staged_pools(&st.pools().iter().map(|sp| &sp.memory).collect::<Vec<_>>());
         let pools = st
             .pools()
             .iter()
@@ -689,7 +668,7 @@ impl pb::peer_server::Peer for PeerService {
                 // A staged pool is sent from staging slots: no remote key
                 // (a GPU pool has no registration at all).
                 let dp = p.dp.pools().iter().find(|d| d.index == sp.index);
-                let staged = staged[sp.index as usize] || dp.is_none();
+                let staged = is_staged(&sp.memory) || dp.is_none();
                 pb::PoolDesc {
                     index: sp.index,
                     base_address: dp.map_or(0, |d| d.base),

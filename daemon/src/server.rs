@@ -660,7 +660,7 @@ pub async fn run_with(
         // move through host staging slots (docs/GPU.md).
         let (mappings, staged, stride_max, incarnation) = {
             let st = store.lock();
-            let staged = crate::peers::staged_pools(&st.pools().iter().map(|p| &p.memory).collect::<Vec<_>>());
+            let staged: Vec<bool> = st.pools().iter().map(|p| crate::staging::is_staged(&p.memory)).collect();
             let stride_max = st.pools().iter().zip(&staged).filter(|(_, s)| **s).map(|(p, _)| p.stride).max();
             (
                 st.pools().iter().map(|p| p.memory.host().cloned()).collect::<Vec<_>>(),

@@ -21,13 +21,20 @@
 //! (a send that did not end) is quarantined: never reused.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 use kvmesh_ffi_os::{ReadRegion, SharedMapping};
 use parking_lot::Mutex;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::memory::PoolMemory;
+
+/// Whether a pool's blocks move through staging slots: UCX cannot reach
+/// it (a GPU pool: kvmesh does not register device memory with UCX), or
+/// the `stage-host-pools` test hook stages every pool.
+pub fn is_staged(memory: &PoolMemory) -> bool {
+    memory.is_gpu() || crate::peers::test_hook() == Some(crate::peers::TestHook::StageHostPools)
+}
 
 /// The staging slots of a daemon.
 pub struct Staging {
@@ -36,24 +43,35 @@ pub struct Staging {
     slot_bytes: u64,
     /// The data plane's region index of the staging memory.
     region: u32,
-    slot_count: u32,
     free: Mutex<Vec<u32>>,
-    /// Slots this daemon's reads may hold, and its sends (one permit per
-    /// slot in use; a quarantined slot's permit is forgotten).
-    recv: Arc<Semaphore>,
-    recv_total: usize,
-    /// Read slots quarantined (their permits forgotten): waves shrink.
-    recv_quarantined: std::sync::atomic::AtomicUsize,
-    send: Arc<Semaphore>,
-    send_quarantined: std::sync::atomic::AtomicUsize,
+    /// The slots this daemon's reads may hold, and its sends.
+    recv: Side,
+    send: Side,
     /// Slots read through a staging slot (getter side).
     pub staged_reads: AtomicU64,
     /// Slots sent from a staging slot (holder side).
     pub staged_sends: AtomicU64,
     /// Reads or sends refused: no staging slot free.
     pub exhausted: AtomicU64,
-    /// Slots never reused (UCX may still touch them).
-    pub quarantined: AtomicU64,
+}
+
+/// One side's share of the slots: a permit per slot in use; a quarantined
+/// slot's permit is forgotten and counted, so what is left is known.
+struct Side {
+    permits: Arc<Semaphore>,
+    total: usize,
+    quarantined: AtomicUsize,
+}
+
+impl Side {
+    fn new(total: usize) -> Side {
+        Side { permits: Arc::new(Semaphore::new(total)), total, quarantined: AtomicUsize::new(0) }
+    }
+
+    /// Slots not quarantined.
+    fn left(&self) -> usize {
+        self.total.saturating_sub(self.quarantined.load(Ordering::Relaxed))
+    }
 }
 
 impl Staging {
@@ -72,17 +90,12 @@ impl Staging {
             mapping: Arc::new(mapping),
             slot_bytes,
             region,
-            slot_count: slots,
             free: Mutex::new((0..slots).rev().collect()),
-            recv: Arc::new(Semaphore::new(recv_total)),
-            recv_total,
-            recv_quarantined: std::sync::atomic::AtomicUsize::new(0),
-            send_quarantined: std::sync::atomic::AtomicUsize::new(0),
-            send: Arc::new(Semaphore::new(slots as usize - recv_total)),
+            recv: Side::new(recv_total),
+            send: Side::new(slots as usize - recv_total),
             staged_reads: AtomicU64::new(0),
             staged_sends: AtomicU64::new(0),
             exhausted: AtomicU64::new(0),
-            quarantined: AtomicU64::new(0),
         }))
     }
 
@@ -91,20 +104,22 @@ impl Staging {
         &self.mapping
     }
 
-    /// Bytes of one staging slot.
-    pub fn slot_bytes(&self) -> u64 {
-        self.slot_bytes
+    /// Staging slots free now.
+    #[cfg(test)]
+    fn free_slots(&self) -> usize {
+        self.free.lock().len()
     }
 
-    /// Staging slots free now.
-    pub fn free_slots(&self) -> usize {
-        self.free.lock().len()
+    /// Slots never reused (UCX may still touch them).
+    #[cfg(test)]
+    fn quarantined(&self) -> usize {
+        self.recv.quarantined.load(Ordering::Relaxed) + self.send.quarantined.load(Ordering::Relaxed)
     }
 
     /// Most slots this daemon's reads hold at once (a getter's wave): the
     /// read slots not quarantined.
     pub fn recv_slots(&self) -> usize {
-        self.recv_total.saturating_sub(self.recv_quarantined.load(Ordering::Relaxed))
+        self.recv.left()
     }
 
     /// Up to `n` slots to send from, waiting for them until `deadline`
@@ -112,45 +127,34 @@ impl Staging {
     /// peers ask for more than its send slots at once); fewer — none past
     /// the deadline — leave the rest of the order refused (counted).
     pub async fn take_send_wait(self: &Arc<Self>, n: usize, deadline: std::time::Instant) -> Vec<StagingSlot> {
-        let send_left =
-            (self.slot_count as usize - self.recv_total).saturating_sub(self.send_quarantined.load(Ordering::Relaxed));
-        let k = n.min(send_left);
-        let mut slots = Vec::with_capacity(k);
-        if k > 0 {
-            let wait = Arc::clone(&self.send).acquire_many_owned(k as u32);
-            if let Ok(Ok(mut permits)) = tokio::time::timeout_at(deadline.into(), wait).await {
-                while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
-                    slots.push(self.slot(one, false));
-                }
-                slots.push(self.slot(permits, false));
-            }
-        }
-        self.exhausted.fetch_add((n - slots.len()) as u64, Ordering::Relaxed);
-        slots
+        self.take(false, n, deadline).await
     }
 
     /// `n` slots to receive into (fewer when fewer read slots are left:
     /// [`Staging::recv_slots`]), waiting for them until `deadline`; `None`
     /// past it, or when no read slot is left (counted per read refused).
     pub async fn take_recv(self: &Arc<Self>, n: usize, deadline: std::time::Instant) -> Option<Vec<StagingSlot>> {
-        let k = n.min(self.recv_slots());
-        let got = if k == 0 {
-            None
-        } else {
-            let wait = Arc::clone(&self.recv).acquire_many_owned(k as u32);
-            tokio::time::timeout_at(deadline.into(), wait).await.ok().and_then(Result::ok)
-        };
-        let Some(mut permits) = got else {
-            self.exhausted.fetch_add(n as u64, Ordering::Relaxed);
-            return None;
-        };
-        self.exhausted.fetch_add((n - k) as u64, Ordering::Relaxed);
+        Some(self.take(true, n, deadline).await).filter(|s| !s.is_empty())
+    }
+
+    /// Up to `n` slots of one side (at most the slots it has left, all at
+    /// once or none), waiting until `deadline`; the reads or sends left
+    /// without one are counted.
+    async fn take(self: &Arc<Self>, recv: bool, n: usize, deadline: std::time::Instant) -> Vec<StagingSlot> {
+        let side = if recv { &self.recv } else { &self.send };
+        let k = n.min(side.left());
         let mut slots = Vec::with_capacity(k);
-        while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
-            slots.push(self.slot(one, true));
+        if k > 0 {
+            let wait = Arc::clone(&side.permits).acquire_many_owned(k as u32);
+            if let Ok(Ok(mut permits)) = tokio::time::timeout_at(deadline.into(), wait).await {
+                while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
+                    slots.push(self.slot(one, recv));
+                }
+                slots.push(self.slot(permits, recv));
+            }
         }
-        slots.push(self.slot(permits, true));
-        Some(slots)
+        self.exhausted.fetch_add((n - slots.len()) as u64, Ordering::Relaxed);
+        slots
     }
 
     fn slot(self: &Arc<Self>, permit: OwnedSemaphorePermit, recv: bool) -> StagingSlot {
@@ -221,9 +225,8 @@ impl StagingSlot {
         if let Some(p) = self.permit.take() {
             p.forget();
         }
-        let lost = if self.recv { &self.staging.recv_quarantined } else { &self.staging.send_quarantined };
-        lost.fetch_add(1, Ordering::Relaxed);
-        self.staging.quarantined.fetch_add(1, Ordering::Relaxed);
+        let side = if self.recv { &self.staging.recv } else { &self.staging.send };
+        side.quarantined.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -336,7 +339,7 @@ mod tests {
         assert_eq!(st.recv_slots(), 1);
         drop(s1);
         s2.quarantine();
-        assert_eq!(st.quarantined.load(Ordering::Relaxed), 2);
+        assert_eq!(st.quarantined(), 2);
         assert_eq!(st.free_slots(), 2, "the waiter's slot and s1 came back; two quarantined");
         assert_eq!(st.take_send_wait(2, soon()).await.len(), 1, "s1's permit is back; s2's is gone");
         let two = st.take_recv(2, soon()).await.unwrap();
