@@ -36,12 +36,31 @@ struct Args {
     /// streams on tcp), `ucx`, or `grpc`, to compare them.
     #[arg(long, global = true, default_value = "auto", value_parser = ["auto", "ucx", "grpc"])]
     peer_control: String,
+    /// `coherence.register_at_locate` of the daemons `transfer`,
+    /// `breakdown` and `peers` start (false: a fetched copy is served only
+    /// once the home answered its registration, one round trip later), to
+    /// compare them.
+    #[arg(long, global = true, default_value_t = true, action = clap::ArgAction::Set)]
+    register_at_locate: bool,
     #[command(subcommand)]
     cmd: Cmd,
 }
 
 /// `--peer-control`, for the configs of the daemons the bench starts.
 static PEER_CONTROL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// `--register-at-locate`.
+static REGISTER_AT_LOCATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// `extra` (the tail of a daemon config) with `coherence.register_at_locate`
+/// as `--register-at-locate` asks.
+pub(crate) fn with_register_at_locate(extra: &str) -> String {
+    let line = format!("register_at_locate = {}\n", REGISTER_AT_LOCATE.get().copied().unwrap_or(true));
+    match extra.find("[coherence]\n") {
+        Some(i) => format!("{}{line}{}", &extra[..i + 12], &extra[i + 12..]),
+        None => format!("{extra}\n[coherence]\n{line}"),
+    }
+}
 
 /// The `[peer]` line that sets `peer.control` as `--peer-control` asks.
 pub(crate) fn peer_control_line() -> String {
@@ -364,6 +383,7 @@ enum Cmd {
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _ = PEER_CONTROL.set(args.peer_control.clone());
+    let _ = REGISTER_AT_LOCATE.set(args.register_at_locate);
     // As the daemon does, before any thread starts, where tcp may be used:
     // the raw UCX loops and the daemons (children inherit it) run with the
     // same UCX settings.

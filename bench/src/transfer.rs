@@ -354,8 +354,10 @@ pub(crate) fn start_pair(
             3 - id
         )
     };
-    let (a, sock_a) = crate::start_daemon_tagged(&format!("{tag}-a"), &cfg(1, pa, pb, ""))?;
-    let (b, sock_b) = crate::start_daemon_tagged(&format!("{tag}-b"), &cfg(2, pb, pa, b_extra))?;
+    let (a, sock_a) =
+        crate::start_daemon_tagged(&format!("{tag}-a"), &cfg(1, pa, pb, &crate::with_register_at_locate("")))?;
+    let (b, sock_b) =
+        crate::start_daemon_tagged(&format!("{tag}-b"), &cfg(2, pb, pa, &crate::with_register_at_locate(b_extra)))?;
     Ok((a, sock_a, b, sock_b))
 }
 

@@ -75,6 +75,8 @@ pub fn stats_json(s: &crate::Stats) -> String {
                 "control_am_sent": c.control_am_sent, "control_am_received": c.control_am_received,
                 "control_am_drops": c.control_am_drops, "staged_reads": c.staged_reads,
                 "staged_sends": c.staged_sends, "staging_exhausted": c.staging_exhausted,
+                "pending_registrations": c.pending_registrations,
+                "early_registrations": c.early_registrations,
             })
         }),
     })

@@ -174,6 +174,8 @@ pub struct RunStats {
     pub validation_failures: u64,
     /// Grants a home gave of its own copy in answer to a locate.
     pub locate_grants: u64,
+    /// Fetched copies made Valid on their locate-time registration.
+    pub early_registrations: u64,
     /// Membership epochs.
     pub epochs: u64,
     /// Crashes injected.
@@ -661,7 +663,16 @@ impl World {
     fn boot(&mut self, n: NodeId) {
         let sn = &mut self.nodes[n as usize];
         sn.incarnation += 1;
-        sn.core = Some(Node::new(n, sn.incarnation, self.core_cfg.clone()));
+        // Locate-time registration on, except in one seed in four, where
+        // each incarnation of each node picks (readers of both kinds meet
+        // the same homes, as in a rolling change of the setting). Drawn
+        // from the seed, not from the world's random stream.
+        let mut cfg = self.core_cfg.clone();
+        if self.seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 62 == 0 {
+            let h = (self.seed ^ ((n as u64) << 32) ^ sn.incarnation).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            cfg.register_at_locate = h >> 63 == 0;
+        }
+        sn.core = Some(Node::new(n, sn.incarnation, cfg));
         for c in sn.mem.iter_mut() {
             c.state = CellState::Free;
         }
@@ -1945,6 +1956,8 @@ impl World {
             self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().validation_failures).sum();
         self.stats.locate_grants =
             self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().locate_grants).sum();
+        self.stats.early_registrations =
+            self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().early_registrations).sum();
         Ok(self.stats)
     }
 

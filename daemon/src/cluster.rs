@@ -317,6 +317,7 @@ impl Cluster {
             ops_max: cfg.ops_max,
             announce_entries_max: cfg.announce_entries_max,
             expected_copies: store.lock().pools().iter().map(|p| p.slot_count() as usize).sum(),
+            register_at_locate: cfg.register_at_locate,
             bug: planted_bug(),
             trace: false,
         };
@@ -1972,6 +1973,8 @@ impl Cluster {
             staged_reads: staging.map_or(0, |s| s.staged_reads.load(Ordering::Relaxed)),
             staged_sends: staging.map_or(0, |s| s.staged_sends.load(Ordering::Relaxed)),
             staging_exhausted: staging.map_or(0, |s| s.exhausted.load(Ordering::Relaxed)),
+            pending_registrations: m.pending_registrations,
+            early_registrations: m.early_registrations,
         }
     }
 

@@ -321,6 +321,13 @@ pub struct CoherenceConfig {
     pub announce_entries_max: usize,
     /// Longest an entry waits for company before its batch leaves.
     pub flush_delay_us: u64,
+    /// A remote get asks the key's home to register this daemon (pending)
+    /// when it answers the locate, so the fetched copy is served as soon
+    /// as it validates: one round trip less per remote get. Homes serve
+    /// readers of both kinds; a daemon from before this setting cannot
+    /// decode such a locate, so turn it off while a cluster still runs
+    /// older daemons.
+    pub register_at_locate: bool,
     /// Also send what a burst of input produced (received batches, the
     /// keys of one engine call) as soon as the input runs dry, instead of
     /// waiting out `flush_delay_us` (a timer of millisecond resolution).
@@ -366,6 +373,7 @@ impl Default for CoherenceConfig {
             batch_entries_max: 512,
             announce_entries_max: 65_536,
             flush_delay_us: 200,
+            register_at_locate: true,
             flush_when_idle: true,
             op_timeout_ms: 2_000,
             retransmit_ms: 50,

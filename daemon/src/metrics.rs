@@ -438,6 +438,16 @@ impl prometheus_client::collector::Collector for Snapshot {
                     c.staging_exhausted,
                 ),
                 (
+                    "coherence_pending_registrations",
+                    "Readers this daemon (as home) registered as pending holders when it answered their locate.",
+                    c.pending_registrations,
+                ),
+                (
+                    "coherence_early_registrations",
+                    "Fetched copies served as soon as they validated, on their locate-time registration (one round trip saved each).",
+                    c.early_registrations,
+                ),
+                (
                     "coherence_peer_auth_refusals",
                     "Peer calls refused for who made them (not a configured peer, or a TLS certificate for another node).",
                     c.peer_auth_refusals,

@@ -48,8 +48,15 @@ async fn wait_log(d: &Daemon, needle: &str, within: Duration) {
 async fn run(bug: Option<&str>) -> Option<u8> {
     let ports = [free_port(), free_port(), free_port()];
     let pools = pool("p4k", "16MiB", "4KiB");
-    // Gets give up after 500 ms: well inside the hold.
-    let config = |id: u32| format!("{}[coherence]\nop_timeout_ms = 500\n", peer_config(id, &ports, "tcp", &pools));
+    // Gets give up after 500 ms: well inside the hold. Registration after
+    // the read (with `register_at_locate` a get does not wait for it; the
+    // home's refusal of an older copy is the same code either way).
+    let config = |id: u32| {
+        format!(
+            "{}[coherence]\nop_timeout_ms = 500\nregister_at_locate = false\n",
+            peer_config(id, &ports, "tcp", &pools)
+        )
+    };
     let tag = if bug.is_some() { "late-reg-bug" } else { "late-reg" };
     let hook = format!("hold-first-registration-ms:{HOLD_MS}");
     let nodes: Vec<Daemon> = (1..=3)

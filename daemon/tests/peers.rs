@@ -115,6 +115,10 @@ async fn remote_round_trip(transports: &str) {
         assert!(c[field].is_u64(), "{field} missing: {v}");
     }
     assert_eq!(c["validation_failures"], 0, "{v}");
+    // Every copy B fetched was served on its locate-time registration
+    // (one epoch, no change of the keys meanwhile): none waited for a
+    // registration round trip after its read.
+    assert_eq!(c["early_registrations"].as_u64(), Some(sb_stats.remote_fetched + 1), "{v}");
     // Overwrite on B from the CLI: A then serves the new bytes, never the old.
     let newer = b.dir.0.join("newer");
     std::fs::write(&newer, vec![0xabu8; 16384]).unwrap();
@@ -157,6 +161,57 @@ async fn remote_round_trip(transports: &str) {
     assert!(err.contains("not registered"), "{err}");
     let (rc, _, err) = run_cli(&b.socket, &["invalidate", "--namespace", "small", "xyz"]);
     assert_eq!(rc, 1, "{err}");
+}
+
+/// `coherence.register_at_locate` off on A, on (the default) on B: each
+/// daemon fetches what the other put, both kinds of reader meet both
+/// kinds of home; only B serves copies on their locate-time registration,
+/// and an overwrite reaches the copies of both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readers_with_and_without_locate_time_registration_share_a_cluster() {
+    let ports = [free_port(), free_port()];
+    let off = "[coherence]\nregister_at_locate = false\n";
+    let a = Daemon::start("mixreg-a", &(peer_config(1, &ports, "sm", &pools()) + off));
+    let b = Daemon::start("mixreg-b", &(peer_config(2, &ports, "sm", &pools()) + "[coherence]\n"));
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let (sa, _) = namespaces(&ca).await;
+    let (sb, _) = namespaces(&cb).await;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(11);
+    let on_a: Vec<Key> = (0..64).map(|_| Key(rng.random())).collect();
+    let on_b: Vec<Key> = (0..64).map(|_| Key(rng.random())).collect();
+    put_all(&ca, &sa, &on_a).await;
+    put_all(&cb, &sb, &on_b).await;
+    for (c, ns, keys) in [(&cb, &sb, &on_a), (&ca, &sa, &on_b)] {
+        let pinned = c.pin(ns, keys).await.unwrap();
+        for (blk, k) in pinned.iter().zip(keys.iter()) {
+            let blk = blk.as_ref().unwrap_or_else(|| panic!("{k} not fetched"));
+            assert_eq!(&blk[..], &block_bytes(*k, 16384)[..], "bytes of {k}");
+        }
+    }
+    let (sa_stats, sb_stats) = (ca.stats().await.unwrap(), cb.stats().await.unwrap());
+    assert_eq!((sa_stats.remote_fetched, sb_stats.remote_fetched), (64, 64));
+    let (ka, kb) = (sa_stats.coherence.unwrap(), sb_stats.coherence.unwrap());
+    assert_eq!(ka.early_registrations, 0, "A registers after the read: {ka:?}");
+    assert_eq!(kb.early_registrations, 64, "B is served on its locate-time registration: {kb:?}");
+    // Homes of both kinds registered B at locate time (A is home of some
+    // of the keys, B of the others).
+    assert_eq!(ka.pending_registrations + kb.pending_registrations, 64, "{ka:?} {kb:?}");
+    ca.flush_releases().await;
+    cb.flush_releases().await;
+    // Overwrites of keys each side fetched: both serve the new bytes.
+    let newer = vec![0x5au8; 16384];
+    for (c, ns, k) in [(&ca, &sa, on_a[0]), (&cb, &sb, on_b[0])] {
+        let s = c.put_overwrite(ns, &[(k, &newer[..])]).await.unwrap();
+        assert_eq!(s.stored, 1, "{s:?}");
+    }
+    for (c, ns) in [(&ca, &sa), (&cb, &sb)] {
+        for k in [on_a[0], on_b[0]] {
+            let got = c.pin(ns, &[k]).await.unwrap();
+            assert_eq!(&got[0].as_ref().expect("the new version is served")[..], &newer[..], "{k}");
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -119,6 +119,7 @@ fn main() -> std::process::ExitCode {
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
     let mut locate_grants = 0u64;
+    let mut early = 0u64;
     let (mut lookups, mut lookup_remote_hits) = (0u64, 0u64);
     let mut drains = 0u64;
     let mut prefilled = 0u64;
@@ -139,6 +140,7 @@ fn main() -> std::process::ExitCode {
                 invalidated += s.invalidated;
                 vfail += s.validation_failures;
                 locate_grants += s.locate_grants;
+                early += s.early_registrations;
                 lookups += s.lookups;
                 lookup_remote_hits += s.lookup_remote_hits;
                 crashes += s.crashes;
@@ -165,7 +167,7 @@ fn main() -> std::process::ExitCode {
     let secs = t0.elapsed().as_secs_f64();
     eprintln!(
         "{seeds_run} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
-         {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {lookups} lookups ({lookup_remote_hits} keys found on \
+         {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {early} fetched copies Valid on their locate-time registration, {lookups} lookups ({lookup_remote_hits} keys found on \
          other nodes), {crashes} crashes, \
          {drains} drains, {epochs} epochs",
         events as f64 / secs

@@ -207,10 +207,18 @@ fn encode_msg(w: &mut W, m: &Msg) {
             w.key(key);
             w.bool(*ok);
         }
-        Msg::LocateReq { op, key } => {
+        // Without a copy id, as before the locate-time registration (a
+        // daemon that predates it decodes it); with one, tag 20.
+        Msg::LocateReq { op, key, copy: 0 } => {
             w.u8(8);
             w.u64(*op);
             w.key(key);
+        }
+        Msg::LocateReq { op, key, copy } => {
+            w.u8(20);
+            w.u64(*op);
+            w.key(key);
+            w.u64(*copy);
         }
         Msg::LocateResp { op, key, result } => {
             w.u8(9);
@@ -322,7 +330,7 @@ fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
         5 => Msg::InvalidateAck { key: r.key()?, version: r.u64()?, change: r.u64()? },
         6 => Msg::InvalidateReq { op: r.u64()?, key: r.key()? },
         7 => Msg::InvalidateResp { op: r.u64()?, key: r.key()?, ok: r.bool()? },
-        8 => Msg::LocateReq { op: r.u64()?, key: r.key()? },
+        8 => Msg::LocateReq { op: r.u64()?, key: r.key()?, copy: 0 },
         9 => {
             let (op, key) = (r.u64()?, r.key()?);
             let result = match r.u8()? {
@@ -378,6 +386,7 @@ fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
             }
             Msg::LookupResp { op, found }
         }
+        20 => Msg::LocateReq { op: r.u64()?, key: r.key()?, copy: r.u64()? },
         t => return Err(DecodeError::Tag(t)),
     })
 }
@@ -400,7 +409,8 @@ mod tests {
             Msg::InvalidateReq { op: 8, key },
             Msg::InvalidateResp { op: 8, key, ok: true },
             Msg::InvalidateResp { op: 8, key, ok: false },
-            Msg::LocateReq { op: 9, key },
+            Msg::LocateReq { op: 9, key, copy: 0 },
+            Msg::LocateReq { op: 9, key, copy: 17 },
             Msg::LocateResp { op: 9, key, result: LocateResult::Found { version: 10, holder: 3 } },
             Msg::LocateResp { op: 9, key, result: LocateResult::Miss },
             Msg::LocateResp { op: 9, key, result: LocateResult::Busy },

@@ -184,6 +184,13 @@ pub struct Config {
     /// (at 4 million, a rehash stalls the node for about a second). 0:
     /// grow as needed.
     pub expected_copies: usize,
+    /// Readers ask the home to register them (pending) when it answers
+    /// their locate, and make a fetched copy Valid as soon as it validates
+    /// (one round trip less per remote get). Off: the copy becomes Valid
+    /// only when the home answers its `AddHolderReq` (homes of either kind
+    /// serve both kinds of readers; a home from before the setting cannot
+    /// decode such a locate).
+    pub register_at_locate: bool,
     /// Planted bugs, for checking that the simulator catches them.
     pub bug: Option<Bug>,
     /// Record protocol facts in `Node::take_trace` (for checkers).
@@ -205,6 +212,7 @@ impl Default for Config {
             ops_max: 100_000,
             announce_entries_max: 65_536,
             expected_copies: 0,
+            register_at_locate: true,
             bug: None,
             trace: false,
         }
@@ -240,6 +248,10 @@ pub enum Bug {
     /// holder has registered (a late duplicate, held on a stream that
     /// broke and came back), replacing the live registration.
     TakeLateRegistration,
+    /// A reader makes a fetched copy Valid on its locate-time registration
+    /// even after a view change (the registration went with the old
+    /// epoch's directory).
+    EarlyValidAcrossEpochs,
 }
 
 impl Bug {
@@ -255,11 +267,12 @@ impl Bug {
             "leave-before-stop" => Bug::LeaveBeforeStop,
             "lookup-counts-pending-put" => Bug::LookupCountsPendingPut,
             "take-late-registration" => Bug::TakeLateRegistration,
+            "early-valid-across-epochs" => Bug::EarlyValidAcrossEpochs,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 9] = [
+    pub const NAMES: [&'static str; 10] = [
         "skip-ack-wait",
         "skip-validation",
         "reuse-granted-slot",
@@ -269,6 +282,7 @@ impl Bug {
         "leave-before-stop",
         "lookup-counts-pending-put",
         "take-late-registration",
+        "early-valid-across-epochs",
     ];
 }
 

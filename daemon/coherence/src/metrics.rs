@@ -105,6 +105,12 @@ pub struct Metrics {
     /// Reads this home granted of its own copy in answer to a locate (one
     /// round trip saved each).
     pub locate_grants: u64,
+    /// Home: readers registered as pending holders when it answered their
+    /// locate (`Config::register_at_locate`).
+    pub pending_registrations: u64,
+    /// Reader: fetched copies made Valid on their locate-time registration,
+    /// without waiting for the home (one round trip saved each).
+    pub early_registrations: u64,
     /// Keepalive acknowledgements dropped because this node never sent a
     /// keepalive at the echoed time (forged, or from a previous life).
     pub unsolicited_keepalive_acks: u64,

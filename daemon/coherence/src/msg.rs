@@ -80,8 +80,10 @@ pub enum Msg {
     InvalidateReq { op: OpId, key: BlockKey },
     /// Home -> requester: done (`ok`) or busy.
     InvalidateResp { op: OpId, key: BlockKey, ok: bool },
-    /// Reader -> home: who holds the key?
-    LocateReq { op: OpId, key: BlockKey },
+    /// Reader -> home: who holds the key? With a copy id (not 0), a home
+    /// that names a holder (or grants its own copy) first registers the
+    /// reader as a pending holder of that version under this copy id.
+    LocateReq { op: OpId, key: BlockKey, copy: u64 },
     /// Home -> reader.
     LocateResp { op: OpId, key: BlockKey, result: LocateResult },
     /// Reader -> holder: let me read your copy of `version`.

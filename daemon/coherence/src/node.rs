@@ -84,34 +84,63 @@ impl SlotHold {
     }
 }
 
-/// Registered holders of a key at its home and the copy id each
-/// registered, by node id. Usually one or two: one kept inline.
+/// A registered holder of a key at its home: the node, the copy id it
+/// registered, and whether the registration is still *pending* — made by
+/// the home when it answered the node's locate (`Msg::LocateReq` with a
+/// copy id), before the copy exists. A pending holder is invalidated like
+/// any other (the reader may make its copy Valid as soon as it validates,
+/// without waiting for the home), but it is never named as a source to
+/// other readers or to lookups until its `AddHolderReq` confirms it.
+#[derive(Clone, Copy, Debug)]
+struct Holder {
+    id: NodeId,
+    pending: bool,
+    copy: u64,
+}
+
+/// Registered holders of a key at its home, by node id. Usually one or
+/// two: one kept inline.
 #[derive(Debug, Default)]
-struct Holders(SmallVec<[(NodeId, u64); 1]>);
+struct Holders(SmallVec<[Holder; 1]>);
 
 impl Holders {
     fn single(h: NodeId, copy: u64) -> Holders {
-        Holders(smallvec::smallvec![(h, copy)])
+        Holders(smallvec::smallvec![Holder { id: h, pending: false, copy }])
     }
-    fn insert(&mut self, h: NodeId, copy: u64) {
-        match self.0.binary_search_by_key(&h, |e| e.0) {
-            Ok(i) => self.0[i].1 = copy,
-            Err(i) => self.0.insert(i, (h, copy)),
+    /// Registers `h` (confirmed, or pending) with copy `copy`, replacing
+    /// its earlier registration.
+    fn set(&mut self, h: NodeId, copy: u64, pending: bool) {
+        let e = Holder { id: h, pending, copy };
+        match self.0.binary_search_by_key(&h, |e| e.id) {
+            Ok(i) => self.0[i] = e,
+            Err(i) => self.0.insert(i, e),
         }
     }
+    fn insert(&mut self, h: NodeId, copy: u64) {
+        self.set(h, copy, false);
+    }
     fn remove(&mut self, h: NodeId) {
-        if let Ok(i) = self.0.binary_search_by_key(&h, |e| e.0) {
+        if let Ok(i) = self.0.binary_search_by_key(&h, |e| e.id) {
             self.0.remove(i);
         }
     }
+    fn entry(&self, h: NodeId) -> Option<Holder> {
+        self.0.binary_search_by_key(&h, |e| e.id).ok().map(|i| self.0[i])
+    }
     fn get(&self, h: NodeId) -> Option<u64> {
-        self.0.binary_search_by_key(&h, |e| e.0).ok().map(|i| self.0[i].1)
+        self.entry(h).map(|e| e.copy)
     }
     fn contains(&self, h: NodeId) -> bool {
         self.get(h).is_some()
     }
+    /// Every registered holder, pending ones included (all must ack a
+    /// change).
     fn ids(&self) -> impl Iterator<Item = NodeId> + '_ {
-        self.0.iter().map(|e| e.0)
+        self.0.iter().map(|e| e.id)
+    }
+    /// Holders whose copy is confirmed: the ones a reader may be sent to.
+    fn sources(&self) -> impl Iterator<Item = NodeId> + '_ {
+        self.0.iter().filter(|e| !e.pending).map(|e| e.id)
     }
     fn is_empty(&self) -> bool {
         self.0.is_empty()
@@ -150,6 +179,21 @@ enum GetStage {
     },
 }
 
+/// A get that asked its home to register it at locate time
+/// (`Config::register_at_locate`).
+#[derive(Clone, Copy, Debug)]
+struct Early {
+    /// The copy id sent with the locate (the copy's id if it becomes
+    /// Valid).
+    copy: u64,
+    /// The epoch the locate was sent in: the registration lives in that
+    /// epoch's directory only.
+    epoch: u64,
+    /// The version the home registered this node for (pending), once its
+    /// answer (a holder, or its own grant) said so.
+    registered: Option<u64>,
+}
+
 #[derive(Debug)]
 enum OpKind {
     Get {
@@ -157,6 +201,7 @@ enum OpKind {
         stage: GetStage,
         waiters: Vec<OpId>,
         doomed: bool,
+        early: Option<Early>,
     },
     /// Waits for another get of the same key on this node.
     Waiting,
@@ -868,6 +913,12 @@ impl Node {
             self.done(op, Outcome::Miss);
             return;
         };
+        // Registered at the home when it answers (pending), the copy can
+        // become Valid as soon as it validates: one round trip less.
+        let early = self.cfg.register_at_locate.then(|| {
+            self.next_copy += 1;
+            Early { copy: self.next_copy, epoch: self.view.epoch, registered: None }
+        });
         self.insert_op(
             op,
             Op {
@@ -877,11 +928,12 @@ impl Node {
                     stage: GetStage::Locating { home, sent_at: self.now },
                     waiters: Vec::new(),
                     doomed: false,
+                    early,
                 },
             },
         );
         self.fetching.insert(key, op);
-        self.send(home, Msg::LocateReq { op, key });
+        self.send(home, Msg::LocateReq { op, key, copy: early.map_or(0, |e| e.copy) });
     }
 
     fn client_put(&mut self, op: OpId, key: BlockKey, slot: SlotRef, checksum: u64) {
@@ -971,7 +1023,7 @@ impl Node {
         if e.holders.contains(self.id) && self.copies.get(key).is_some_and(|c| c.version == e.version) {
             return Some((self.id, e.version));
         }
-        e.holders.ids().find(|&h| h != asker && h != self.id).map(|h| (h, e.version))
+        e.holders.sources().find(|&h| h != asker && h != self.id).map(|h| (h, e.version))
     }
 
     fn on_lookup_resp(&mut self, from: NodeId, op: OpId, answers: Vec<(u64, NodeId)>) {
@@ -1030,7 +1082,18 @@ impl Node {
     /// Ends a get (and the gets waiting on it).
     fn finish_get(&mut self, op: OpId, outcome: Outcome) {
         let Some(o) = self.remove_op(op) else { return };
-        let OpKind::Get { key, waiters, .. } = o.kind else { unreachable!("finish_get on a non-get") };
+        let OpKind::Get { key, waiters, early, .. } = o.kind else { unreachable!("finish_get on a non-get") };
+        // The home registered us at locate time and the get ends without
+        // that copy becoming Valid: unregister it (a lost `RemoveHolder`
+        // leaves a registration of a copy we do not hold: we ack its
+        // invalidations, and the next registration replaces it).
+        if let Some(Early { copy, epoch, registered: Some(version) }) = early
+            && epoch == self.view.epoch
+            && self.copies.get(&key).is_none_or(|c| c.id != copy)
+            && let Some(home) = self.view.home_of(&key)
+        {
+            self.send(home, Msg::RemoveHolder { key, version, copy });
+        }
         if self.fetching.get(&key) == Some(&op) {
             self.fetching.remove(&key);
             self.key_ops_done(&key);
@@ -1043,6 +1106,14 @@ impl Node {
                 }
                 self.done(w, outcome);
             }
+        }
+    }
+
+    /// The locate-time registration of get `op`, if it asked for one.
+    fn early_mut(&mut self, op: OpId) -> Option<&mut Early> {
+        match self.ops.get_mut(&op) {
+            Some(Op { kind: OpKind::Get { early, .. }, .. }) => early.as_mut(),
+            _ => None,
         }
     }
 
@@ -1097,8 +1168,39 @@ impl Node {
             return self.finish_get(op, Outcome::Miss);
         }
         let meta = SlotMeta { generation: dest.generation, ..expect };
+        // Registered (pending) at the home in this epoch when it answered
+        // the locate: the home sends every change of the key to us from
+        // then on and waits for our ack, and none has reached us (the get
+        // is not doomed, the version not retired), so the copy is Valid
+        // now. The home is told it exists (it then names us as a source);
+        // its answer is not waited for. After a view change that
+        // registration is gone with the old directory: register as before.
+        let epoch = self.view.epoch;
+        if let Some(Early { copy, epoch: e, registered: Some(v) }) = self.early_mut(op).copied()
+            && v == version
+            && (e == epoch || self.cfg.bug == Some(Bug::EarlyValidAcrossEpochs))
+            && let Some(home) = self.view.home_of(&key)
+        {
+            let retired = self.retired.get(&key).is_some_and(|&r| version <= r);
+            if retired || !self.serving() || self.copies.contains_key(&key) {
+                // As a refused registration: the copy never becomes Valid
+                // (`finish_get` unregisters it).
+                self.unreference(dest);
+                return self.finish_get(op, Outcome::Miss);
+            }
+            self.metrics.early_registrations += 1;
+            self.copies.insert(key, Copy { slot: dest, version, checksum: meta.checksum, id: copy });
+            self.pin(dest);
+            self.send(home, Msg::AddHolderReq { op, key, version, copy });
+            return self.finish_get(op, Outcome::Hit { version, slot: dest });
+        }
         self.next_copy += 1;
         let copy = self.next_copy;
+        if let Some(e) = self.early_mut(op) {
+            // A registration in an earlier epoch's directory is gone with
+            // it: register as before.
+            e.registered = None;
+        }
         if let Some((stage, _, _)) = self.get_stage(op) {
             *stage = GetStage::Registering { version, dest, meta, copy };
         }
@@ -1429,7 +1531,7 @@ impl Node {
                     self.done(op, Outcome::Invalidated);
                 }
             }
-            Msg::LocateReq { op, key } => self.on_locate_req(from, op, key),
+            Msg::LocateReq { op, key, copy } => self.on_locate_req(from, op, key, copy),
             Msg::LocateResp { op, key, result } => self.on_locate_resp(from, op, key, result),
             Msg::GrantReq { op, key, version } => self.on_grant_req(from, op, key, version),
             Msg::GrantResp { op, result } => self.on_grant_resp(from, op, result),
@@ -1455,10 +1557,17 @@ impl Node {
                 // incarnation; a new incarnation comes with a new view.
                 let older = self.cfg.bug != Some(Bug::TakeLateRegistration)
                     && self.dir.get(&key).and_then(|e| e.holders.get(from)).is_some_and(|c| c > copy);
-                let ok = !older
-                    && self.ready
-                    && self.is_home(&key)
-                    && self.dir.get(&key).is_some_and(|e| e.version == version && e.change.is_none());
+                // The reader's copy of a locate-time registration exists
+                // (and may already be served): confirmed, it can be named
+                // as a source. A change under way keeps waiting for its ack.
+                let pending = self.dir.get(&key).is_some_and(|e| {
+                    e.version == version && e.holders.entry(from).is_some_and(|h| h.pending && h.copy == copy)
+                });
+                let ok = pending
+                    || !older
+                        && self.ready
+                        && self.is_home(&key)
+                        && self.dir.get(&key).is_some_and(|e| e.version == version && e.change.is_none());
                 if ok {
                     self.dir.get_mut(&key).expect("checked").holders.insert(from, copy);
                     if self.cfg.trace {
@@ -1794,10 +1903,28 @@ impl Node {
         self.start_change(key, ChangeKind::Invalidate { requester: r, op });
     }
 
-    fn on_locate_req(&mut self, r: NodeId, op: OpId, key: BlockKey) {
+    /// A reader's locate. With a copy id (`copy != 0`), a home that
+    /// answers with a holder or with its own grant registers the reader as
+    /// a pending holder of that version first (see [`Holder`]).
+    fn on_locate_req(&mut self, r: NodeId, op: OpId, key: BlockKey, copy: u64) {
+        // The reader is registered already: with a confirmed copy (its own
+        // put completed while this get was on its way, or it dropped a
+        // copy and its `RemoveHolder` is still on its way), or pending for
+        // a newer copy (this is a late duplicate). Its registration must
+        // not be replaced by one it may give up (its `RemoveHolder` would
+        // then unregister a copy it holds), and without one the reader may
+        // not use the answer: busy (a miss; the get after that one finds
+        // the registration settled).
+        let older = copy != 0
+            && self
+                .dir
+                .get(&key)
+                .and_then(|e| e.holders.entry(r))
+                .is_some_and(|h| !h.pending || h.copy > copy && self.cfg.bug != Some(Bug::TakeLateRegistration));
         // The home holds the current version itself: grant it right away
         // (the reader treats it as the answer of a grant request).
         if self.ready
+            && !older
             && r != self.id
             && self.is_home(&key)
             && let Some(e) = self.dir.get(&key)
@@ -1807,21 +1934,36 @@ impl Node {
         {
             let version = e.version;
             self.metrics.locate_grants += 1;
-            return self.on_grant_req(r, op, key, version);
+            let result = self.grant(r, key, version);
+            if copy != 0 && matches!(result, GrantResult::Granted { .. }) {
+                self.register_pending(key, r, copy);
+            }
+            return self.send(r, Msg::GrantResp { op, result });
         }
-        let result = if !self.ready || !self.is_home(&key) {
+        let result = if !self.ready || !self.is_home(&key) || older {
             LocateResult::Busy
         } else {
             match self.dir.get(&key) {
                 None => LocateResult::Miss,
                 Some(e) if e.change.is_some() => LocateResult::Busy,
-                Some(e) => match e.holders.ids().find(|&h| h != r) {
+                Some(e) => match e.holders.sources().find(|&h| h != r) {
                     Some(holder) => LocateResult::Found { version: e.version, holder },
                     None => LocateResult::Miss,
                 },
             }
         };
+        if copy != 0 && matches!(result, LocateResult::Found { .. }) {
+            self.register_pending(key, r, copy);
+        }
         self.send(r, Msg::LocateResp { op, key, result });
+    }
+
+    /// Registers reader `r` as a pending holder of `key`'s current version
+    /// (its entry exists and is not changing: the caller checked).
+    fn register_pending(&mut self, key: BlockKey, r: NodeId, copy: u64) {
+        let e = self.dir.get_mut(&key).expect("checked by the caller");
+        e.holders.set(r, copy, true);
+        self.metrics.pending_registrations += 1;
     }
 
     fn on_locate_resp(&mut self, from: NodeId, op: OpId, key: BlockKey, result: LocateResult) {
@@ -1838,6 +1980,12 @@ impl Node {
         };
         if !known {
             self.metrics.peer_refusals += 1; // a holder outside the view
+        }
+        if let LocateResult::Found { version, .. } = result
+            && let Some(e) = self.early_mut(op)
+        {
+            // The home registered us (pending) before naming a holder.
+            e.registered = Some(version);
         }
         let Some((stage, _, _)) = self.get_stage(op) else { return };
         // A grant from the home itself may answer the locate (a duplicate
@@ -1859,15 +2007,22 @@ impl Node {
     }
 
     fn on_grant_req(&mut self, r: NodeId, op: OpId, key: BlockKey, version: u64) {
+        let result = self.grant(r, key, version);
+        self.send(r, Msg::GrantResp { op, result });
+    }
+
+    /// Grants reader `r` a read of this node's copy of `key` at `version`,
+    /// if it has one.
+    fn grant(&mut self, r: NodeId, key: BlockKey, version: u64) -> GrantResult {
         let held = self.grants_by_reader.get(&r).copied().unwrap_or(0);
         if held >= crate::GRANTS_PER_READER_MAX {
             // More grants than any reader has gets in flight (each holds
             // at most one, duplicates are released at once; `ops_max` is
             // at most half of this): refused.
             self.metrics.peer_refusals += 1;
-            return self.send(r, Msg::GrantResp { op, result: GrantResult::Refused });
+            return GrantResult::Refused;
         }
-        let result = match self.copies.get(&key) {
+        match self.copies.get(&key) {
             Some(c) if self.serving() && c.version == version => {
                 self.next_grant += 1;
                 let grant = self.next_grant;
@@ -1879,8 +2034,7 @@ impl Node {
                 GrantResult::Granted { slot: c.slot, meta: c.meta(key), lease_us: self.cfg.grant_lease_us, grant }
             }
             _ => GrantResult::Refused,
-        };
-        self.send(r, Msg::GrantResp { op, result });
+        }
     }
 
     fn on_grant_resp(&mut self, holder: NodeId, op: OpId, result: GrantResult) {
@@ -1888,6 +2042,14 @@ impl Node {
         let drift = self.cfg.drift_ppm;
         let margin = self.cfg.drift_margin_us;
         let lease_max = self.cfg.grant_lease_us;
+        if let GrantResult::Granted { meta, .. } = result
+            && matches!(self.get_stage(op), Some((GetStage::Locating { home, .. }, _, _)) if *home == holder)
+            && let Some(e) = self.early_mut(op)
+        {
+            // The home granted its own copy in answer to the locate, and
+            // registered us (pending) first.
+            e.registered = Some(meta.version);
+        }
         let staged = match self.get_stage(op) {
             Some((stage, key, _)) => match *stage {
                 GetStage::Granting { holder: h, version, sent_at } if h == holder => {
@@ -1958,9 +2120,15 @@ impl Node {
             _ => None,
         };
         let Some((dest, meta, doomed)) = registering else {
-            if ok && self.copies.get(&key).is_none_or(|c| c.id != copy) {
+            let live = self.copies.get(&key).is_some_and(|c| c.id == copy);
+            if ok && !live {
                 // The get ended meanwhile: we hold nothing, tell the home.
                 self.send(home, Msg::RemoveHolder { key, version, copy });
+            } else if !ok && live {
+                // A copy made Valid on its locate-time registration, which
+                // the home no longer has (an honest home keeps it until we
+                // ack a change or remove it): not registered, not kept.
+                self.drop_copy(&key);
             }
             return;
         };

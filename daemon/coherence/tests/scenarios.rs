@@ -261,10 +261,10 @@ fn duplicate_and_stale_acks_do_not_count() {
 #[test]
 fn batches_of_another_epoch_are_dropped_and_counted() {
     let mut net = Net::new(2, Config::default());
-    let stale = Batch { epoch: 0, incarnation: 1, msgs: vec![Msg::LocateReq { op: 1, key: key(1) }] };
+    let stale = Batch { epoch: 0, incarnation: 1, msgs: vec![Msg::LocateReq { op: 1, key: key(1), copy: 0 }] };
     net.drive(0, Event::Receive { from: 1, batch: stale });
     assert_eq!(net.nodes[0].metrics().stale_epoch_drops, 1);
-    let wrong_inc = Batch { epoch: 1, incarnation: 7, msgs: vec![Msg::LocateReq { op: 1, key: key(1) }] };
+    let wrong_inc = Batch { epoch: 1, incarnation: 7, msgs: vec![Msg::LocateReq { op: 1, key: key(1), copy: 0 }] };
     net.drive(0, Event::Receive { from: 1, batch: wrong_inc });
     assert_eq!(net.nodes[0].metrics().stale_epoch_drops, 2);
     assert!(net.wire.is_empty(), "nothing answered");
@@ -793,7 +793,9 @@ fn a_grant_from_the_home_is_trusted_from_the_locate_not_later() {
 /// after a newer put was acknowledged, right after a flapping link.)
 #[test]
 fn a_late_registration_never_unregisters_the_copy_held_now() {
-    let mut net = Net::new(3, Config::default());
+    // The registration after the read (without locate-time registration,
+    // and after a view change with it).
+    let mut net = Net::new(3, Config { register_at_locate: false, ..Config::default() });
     // A key homed at node 1; node 0 writes it, node 2 reads it.
     let view = View { epoch: 1, members: (0..3).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
     let k = (1..10_000u128).map(key).find(|k| view.home_of(k) == Some(1)).expect("a key homed at node 1");
@@ -899,4 +901,126 @@ fn a_get_that_gives_up_mid_read_releases_the_grant_when_the_read_ends() {
         0,
         "the holder's grant outlived the read (released only by its 5 s lease)"
     );
+}
+
+/// A key homed at node 1 (of three).
+fn key_homed_at_1() -> BlockKey {
+    let view = View { epoch: 1, members: (0..3).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
+    (1..10_000u128).map(key).find(|k| view.home_of(k) == Some(1)).expect("a key homed at node 1")
+}
+
+/// With locate-time registration the home registers the reader (pending)
+/// when it names the holder, so the fetched copy is Valid the moment it
+/// validates — no round trip to the home after the read — and the home
+/// names it as a source only once the reader confirmed it.
+#[test]
+fn a_fetched_copy_is_valid_when_it_validates_and_a_source_once_confirmed() {
+    let mut net = Net::new(3, Config::default());
+    let k = key_homed_at_1();
+    net.put(0, 1, k, 0x5eed);
+    net.settle();
+    let Some(Outcome::Stored { version }) = net.outcome(0, 1) else { panic!("{:?}", net.outcome(0, 1)) };
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    net.settle();
+    assert_eq!(net.reads.len(), 1);
+    let holders = net.nodes[1].directory_entry(&k).expect("entry").holders;
+    assert!(holders.contains(&2), "node 2 registered (pending) at locate: {holders:?}");
+    assert_eq!(net.nodes[1].metrics().pending_registrations, 1);
+    net.serve_reads(false);
+    // No message delivered since the read ended.
+    assert!(
+        matches!(net.outcome(2, 2), Some(Outcome::Hit { version: v, .. }) if v == version),
+        "{:?}",
+        net.outcome(2, 2)
+    );
+    assert_eq!(net.nodes[2].metrics().early_registrations, 1);
+    // Confirmed, node 2 is a source: node 0 drops its copy, and a get on
+    // node 1 (the home) reads from node 2.
+    net.settle();
+    net.drive(0, Event::Evict { key: k });
+    net.settle();
+    net.drive(1, Event::ClientGet { op: 3, key: k });
+    net.settle();
+    assert_eq!(net.reads.len(), 1, "{:?}", net.outcome(1, 3));
+    assert_eq!(net.reads[0].2, 2, "read from the confirmed copy on node 2");
+}
+
+/// A pending holder is invalidated like any other: an overwrite that
+/// starts while its read is in flight waits for its ack, and the copy it
+/// was fetching never becomes Valid.
+#[test]
+fn an_overwrite_waits_for_a_pending_holder_and_dooms_its_read() {
+    let mut net = Net::new(3, Config::default());
+    let k = key_homed_at_1();
+    net.put(0, 1, k, 0x5eed);
+    net.settle();
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    net.settle();
+    assert_eq!(net.reads.len(), 1, "node 2 reads (registered pending)");
+    // Overwrite by node 0; nothing reaches node 2 for a while.
+    net.put(0, 3, k, 0x5eee);
+    let mut held = Vec::new();
+    for _ in 0..20 {
+        net.flush();
+        for (from, to, batch) in std::mem::take(&mut net.wire) {
+            if to == 2 {
+                held.push((from, to, batch));
+            } else {
+                net.drive(to, Event::Receive { from, batch });
+            }
+        }
+    }
+    assert!(
+        held.iter().flat_map(|h| h.2.msgs.iter()).any(|m| matches!(m, Msg::Invalidate { .. })),
+        "the pending holder is invalidated"
+    );
+    net.wire.extend(held);
+    assert_eq!(net.outcome(0, 3), None, "the overwrite completed without the pending holder's ack");
+    net.settle();
+    assert!(matches!(net.outcome(0, 3), Some(Outcome::Stored { .. })), "{:?}", net.outcome(0, 3));
+    // The read of the old version ends now: a miss, no copy.
+    net.serve_reads(false);
+    net.settle();
+    assert_eq!(net.outcome(2, 2), Some(Outcome::Miss));
+    assert!(net.nodes[2].copy_of(&k).is_none());
+}
+
+/// A view change while a locate-registered read is in flight: the
+/// registration went with the old directory (the new home rebuilt its own
+/// from announces that could not include a copy still being fetched), so
+/// an overwrite in the new epoch completes without the reader, and the
+/// reader must register its copy again — refused now — instead of serving
+/// it. Planted bug `EarlyValidAcrossEpochs` serves the overwritten version.
+#[test]
+fn after_a_view_change_a_fetched_copy_registers_again() {
+    for bug in [None, Some(kvmesh_coherence::Bug::EarlyValidAcrossEpochs)] {
+        let mut net = Net::new(3, Config { bug, ..Config::default() });
+        let k = key_homed_at_1();
+        net.put(0, 1, k, 0x5eed);
+        net.settle();
+        let Some(Outcome::Stored { version: v1 }) = net.outcome(0, 1) else { panic!("{:?}", net.outcome(0, 1)) };
+        net.drive(2, Event::ClientGet { op: 2, key: k });
+        net.settle();
+        assert_eq!(net.reads.len(), 1);
+        let view = View { epoch: 2, members: (0..3).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
+        for n in 0..3 {
+            net.drive(n, Event::View(view.clone()));
+        }
+        net.settle();
+        assert!(net.nodes[1].directory_ready());
+        for n in 0..3 {
+            let sent_at = net.last_keepalive(n).expect("keepalives");
+            net.drive(n, Event::KeepAliveAck { sent_at });
+        }
+        net.put(0, 3, k, 0x5eee);
+        net.settle();
+        assert!(matches!(net.outcome(0, 3), Some(Outcome::Stored { .. })), "{:?}", net.outcome(0, 3));
+        net.serve_reads(false);
+        net.settle();
+        let stale = matches!(net.outcome(2, 2), Some(Outcome::Hit { version, .. }) if version == v1);
+        match bug {
+            None => assert!(!stale, "node 2 served v{v1:#x} after the overwrite completed"),
+            Some(_) => assert!(stale, "the planted bug should serve the overwritten version: {:?}", net.outcome(2, 2)),
+        }
+    }
 }

@@ -399,7 +399,8 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
         Msg::PublishReq { op: 1, key: k(1), checksum: 2, copy: 3 },
         Msg::Invalidate { key: k(2), version: (1 << 32) | 1, change: 4 },
         Msg::InvalidateAck { key: k(2), version: (1 << 32) | 1, change: 4 },
-        Msg::LocateReq { op: 5, key: k(3) },
+        Msg::LocateReq { op: 5, key: k(3), copy: 0 },
+        Msg::LocateReq { op: 5, key: k(3), copy: 9 },
         Msg::GrantReq { op: 5, key: k(3), version: meta.version },
         Msg::GrantResp {
             op: 5,
