@@ -289,6 +289,7 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)], tls: bool) -> Verdi
     let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
     let mut coherence = Vec::new();
     let mut changes = 0;
+    let mut early = 0;
     for (i, c) in [&admin[0], &admin[1], &c3].into_iter().enumerate() {
         let s = c.stats().await.unwrap();
         let k = s.coherence.clone().expect("clustered daemons report coherence");
@@ -298,18 +299,24 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)], tls: bool) -> Verdi
             assert!(k.serving && k.members == 3, "node {}: {k:?}", i + 1);
         }
         changes += k.changes_completed;
+        early += k.early_registrations;
         coherence.push(format!(
-            "node {}: epoch {} changes {} validation failures {} stale-epoch drops {} locate grants {}",
+            "node {}: epoch {} changes {} validation failures {} stale-epoch drops {} locate grants {} \
+             served on locate-time registration {}",
             i + 1,
             k.epoch,
             k.changes_completed,
             k.validation_failures,
             k.stale_epoch_drops,
-            k.locate_grants
+            k.locate_grants,
+            k.early_registrations
         ));
     }
     if env.is_empty() {
         assert!(changes >= 100, "homes completed only {changes} changes");
+        // The default path: fetched copies served on their locate-time
+        // registration (the checks above cover them like any other).
+        assert!(early > 0, "no fetched copy was served on its locate-time registration");
     }
     eprintln!(
         "{transports}: reads {} hits {} misses {} errors {} wrong {} stale {} doomed-after {} writes {} refused {}\n{}",
