@@ -66,7 +66,9 @@ for planted in skip-ack-wait:S1/S3/REG ack-without-invalidate:S3/REG skip-valida
     # A late registration needs a calm seed (long epochs), a stream that
     # breaks in the millisecond between a read and its registration, and a
     # read-mostly key fetched again before the held batch lands: about one
-    # seed in 200-300 of 20,000 events. These 300 seeds hold one (64).
+    # seed in 200-300 of 20,000 events before locate-time registration
+    # (seed 206); a late duplicate locate meets it far more often since
+    # (seed 1).
     args=(--seeds 1000)
     [[ $bug == take-late-registration ]] && args=(--seeds 300 --steps 20000)
     rc=0

@@ -81,7 +81,7 @@ fn every_planted_bug_is_caught_by_the_invariant_it_breaks() {
         if bug == Some(Bug::TakeLateRegistration) {
             // About one seed in 300 of 20,000 events meets a late
             // registration that matters (`scripts/test.sh` searches 300);
-            // here a range known to hold one (64), so the test stays short.
+            // here a range known to hold one (62), so the test stays short.
             cfg.steps = 20_000;
             seeds = 60..=70;
         }

@@ -2,7 +2,7 @@
 //! byte per message. Peer streams carry these bytes; decoding never trusts
 //! a length it has not checked against what is left of the input.
 
-use crate::msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
+use crate::msg::{Batch, GrantResult, LocateResult, Msg, PublishResult, Registration};
 use crate::{BlockKey, SlotMeta, SlotRef};
 
 /// Version of the encoding (first byte of every encoded batch).
@@ -72,6 +72,11 @@ impl W {
         self.u64(m.generation);
         self.u64(m.checksum);
     }
+    fn reg(&mut self, g: &Registration) {
+        self.key(&g.key);
+        self.u64(g.version);
+        self.u64(g.copy);
+    }
 }
 
 struct R<'a>(&'a [u8]);
@@ -109,6 +114,9 @@ impl R<'_> {
     }
     fn meta(&mut self) -> Result<SlotMeta, DecodeError> {
         Ok(SlotMeta { key: self.key()?, version: self.u64()?, generation: self.u64()?, checksum: self.u64()? })
+    }
+    fn reg(&mut self) -> Result<Registration, DecodeError> {
+        Ok(Registration { key: self.key()?, version: self.u64()?, copy: self.u64()? })
     }
     /// A count of entries of at least `min_entry` bytes each.
     fn count(&mut self, min_entry: usize, max: usize) -> Result<usize, DecodeError> {
@@ -220,8 +228,10 @@ fn encode_msg(w: &mut W, m: &Msg) {
             w.key(key);
             w.u64(*copy);
         }
-        Msg::LocateResp { op, key, result } => {
-            w.u8(9);
+        // With the copy id of a locate-time registration: tags 21 and 22
+        // (the body of 9 and 11, then the copy id).
+        Msg::LocateResp { op, key, result, reg } => {
+            w.u8(if reg.is_none() { 9 } else { 21 });
             w.u64(*op);
             w.key(key);
             match result {
@@ -233,6 +243,9 @@ fn encode_msg(w: &mut W, m: &Msg) {
                 LocateResult::Miss => w.u8(1),
                 LocateResult::Busy => w.u8(2),
             }
+            if let Some(reg) = reg {
+                w.reg(reg);
+            }
         }
         Msg::GrantReq { op, key, version } => {
             w.u8(10);
@@ -240,8 +253,8 @@ fn encode_msg(w: &mut W, m: &Msg) {
             w.key(key);
             w.u64(*version);
         }
-        Msg::GrantResp { op, result } => {
-            w.u8(11);
+        Msg::GrantResp { op, result, reg } => {
+            w.u8(if reg.is_none() { 11 } else { 22 });
             w.u64(*op);
             match result {
                 GrantResult::Granted { slot, meta, lease_us, grant } => {
@@ -252,6 +265,9 @@ fn encode_msg(w: &mut W, m: &Msg) {
                     w.u64(*grant);
                 }
                 GrantResult::Refused => w.u8(1),
+            }
+            if let Some(reg) = reg {
+                w.reg(reg);
             }
         }
         Msg::GrantRelease { slot, grant } => {
@@ -314,7 +330,8 @@ fn encode_msg(w: &mut W, m: &Msg) {
 }
 
 fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
-    Ok(match r.u8()? {
+    let tag = r.u8()?;
+    Ok(match tag {
         1 => Msg::PublishReq { op: r.u64()?, key: r.key()?, checksum: r.u64()?, copy: r.u64()? },
         2 => {
             let (op, key) = (r.u64()?, r.key()?);
@@ -331,7 +348,7 @@ fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
         6 => Msg::InvalidateReq { op: r.u64()?, key: r.key()? },
         7 => Msg::InvalidateResp { op: r.u64()?, key: r.key()?, ok: r.bool()? },
         8 => Msg::LocateReq { op: r.u64()?, key: r.key()?, copy: 0 },
-        9 => {
+        9 | 21 => {
             let (op, key) = (r.u64()?, r.key()?);
             let result = match r.u8()? {
                 0 => LocateResult::Found { version: r.u64()?, holder: r.u32()? },
@@ -339,17 +356,19 @@ fn decode_msg(r: &mut R<'_>) -> Result<Msg, DecodeError> {
                 2 => LocateResult::Busy,
                 t => return Err(DecodeError::Tag(t)),
             };
-            Msg::LocateResp { op, key, result }
+            let reg = if tag == 21 { Some(r.reg()?) } else { None };
+            Msg::LocateResp { op, key, result, reg }
         }
         10 => Msg::GrantReq { op: r.u64()?, key: r.key()?, version: r.u64()? },
-        11 => {
+        11 | 22 => {
             let op = r.u64()?;
             let result = match r.u8()? {
                 0 => GrantResult::Granted { slot: r.slot()?, meta: r.meta()?, lease_us: r.u64()?, grant: r.u64()? },
                 1 => GrantResult::Refused,
                 t => return Err(DecodeError::Tag(t)),
             };
-            Msg::GrantResp { op, result }
+            let reg = if tag == 22 { Some(r.reg()?) } else { None };
+            Msg::GrantResp { op, result, reg }
         }
         12 => Msg::GrantRelease { slot: r.slot()?, grant: r.u64()? },
         13 => Msg::AddHolderReq { op: r.u64()?, key: r.key()?, version: r.u64()?, copy: r.u64()? },
@@ -411,12 +430,32 @@ mod tests {
             Msg::InvalidateResp { op: 8, key, ok: false },
             Msg::LocateReq { op: 9, key, copy: 0 },
             Msg::LocateReq { op: 9, key, copy: 17 },
-            Msg::LocateResp { op: 9, key, result: LocateResult::Found { version: 10, holder: 3 } },
-            Msg::LocateResp { op: 9, key, result: LocateResult::Miss },
-            Msg::LocateResp { op: 9, key, result: LocateResult::Busy },
+            Msg::LocateResp { op: 9, key, result: LocateResult::Found { version: 10, holder: 3 }, reg: None },
+            Msg::LocateResp {
+                op: 9,
+                key,
+                result: LocateResult::Found { version: 10, holder: 3 },
+                reg: Some(Registration { key, version: 10, copy: 17 }),
+            },
+            Msg::LocateResp { op: 9, key, result: LocateResult::Miss, reg: None },
+            Msg::LocateResp { op: 9, key, result: LocateResult::Busy, reg: None },
             Msg::GrantReq { op: 11, key, version: 12 },
-            Msg::GrantResp { op: 11, result: GrantResult::Granted { slot, meta, lease_us: 50_000, grant: 13 } },
-            Msg::GrantResp { op: 11, result: GrantResult::Refused },
+            Msg::GrantResp {
+                op: 11,
+                result: GrantResult::Granted { slot, meta, lease_us: 50_000, grant: 13 },
+                reg: None,
+            },
+            Msg::GrantResp {
+                op: 11,
+                result: GrantResult::Granted { slot, meta, lease_us: 50_000, grant: 13 },
+                reg: Some(Registration { key, version: meta.version, copy: 18 }),
+            },
+            Msg::GrantResp { op: 11, result: GrantResult::Refused, reg: None },
+            Msg::GrantResp {
+                op: 11,
+                result: GrantResult::Refused,
+                reg: Some(Registration { key, version: 5, copy: 19 }),
+            },
             Msg::GrantRelease { slot, grant: 13 },
             Msg::AddHolderReq { op: 14, key, version: 15, copy: 16 },
             Msg::AddHolderResp { op: 14, key, version: 15, copy: 16, ok: true },

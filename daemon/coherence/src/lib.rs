@@ -33,7 +33,7 @@ pub use metrics::{
     HISTOGRAM_BUCKETS, HISTOGRAM_SUB_BUCKETS, Histogram, Metrics, histogram_bucket, histogram_bucket_end,
     quantile_of_buckets,
 };
-pub use msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
+pub use msg::{Batch, GrantResult, LocateResult, Msg, PublishResult, Registration};
 pub use node::{DirView, Node, Trace};
 
 /// Identifies a node (daemon) in the cluster.

@@ -15,6 +15,20 @@ pub struct Batch {
     pub msgs: Vec<Msg>,
 }
 
+/// What a home registered (a pending holder) before answering a locate
+/// that carried a copy id: the reader's copy `copy` of `key` at `version`.
+/// Echoed in the answer so that a reader whose get ended meanwhile (or
+/// whose grant the home's driver refused) can still take it back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Registration {
+    /// Block.
+    pub key: BlockKey,
+    /// The version registered.
+    pub version: u64,
+    /// The reader's copy id.
+    pub copy: u64,
+}
+
 /// Answer of a home to a publish.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PublishResult {
@@ -85,11 +99,14 @@ pub enum Msg {
     /// reader as a pending holder of that version under this copy id.
     LocateReq { op: OpId, key: BlockKey, copy: u64 },
     /// Home -> reader.
-    LocateResp { op: OpId, key: BlockKey, result: LocateResult },
+    /// `reg`: what the home registered (pending) before answering.
+    LocateResp { op: OpId, key: BlockKey, result: LocateResult, reg: Option<Registration> },
     /// Reader -> holder: let me read your copy of `version`.
     GrantReq { op: OpId, key: BlockKey, version: u64 },
     /// Holder -> reader.
-    GrantResp { op: OpId, result: GrantResult },
+    /// `reg`: as in `LocateResp`, when a home grants its own copy in answer
+    /// to a locate; `None` otherwise.
+    GrantResp { op: OpId, result: GrantResult, reg: Option<Registration> },
     /// Reader -> holder: done reading.
     GrantRelease { slot: SlotRef, grant: u64 },
     /// Reader -> home: I now hold a validated copy (`copy`) of `version`.

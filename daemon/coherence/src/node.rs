@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use rustc_hash::FxHashMap;
 use smallvec::SmallVec;
 
-use crate::msg::{Batch, GrantResult, LocateResult, Msg, PublishResult};
+use crate::msg::{Batch, GrantResult, LocateResult, Msg, PublishResult, Registration};
 use crate::{
     Action, BlockKey, Bug, Config, ErrorKind, Event, Metrics, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef,
     Time, TransferError, View,
@@ -1084,15 +1084,14 @@ impl Node {
         let Some(o) = self.remove_op(op) else { return };
         let OpKind::Get { key, waiters, early, .. } = o.kind else { unreachable!("finish_get on a non-get") };
         // The home registered us at locate time and the get ends without
-        // that copy becoming Valid: unregister it (a lost `RemoveHolder`
+        // that copy becoming Valid: take it back (a lost `RemoveHolder`
         // leaves a registration of a copy we do not hold: we ack its
-        // invalidations, and the next registration replaces it).
+        // invalidations, and our next registration replaces it).
         if let Some(Early { copy, epoch, registered: Some(version) }) = early
             && epoch == self.view.epoch
-            && self.copies.get(&key).is_none_or(|c| c.id != copy)
             && let Some(home) = self.view.home_of(&key)
         {
-            self.send(home, Msg::RemoveHolder { key, version, copy });
+            self.take_back(home, Registration { key, version, copy });
         }
         if self.fetching.get(&key) == Some(&op) {
             self.fetching.remove(&key);
@@ -1532,9 +1531,9 @@ impl Node {
                 }
             }
             Msg::LocateReq { op, key, copy } => self.on_locate_req(from, op, key, copy),
-            Msg::LocateResp { op, key, result } => self.on_locate_resp(from, op, key, result),
+            Msg::LocateResp { op, key, result, reg } => self.on_locate_resp(from, op, key, result, reg),
             Msg::GrantReq { op, key, version } => self.on_grant_req(from, op, key, version),
-            Msg::GrantResp { op, result } => self.on_grant_resp(from, op, result),
+            Msg::GrantResp { op, result, reg } => self.on_grant_resp(from, op, result, reg),
             Msg::GrantRelease { slot, grant } => {
                 // Only the reader a grant went to releases it.
                 if let Some(h) = self.slots.get_mut(&slot)
@@ -1907,20 +1906,16 @@ impl Node {
     /// answers with a holder or with its own grant registers the reader as
     /// a pending holder of that version first (see [`Holder`]).
     fn on_locate_req(&mut self, r: NodeId, op: OpId, key: BlockKey, copy: u64) {
-        // The reader is registered already: with a confirmed copy (its own
-        // put completed while this get was on its way, or it dropped a
-        // copy and its `RemoveHolder` is still on its way), or pending for
-        // a newer copy (this is a late duplicate). Its registration must
-        // not be replaced by one it may give up (its `RemoveHolder` would
-        // then unregister a copy it holds), and without one the reader may
-        // not use the answer: busy (a miss; the get after that one finds
-        // the registration settled).
+        // The reader is registered already with a newer copy: this locate
+        // is a late duplicate (that get ended); it registers nothing and
+        // gets no holder (its answer is ignored). An older registration
+        // of the reader — pending or confirmed — is replaced: the reader
+        // held no copy of the key when it sent this locate, and if it holds
+        // one when the answer comes (its own put completed meanwhile) it
+        // relabels it (`take_back`).
         let older = copy != 0
-            && self
-                .dir
-                .get(&key)
-                .and_then(|e| e.holders.entry(r))
-                .is_some_and(|h| !h.pending || h.copy > copy && self.cfg.bug != Some(Bug::TakeLateRegistration));
+            && self.cfg.bug != Some(Bug::TakeLateRegistration)
+            && self.dir.get(&key).and_then(|e| e.holders.get(r)).is_some_and(|c| c > copy);
         // The home holds the current version itself: grant it right away
         // (the reader treats it as the answer of a grant request).
         if self.ready
@@ -1935,10 +1930,9 @@ impl Node {
             let version = e.version;
             self.metrics.locate_grants += 1;
             let result = self.grant(r, key, version);
-            if copy != 0 && matches!(result, GrantResult::Granted { .. }) {
-                self.register_pending(key, r, copy);
-            }
-            return self.send(r, Msg::GrantResp { op, result });
+            let reg = (copy != 0 && matches!(result, GrantResult::Granted { .. }))
+                .then(|| self.register_pending(key, r, copy));
+            return self.send(r, Msg::GrantResp { op, result, reg });
         }
         let result = if !self.ready || !self.is_home(&key) || older {
             LocateResult::Busy
@@ -1952,23 +1946,80 @@ impl Node {
                 },
             }
         };
-        if copy != 0 && matches!(result, LocateResult::Found { .. }) {
-            self.register_pending(key, r, copy);
-        }
-        self.send(r, Msg::LocateResp { op, key, result });
+        let reg =
+            (copy != 0 && matches!(result, LocateResult::Found { .. })).then(|| self.register_pending(key, r, copy));
+        self.send(r, Msg::LocateResp { op, key, result, reg });
     }
 
     /// Registers reader `r` as a pending holder of `key`'s current version
     /// (its entry exists and is not changing: the caller checked).
-    fn register_pending(&mut self, key: BlockKey, r: NodeId, copy: u64) {
+    fn register_pending(&mut self, key: BlockKey, r: NodeId, copy: u64) -> Registration {
         let e = self.dir.get_mut(&key).expect("checked by the caller");
         e.holders.set(r, copy, true);
         self.metrics.pending_registrations += 1;
+        Registration { key, version: e.version, copy }
     }
 
-    fn on_locate_resp(&mut self, from: NodeId, op: OpId, key: BlockKey, result: LocateResult) {
+    /// A registration of this node the home made at locate time that no
+    /// get will use (the get ended, missed, or got a refused grant): the
+    /// home is told to drop it — unless this node holds a copy of that
+    /// version with an older id, whose registration the new one replaced
+    /// (the node's own put completed while the get was on its way): that
+    /// copy takes the registration's id, and the home is told it exists.
+    fn take_back(&mut self, home: NodeId, reg: Registration) {
+        let Registration { key, version, copy } = reg;
+        match self.copies.get_mut(&key) {
+            Some(c) if c.id == copy => {}
+            Some(c) if c.version == version && c.id < copy => {
+                c.id = copy;
+                self.send(home, Msg::AddHolderReq { op: 0, key, version, copy });
+            }
+            _ => self.send(home, Msg::RemoveHolder { key, version, copy }),
+        }
+    }
+
+    /// The registration a home echoed in its answer to get `op`'s locate:
+    /// `true` when it is that get's (recorded), `false` when no get will use
+    /// it (taken back at once). A registration of a key this node does not
+    /// home there is no honest node's: refused.
+    fn take_registration(&mut self, from: NodeId, op: OpId, reg: Registration) -> bool {
+        if self.view.home_of(&reg.key) != Some(from) {
+            self.metrics.peer_refusals += 1;
+            return false;
+        }
+        let (ours, first) = match self.ops.get(&op) {
+            Some(Op { kind: OpKind::Get { key, stage, early: Some(e), .. }, .. })
+                if *key == reg.key && e.copy == reg.copy =>
+            {
+                let first = e.registered.is_none() && matches!(stage, GetStage::Locating { home, .. } if *home == from);
+                (true, first)
+            }
+            _ => (false, false),
+        };
+        if !ours {
+            self.take_back(from, reg);
+            return false;
+        }
+        // (A duplicate of the answer while the get goes on changes nothing.)
+        if first && let Some(e) = self.early_mut(op) {
+            e.registered = Some(reg.version);
+        }
+        first
+    }
+
+    fn on_locate_resp(
+        &mut self,
+        from: NodeId,
+        op: OpId,
+        key: BlockKey,
+        result: LocateResult,
+        reg: Option<Registration>,
+    ) {
         let now = self.now;
         let me = self.id;
+        if let Some(reg) = reg {
+            self.take_registration(from, op, reg);
+        }
         let Some((stage, k, _)) = self.get_stage(op) else { return };
         if k != key || !matches!(stage, GetStage::Locating { home, .. } if *home == from) {
             return; // not the answer of the home asked
@@ -1980,12 +2031,6 @@ impl Node {
         };
         if !known {
             self.metrics.peer_refusals += 1; // a holder outside the view
-        }
-        if let LocateResult::Found { version, .. } = result
-            && let Some(e) = self.early_mut(op)
-        {
-            // The home registered us (pending) before naming a holder.
-            e.registered = Some(version);
         }
         let Some((stage, _, _)) = self.get_stage(op) else { return };
         // A grant from the home itself may answer the locate (a duplicate
@@ -2008,7 +2053,7 @@ impl Node {
 
     fn on_grant_req(&mut self, r: NodeId, op: OpId, key: BlockKey, version: u64) {
         let result = self.grant(r, key, version);
-        self.send(r, Msg::GrantResp { op, result });
+        self.send(r, Msg::GrantResp { op, result, reg: None });
     }
 
     /// Grants reader `r` a read of this node's copy of `key` at `version`,
@@ -2037,18 +2082,15 @@ impl Node {
         }
     }
 
-    fn on_grant_resp(&mut self, holder: NodeId, op: OpId, result: GrantResult) {
+    fn on_grant_resp(&mut self, holder: NodeId, op: OpId, result: GrantResult, reg: Option<Registration>) {
         let now = self.now;
         let drift = self.cfg.drift_ppm;
         let margin = self.cfg.drift_margin_us;
         let lease_max = self.cfg.grant_lease_us;
-        if let GrantResult::Granted { meta, .. } = result
-            && matches!(self.get_stage(op), Some((GetStage::Locating { home, .. }, _, _)) if *home == holder)
-            && let Some(e) = self.early_mut(op)
-        {
-            // The home granted its own copy in answer to the locate, and
-            // registered us (pending) first.
-            e.registered = Some(meta.version);
+        if let Some(reg) = reg {
+            // The home answered the locate with its own grant (or with a
+            // refusal its driver made of it), registering us first.
+            self.take_registration(holder, op, reg);
         }
         let staged = match self.get_stage(op) {
             Some((stage, key, _)) => match *stage {
@@ -2122,8 +2164,9 @@ impl Node {
         let Some((dest, meta, doomed)) = registering else {
             let live = self.copies.get(&key).is_some_and(|c| c.id == copy);
             if ok && !live {
-                // The get ended meanwhile: we hold nothing, tell the home.
-                self.send(home, Msg::RemoveHolder { key, version, copy });
+                // The get ended meanwhile: we hold nothing (tell the home),
+                // or a copy of our own put the registration replaced.
+                self.take_back(home, Registration { key, version, copy });
             } else if !ok && live {
                 // A copy made Valid on its locate-time registration, which
                 // the home no longer has (an honest home keeps it until we
@@ -2136,7 +2179,10 @@ impl Node {
         let keep = ok && !doomed && !retired && self.serving() && !self.copies.contains_key(&key);
         if !keep {
             if ok {
-                self.send(home, Msg::RemoveHolder { key, version, copy });
+                // Taken back — or, when our own put completed at this
+                // version meanwhile (its registration was just replaced by
+                // this one), kept for that copy.
+                self.take_back(home, Registration { key, version, copy });
             }
             self.unreference(dest);
             return self.finish_get(op, Outcome::Miss);

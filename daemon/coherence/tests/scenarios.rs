@@ -769,10 +769,16 @@ fn a_grant_from_the_home_is_trusted_from_the_locate_not_later() {
         epoch,
         incarnation: 1,
         msgs: vec![
-            Msg::LocateResp { op: 2, key: k, result: kvmesh_coherence::LocateResult::Found { version, holder: 1 } },
+            Msg::LocateResp {
+                op: 2,
+                key: k,
+                result: kvmesh_coherence::LocateResult::Found { version, holder: 1 },
+                reg: None,
+            },
             Msg::GrantResp {
                 op: 2,
                 result: kvmesh_coherence::GrantResult::Granted { slot, meta, lease_us: cfg.grant_lease_us, grant: 9 },
+                reg: None,
             },
         ],
     };
@@ -1023,4 +1029,88 @@ fn after_a_view_change_a_fetched_copy_registers_again() {
             Some(_) => assert!(stale, "the planted bug should serve the overwritten version: {:?}", net.outcome(2, 2)),
         }
     }
+}
+
+/// Keeps every node's membership lease (acks each one's last keepalive).
+fn keep_leases(net: &mut Net) {
+    for n in 0..net.nodes.len() as NodeId {
+        net.drive(n, Event::Tick);
+        if let Some(sent_at) = net.last_keepalive(n) {
+            net.drive(n, Event::KeepAliveAck { sent_at });
+        }
+    }
+}
+
+/// A reader whose lease lapsed dropped its copies without telling the home
+/// (its registration stays, confirmed); back in service in the same epoch,
+/// its next get of the key registers again, replacing the stale entry —
+/// not refused until the key changes (found in review: the first version
+/// answered busy to every such get).
+#[test]
+fn a_stale_registration_does_not_keep_its_reader_from_the_key() {
+    let mut net = Net::new(3, Config::default());
+    let k = key_homed_at_1();
+    net.put(0, 1, k, 0x5eed);
+    net.settle();
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    assert!(matches!(net.outcome(2, 2), Some(Outcome::Hit { .. })), "{:?}", net.outcome(2, 2));
+    // Node 2's keepalives go unanswered past its lease: it drops its copy,
+    // and tells nobody (nodes 0 and 1 keep theirs).
+    for _ in 0..60 {
+        net.now += 5_000;
+        for n in 0..3 {
+            net.drive(n, Event::Tick);
+        }
+        for n in 0..2 {
+            let sent_at = net.last_keepalive(n).expect("keepalives");
+            net.drive(n, Event::KeepAliveAck { sent_at });
+        }
+    }
+    assert!(!net.nodes[2].serving() && net.nodes[2].copy_of(&k).is_none(), "node 2's lease lapsed");
+    keep_leases(&mut net);
+    assert!(net.nodes[2].serving() && net.nodes[2].copy_of(&k).is_none());
+    net.wire.clear();
+    net.drive(2, Event::ClientGet { op: 3, key: k });
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    assert!(matches!(net.outcome(2, 3), Some(Outcome::Hit { .. })), "{:?}", net.outcome(2, 3));
+}
+
+/// A get that gives up before its locate is answered: the home registered
+/// it anyway, and the late answer (which echoes the registration) makes
+/// the reader take it back, so the directory returns to the real holders
+/// and goes when they do (found in review: the registration stayed until
+/// the key changed).
+#[test]
+fn a_late_locate_answer_is_taken_back() {
+    let cfg = Config { op_timeout_us: 20_000, ..Config::default() };
+    let mut net = Net::new(3, cfg);
+    let k = key_homed_at_1();
+    net.put(0, 1, k, 0x5eed);
+    net.settle();
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    let mut held = Vec::new();
+    for _ in 0..40 {
+        net.flush();
+        keep_leases(&mut net);
+        for (from, to, batch) in std::mem::take(&mut net.wire) {
+            if to == 2 && from == 1 {
+                held.push((from, to, batch));
+            } else {
+                net.drive(to, Event::Receive { from, batch });
+            }
+        }
+    }
+    assert_eq!(net.outcome(2, 2), Some(Outcome::Miss), "the get gave up");
+    assert_eq!(net.nodes[1].directory_entry(&k).expect("entry").holders, vec![0, 2], "registered (pending)");
+    net.wire.extend(held);
+    net.settle();
+    assert_eq!(net.nodes[1].directory_entry(&k).expect("entry").holders, vec![0], "taken back");
+    net.drive(0, Event::Evict { key: k });
+    net.settle();
+    assert!(net.nodes[1].directory_entry(&k).is_none(), "the entry goes with the last holder");
 }

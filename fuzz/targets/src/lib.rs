@@ -401,10 +401,22 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
         Msg::InvalidateAck { key: k(2), version: (1 << 32) | 1, change: 4 },
         Msg::LocateReq { op: 5, key: k(3), copy: 0 },
         Msg::LocateReq { op: 5, key: k(3), copy: 9 },
+        Msg::LocateResp {
+            op: 5,
+            key: k(3),
+            result: kvmesh_coherence::LocateResult::Found { version: meta.version, holder: 2 },
+            reg: Some(kvmesh_coherence::Registration { key: k(3), version: meta.version, copy: 9 }),
+        },
         Msg::GrantReq { op: 5, key: k(3), version: meta.version },
         Msg::GrantResp {
             op: 5,
             result: kvmesh_coherence::GrantResult::Granted { slot, meta, lease_us: 50_000, grant: 8 },
+            reg: None,
+        },
+        Msg::GrantResp {
+            op: 5,
+            result: kvmesh_coherence::GrantResult::Granted { slot, meta, lease_us: 50_000, grant: 8 },
+            reg: Some(kvmesh_coherence::Registration { key: k(3), version: meta.version, copy: 9 }),
         },
         Msg::GrantRelease { slot, grant: 8 },
         Msg::AddHolderReq { op: 5, key: k(3), version: meta.version, copy: 6 },
