@@ -298,6 +298,8 @@ pub enum TransferError {
 }
 
 /// Inputs of the state machine.
+/// Client operations carry an `OpId` chosen by the driver, unique among
+/// those in flight, and never 0 (reserved for registration confirmations).
 #[derive(Clone, Debug)]
 pub enum Event {
     /// An engine asks for a block.

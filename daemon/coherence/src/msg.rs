@@ -110,6 +110,8 @@ pub enum Msg {
     /// Reader -> holder: done reading.
     GrantRelease { slot: SlotRef, grant: u64 },
     /// Reader -> home: I now hold a validated copy (`copy`) of `version`.
+    /// With `op` 0, only a confirmation of the registration the home made
+    /// at locate time (accepted only while that registration stands).
     AddHolderReq { op: OpId, key: BlockKey, version: u64, copy: u64 },
     /// Home -> reader: registered (`ok`) or refused (version moved on).
     AddHolderResp { op: OpId, key: BlockKey, version: u64, copy: u64, ok: bool },

@@ -31,6 +31,10 @@ fn forget_grant(by_reader: &mut BTreeMap<NodeId, u64>, reader: NodeId) {
     }
 }
 
+/// The op id of an `AddHolderReq` that only confirms a registration the
+/// home made at locate time (drivers number their operations from 1).
+const CONFIRM: OpId = 0;
+
 /// One copy in an announce: key, version, copy id.
 type AnnounceEntry = (BlockKey, u64, u64);
 
@@ -1190,7 +1194,7 @@ impl Node {
             self.metrics.early_registrations += 1;
             self.copies.insert(key, Copy { slot: dest, version, checksum: meta.checksum, id: copy });
             self.pin(dest);
-            self.send(home, Msg::AddHolderReq { op, key, version, copy });
+            self.send(home, Msg::AddHolderReq { op: CONFIRM, key, version, copy });
             return self.finish_get(op, Outcome::Hit { version, slot: dest });
         }
         self.next_copy += 1;
@@ -1559,11 +1563,16 @@ impl Node {
                 // The reader's copy of a locate-time registration exists
                 // (and may already be served): confirmed, it can be named
                 // as a source. A change under way keeps waiting for its ack.
-                let pending = self.dir.get(&key).is_some_and(|e| {
-                    e.version == version && e.holders.entry(from).is_some_and(|h| h.pending && h.copy == copy)
-                });
-                let ok = pending
-                    || !older
+                let registered = self
+                    .dir
+                    .get(&key)
+                    .is_some_and(|e| e.version == version && e.holders.entry(from).is_some_and(|h| h.copy == copy));
+                // A confirmation (op `CONFIRM`) only confirms: a registration
+                // taken back meanwhile (its `RemoveHolder` overtook it) is
+                // not made again for a copy the reader may have dropped.
+                let ok = registered
+                    || op != CONFIRM
+                        && !older
                         && self.ready
                         && self.is_home(&key)
                         && self.dir.get(&key).is_some_and(|e| e.version == version && e.change.is_none());
@@ -1972,7 +1981,7 @@ impl Node {
             Some(c) if c.id == copy => {}
             Some(c) if c.version == version && c.id < copy => {
                 c.id = copy;
-                self.send(home, Msg::AddHolderReq { op: 0, key, version, copy });
+                self.send(home, Msg::AddHolderReq { op: CONFIRM, key, version, copy });
             }
             _ => self.send(home, Msg::RemoveHolder { key, version, copy }),
         }
@@ -1989,7 +1998,7 @@ impl Node {
         }
         let (ours, first) = match self.ops.get(&op) {
             Some(Op { kind: OpKind::Get { key, stage, early: Some(e), .. }, .. })
-                if *key == reg.key && e.copy == reg.copy =>
+                if *key == reg.key && e.copy == reg.copy && e.registered.is_none_or(|v| v == reg.version) =>
             {
                 let first = e.registered.is_none() && matches!(stage, GetStage::Locating { home, .. } if *home == from);
                 (true, first)
@@ -2000,7 +2009,9 @@ impl Node {
             self.take_back(from, reg);
             return false;
         }
-        // (A duplicate of the answer while the get goes on changes nothing.)
+        // (A duplicate of the answer while the get goes on changes nothing;
+        // one of another version — a duplicate locate answered after the
+        // key changed — is not the get's: taken back.)
         if first && let Some(e) = self.early_mut(op) {
             e.registered = Some(reg.version);
         }

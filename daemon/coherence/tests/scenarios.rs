@@ -1114,3 +1114,32 @@ fn a_late_locate_answer_is_taken_back() {
     net.settle();
     assert!(net.nodes[1].directory_entry(&k).is_none(), "the entry goes with the last holder");
 }
+
+/// A confirmation only confirms: one overtaken by the reader's
+/// `RemoveHolder` (it evicted the copy meanwhile) does not register the
+/// dropped copy again as a source (found in review).
+#[test]
+fn a_confirmation_overtaken_by_its_remove_registers_nothing() {
+    let mut net = Net::new(3, Config::default());
+    let k = key_homed_at_1();
+    net.put(0, 1, k, 0x5eed);
+    net.settle();
+    net.drive(2, Event::ClientGet { op: 2, key: k });
+    net.settle();
+    net.serve_reads(false);
+    assert!(matches!(net.outcome(2, 2), Some(Outcome::Hit { .. })), "{:?}", net.outcome(2, 2));
+    net.flush();
+    let confirm: Vec<_> = net.wire.drain(..).filter(|(from, to, _)| (*from, *to) == (2, 1)).collect();
+    assert!(
+        confirm.iter().flat_map(|c| c.2.msgs.iter()).any(|m| matches!(m, Msg::AddHolderReq { .. })),
+        "the confirmation is on its way"
+    );
+    net.drive(2, Event::Unpin { slot: net.nodes[2].copy_of(&k).expect("copy").1 });
+    net.drive(2, Event::Evict { key: k });
+    net.flush();
+    let remove: Vec<_> = net.wire.drain(..).filter(|(from, to, _)| (*from, *to) == (2, 1)).collect();
+    for (from, to, batch) in remove.into_iter().chain(confirm) {
+        net.drive(to, Event::Receive { from, batch });
+    }
+    assert_eq!(net.nodes[1].directory_entry(&k).expect("entry").holders, vec![0], "node 2 gave its copy up");
+}
