@@ -535,6 +535,17 @@ impl Cluster {
             Action::Send { to, mut batch } => {
                 tracing::trace!(to, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "send batch");
                 self.note_grants(g, to, &mut batch);
+                if !self.peers.takes_locate_registration(to) {
+                    // A daemon from before locate-time registration (or one
+                    // not handshaken yet) cannot decode it: a plain locate;
+                    // its answer then registers nothing, and the get
+                    // registers after its read.
+                    for m in batch.msgs.iter_mut() {
+                        if let Msg::LocateReq { copy, .. } = m {
+                            *copy = 0;
+                        }
+                    }
+                }
                 let frame = pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) };
                 if let Some(h) = &self.held {
                     let mut h = h.lock();

@@ -324,9 +324,9 @@ pub struct CoherenceConfig {
     /// A remote get asks the key's home to register this daemon (pending)
     /// when it answers the locate, so the fetched copy is served as soon
     /// as it validates: one round trip less per remote get. Homes serve
-    /// readers of both kinds; a daemon from before this setting cannot
-    /// decode such a locate, so turn it off while a cluster still runs
-    /// older daemons.
+    /// readers of both kinds; a peer from before this setting (its
+    /// handshake says so) is sent plain locates, so a rolling upgrade
+    /// needs no change here.
     pub register_at_locate: bool,
     /// Also send what a burst of input produced (received batches, the
     /// keys of one engine call) as soon as the input runs dry, instead of

@@ -32,6 +32,7 @@ struct Connected {
     client: PeerClient<Channel>,
     incarnation: u64,
     pools: Vec<pb::PoolDesc>,
+    takes_locate_registration: bool,
 }
 
 struct PeerState {
@@ -42,6 +43,9 @@ struct PeerState {
     /// When a send order last made us shake hands again (at most once a
     /// second: an order's incarnation is the sender's claim).
     renewed_at: Mutex<Option<Instant>>,
+    /// Its handshake said it takes locate-time registrations (false until
+    /// a handshake says so, and after the connection is dropped).
+    takes_locate_registration: std::sync::atomic::AtomicBool,
 }
 
 /// Test-only fault injection, from the environment (`KVMESH_TEST_HOOK`).
@@ -54,6 +58,10 @@ pub enum TestHook {
     /// UCX (through staging slots, sent on send orders): the staged data
     /// path, tested without a GPU.
     StageHostPools,
+    /// Answer handshakes as a daemon from before locate-time registration
+    /// would (`takes_locate_registration` false): peers send it plain
+    /// locates.
+    PredateLocateRegistration,
 }
 
 /// The peer side of a daemon.
@@ -95,6 +103,9 @@ impl Peers {
             Some(TestHook::StageHostPools) => {
                 tracing::warn!("TEST HOOK ACTIVE: host pools move through staging slots, as GPU pools do")
             }
+            Some(TestHook::PredateLocateRegistration) => {
+                tracing::warn!("TEST HOOK ACTIVE: handshakes say this daemon takes no locate-time registration")
+            }
             None => {}
         }
         let peers = entries
@@ -105,6 +116,7 @@ impl Peers {
                     conn: tokio::sync::Mutex::new(None),
                     retry_at: Mutex::new(Instant::now()),
                     renewed_at: Mutex::new(None),
+                    takes_locate_registration: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .collect();
@@ -215,6 +227,7 @@ impl Peers {
         }
         match self.handshake(&p.entry).await {
             Ok(c) => {
+                p.takes_locate_registration.store(c.takes_locate_registration, Ordering::Relaxed);
                 *p.conn.lock().await = Some(c);
                 true
             }
@@ -267,12 +280,27 @@ impl Peers {
             "peer connected; UCX endpoint:\n{}",
             desc.lines().filter(|l| l.contains("lane") || l.contains("get") || l.contains("rma")).collect::<Vec<_>>().join("\n")
         );
-        Ok(Connected { client, incarnation: resp.incarnation, pools: resp.pools })
+        Ok(Connected {
+            client,
+            incarnation: resp.incarnation,
+            pools: resp.pools,
+            takes_locate_registration: resp.takes_locate_registration,
+        })
     }
 
     async fn drop_conn(&self, p: &PeerState) {
         *p.conn.lock().await = None;
+        p.takes_locate_registration.store(false, Ordering::Relaxed);
         *p.retry_at.lock() = Instant::now();
+    }
+
+    /// Whether peer `id`'s handshake said it takes locate-time
+    /// registrations (locates to it are sent plain otherwise).
+    pub fn takes_locate_registration(&self, id: u32) -> bool {
+        self.peers
+            .iter()
+            .find(|p| p.entry.id == id)
+            .is_some_and(|p| p.takes_locate_registration.load(Ordering::Relaxed))
     }
 
     /// The handshake state of peer `id`: its incarnation, pools and a
@@ -315,6 +343,7 @@ impl Peers {
             let mut g = p.conn.lock().await;
             if g.as_ref().is_some_and(|c| c.incarnation == inc) {
                 *g = None;
+                p.takes_locate_registration.store(false, Ordering::Relaxed);
                 *p.retry_at.lock() = Instant::now();
             }
         }
@@ -633,6 +662,7 @@ pub fn test_hook() -> Option<TestHook> {
     *HOOK.get_or_init(|| match std::env::var("KVMESH_TEST_HOOK").as_deref() {
         Ok("corrupt-granted-slots") => Some(TestHook::CorruptGrantedSlots),
         Ok("stage-host-pools") => Some(TestHook::StageHostPools),
+        Ok("predate-locate-registration") => Some(TestHook::PredateLocateRegistration),
         _ => None,
     })
 }
@@ -688,6 +718,7 @@ impl pb::peer_server::Peer for PeerService {
             pools,
             transports: p.cfg.transports.clone(),
             accepts_control: p.tls.is_none(),
+            takes_locate_registration: test_hook() != Some(TestHook::PredateLocateRegistration),
         }))
     }
 

@@ -689,3 +689,40 @@ async fn a_hostile_peer_cannot_crash_or_mislead_the_cluster() {
     assert!(ka.epoch < 1 << 20, "the epoch did not jump: {}", ka.epoch);
     assert!(ka.serving && kb.serving);
 }
+
+/// A peer from before locate-time registration (its handshake says so:
+/// `KVMESH_TEST_HOOK=predate-locate-registration`) is sent plain locates:
+/// it registers nobody at locate time (it could not decode such a locate),
+/// and gets of keys it homes register after their read; keys homed at the
+/// reader itself still go the short way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_from_before_locate_time_registration_gets_plain_locates() {
+    let ports = [free_port(), free_port()];
+    let a = Daemon::start("oldreg-a", &peer_config(1, &ports, "sm", &pools()));
+    let b = Daemon::start_with(
+        "oldreg-b",
+        &peer_config(2, &ports, "sm", &pools()),
+        &[("KVMESH_TEST_HOOK", "predate-locate-registration")],
+    );
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let (sa, _) = namespaces(&ca).await;
+    let (sb, _) = namespaces(&cb).await;
+    let mut rng = rand::rngs::SmallRng::seed_from_u64(13);
+    let keys: Vec<Key> = (0..64).map(|_| Key(rng.random())).collect();
+    put_all(&cb, &sb, &keys).await;
+    let pinned = ca.pin(&sa, &keys).await.unwrap();
+    for (blk, k) in pinned.iter().zip(keys.iter()) {
+        let blk = blk.as_ref().unwrap_or_else(|| panic!("{k} not fetched"));
+        assert_eq!(&blk[..], &block_bytes(*k, 16384)[..], "bytes of {k}");
+    }
+    drop(pinned);
+    let ka = ca.stats().await.unwrap().coherence.unwrap();
+    let kb = cb.stats().await.unwrap().coherence.unwrap();
+    assert_eq!(kb.decode_errors, 0, "{kb:?}");
+    assert_eq!(kb.pending_registrations, 0, "B was sent plain locates: {kb:?}");
+    // A's own directory registered A at locate time for the keys A homes.
+    assert_eq!(ka.early_registrations, ka.pending_registrations, "{ka:?}");
+    assert!(ka.early_registrations > 0 && ka.early_registrations < 64, "keys homed on both sides: {ka:?}");
+}

@@ -189,7 +189,8 @@ pub struct Config {
     /// (one round trip less per remote get). Off: the copy becomes Valid
     /// only when the home answers its `AddHolderReq` (homes of either kind
     /// serve both kinds of readers; a home from before the setting cannot
-    /// decode such a locate).
+    /// decode such a locate: the daemon sends those a plain one, and the
+    /// get registers after its read).
     pub register_at_locate: bool,
     /// Planted bugs, for checking that the simulator catches them.
     pub bug: Option<Bug>,

@@ -483,6 +483,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                     }],
                     transports: "sm".into(),
                     accepts_control: true,
+                    takes_locate_registration: true,
                 }
                 .encode_to_vec(),
             ),
