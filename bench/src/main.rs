@@ -55,10 +55,11 @@ static REGISTER_AT_LOCATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new(
 /// `extra` (the tail of a daemon config) with `coherence.register_at_locate`
 /// as `--register-at-locate` asks.
 pub(crate) fn with_register_at_locate(extra: &str) -> String {
+    const TABLE: &str = "[coherence]\n";
     let line = format!("register_at_locate = {}\n", REGISTER_AT_LOCATE.get().copied().unwrap_or(true));
-    match extra.find("[coherence]\n") {
-        Some(i) => format!("{}{line}{}", &extra[..i + 12], &extra[i + 12..]),
-        None => format!("{extra}\n[coherence]\n{line}"),
+    match extra.find(TABLE).map(|i| i + TABLE.len()) {
+        Some(at) => format!("{}{line}{}", &extra[..at], &extra[at..]),
+        None => format!("{extra}\n{TABLE}{line}"),
     }
 }
 

@@ -38,6 +38,15 @@ async fn put_all(c: &Client, ns: &Namespace, keys: &[Key]) {
     }
 }
 
+/// Pins `keys` (fetched from the other daemon) and checks every byte.
+async fn pin_verified(c: &Client, ns: &Namespace, keys: &[Key]) {
+    let pinned = c.pin(ns, keys).await.unwrap();
+    for (blk, k) in pinned.iter().zip(keys) {
+        let blk = blk.as_ref().unwrap_or_else(|| panic!("{k} not fetched"));
+        assert_eq!(&blk[..], &block_bytes(*k, ns.block_bytes as usize)[..], "bytes of {k}");
+    }
+}
+
 async fn remote_round_trip(transports: &str) {
     let (a, b) = pair(&format!("rt-{transports}"), transports, &[]);
     a.wait_peers(1).await;
@@ -184,11 +193,7 @@ async fn readers_with_and_without_locate_time_registration_share_a_cluster() {
     put_all(&ca, &sa, &on_a).await;
     put_all(&cb, &sb, &on_b).await;
     for (c, ns, keys) in [(&cb, &sb, &on_a), (&ca, &sa, &on_b)] {
-        let pinned = c.pin(ns, keys).await.unwrap();
-        for (blk, k) in pinned.iter().zip(keys.iter()) {
-            let blk = blk.as_ref().unwrap_or_else(|| panic!("{k} not fetched"));
-            assert_eq!(&blk[..], &block_bytes(*k, 16384)[..], "bytes of {k}");
-        }
+        pin_verified(c, ns, keys).await;
     }
     let (sa_stats, sb_stats) = (ca.stats().await.unwrap(), cb.stats().await.unwrap());
     assert_eq!((sa_stats.remote_fetched, sb_stats.remote_fetched), (64, 64));
@@ -697,13 +702,8 @@ async fn a_hostile_peer_cannot_crash_or_mislead_the_cluster() {
 /// reader itself still go the short way.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peer_from_before_locate_time_registration_gets_plain_locates() {
-    let ports = [free_port(), free_port()];
-    let a = Daemon::start("oldreg-a", &peer_config(1, &ports, "sm", &pools()));
-    let b = Daemon::start_with(
-        "oldreg-b",
-        &peer_config(2, &ports, "sm", &pools()),
-        &[("KVMESH_TEST_HOOK", "predate-locate-registration")],
-    );
+    // A pretends to predate it; B fetches what A put.
+    let (a, b) = pair("oldreg", "sm", &[("KVMESH_TEST_HOOK", "predate-locate-registration")]);
     a.wait_peers(1).await;
     b.wait_peers(1).await;
     let (ca, cb) = (a.client().await, b.client().await);
@@ -711,18 +711,13 @@ async fn a_peer_from_before_locate_time_registration_gets_plain_locates() {
     let (sb, _) = namespaces(&cb).await;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(13);
     let keys: Vec<Key> = (0..64).map(|_| Key(rng.random())).collect();
-    put_all(&cb, &sb, &keys).await;
-    let pinned = ca.pin(&sa, &keys).await.unwrap();
-    for (blk, k) in pinned.iter().zip(keys.iter()) {
-        let blk = blk.as_ref().unwrap_or_else(|| panic!("{k} not fetched"));
-        assert_eq!(&blk[..], &block_bytes(*k, 16384)[..], "bytes of {k}");
-    }
-    drop(pinned);
+    put_all(&ca, &sa, &keys).await;
+    pin_verified(&cb, &sb, &keys).await;
     let ka = ca.stats().await.unwrap().coherence.unwrap();
     let kb = cb.stats().await.unwrap().coherence.unwrap();
-    assert_eq!(kb.decode_errors, 0, "{kb:?}");
-    assert_eq!(kb.pending_registrations, 0, "B was sent plain locates: {kb:?}");
-    // A's own directory registered A at locate time for the keys A homes.
-    assert_eq!(ka.early_registrations, ka.pending_registrations, "{ka:?}");
-    assert!(ka.early_registrations > 0 && ka.early_registrations < 64, "keys homed on both sides: {ka:?}");
+    assert_eq!(ka.decode_errors, 0, "{ka:?}");
+    assert_eq!(ka.pending_registrations, 0, "A was sent plain locates: {ka:?}");
+    // B's own directory registered B at locate time for the keys B homes.
+    assert_eq!(kb.early_registrations, kb.pending_registrations, "{kb:?}");
+    assert!(kb.early_registrations > 0 && kb.early_registrations < 64, "keys homed on both sides: {kb:?}");
 }

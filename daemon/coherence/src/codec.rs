@@ -228,8 +228,8 @@ fn encode_msg(w: &mut W, m: &Msg) {
             w.key(key);
             w.u64(*copy);
         }
-        // With the copy id of a locate-time registration: tags 21 and 22
-        // (the body of 9 and 11, then the copy id).
+        // With the locate-time registration the home made: tags 21 and 22
+        // (the body of 9 and 11, then key, version and copy id).
         Msg::LocateResp { op, key, result, reg } => {
             w.u8(if reg.is_none() { 9 } else { 21 });
             w.u64(*op);

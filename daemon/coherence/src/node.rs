@@ -1187,7 +1187,7 @@ impl Node {
             let retired = self.retired.get(&key).is_some_and(|&r| version <= r);
             if retired || !self.serving() || self.copies.contains_key(&key) {
                 // As a refused registration: the copy never becomes Valid
-                // (`finish_get` unregisters it).
+                // (`finish_get` takes the registration back).
                 self.unreference(dest);
                 return self.finish_get(op, Outcome::Miss);
             }
@@ -1197,13 +1197,10 @@ impl Node {
             self.send(home, Msg::AddHolderReq { op: CONFIRM, key, version, copy });
             return self.finish_get(op, Outcome::Hit { version, slot: dest });
         }
+        // (A registration in an earlier epoch's directory went with it:
+        // register as before; `finish_get` takes back only this epoch's.)
         self.next_copy += 1;
         let copy = self.next_copy;
-        if let Some(e) = self.early_mut(op) {
-            // A registration in an earlier epoch's directory is gone with
-            // it: register as before.
-            e.registered = None;
-        }
         if let Some((stage, _, _)) = self.get_stage(op) {
             *stage = GetStage::Registering { version, dest, meta, copy };
         }
@@ -1988,13 +1985,13 @@ impl Node {
     }
 
     /// The registration a home echoed in its answer to get `op`'s locate:
-    /// `true` when it is that get's (recorded), `false` when no get will use
-    /// it (taken back at once). A registration of a key this node does not
-    /// home there is no honest node's: refused.
-    fn take_registration(&mut self, from: NodeId, op: OpId, reg: Registration) -> bool {
+    /// recorded when it is that get's, taken back at once when no get will
+    /// use it. A registration of a key this node does not home there is no
+    /// honest node's: refused.
+    fn take_registration(&mut self, from: NodeId, op: OpId, reg: Registration) {
         if self.view.home_of(&reg.key) != Some(from) {
             self.metrics.peer_refusals += 1;
-            return false;
+            return;
         }
         let (ours, first) = match self.ops.get(&op) {
             Some(Op { kind: OpKind::Get { key, stage, early: Some(e), .. }, .. })
@@ -2006,8 +2003,7 @@ impl Node {
             _ => (false, false),
         };
         if !ours {
-            self.take_back(from, reg);
-            return false;
+            return self.take_back(from, reg);
         }
         // (A duplicate of the answer while the get goes on changes nothing;
         // one of another version — a duplicate locate answered after the
@@ -2015,7 +2011,6 @@ impl Node {
         if first && let Some(e) = self.early_mut(op) {
             e.registered = Some(reg.version);
         }
-        first
     }
 
     fn on_locate_resp(

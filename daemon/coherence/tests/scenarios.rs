@@ -915,20 +915,27 @@ fn key_homed_at_1() -> BlockKey {
     (1..10_000u128).map(key).find(|k| view.home_of(k) == Some(1)).expect("a key homed at node 1")
 }
 
-/// With locate-time registration the home registers the reader (pending)
-/// when it names the holder, so the fetched copy is Valid the moment it
-/// validates — no round trip to the home after the read — and the home
-/// names it as a source only once the reader confirmed it.
-#[test]
-fn a_fetched_copy_is_valid_when_it_validates_and_a_source_once_confirmed() {
-    let mut net = Net::new(3, Config::default());
+/// Three nodes: node 0 put a key homed at node 1 (its version returned),
+/// and node 2's get of it (op 2) is reading from node 0 now.
+fn reading_on_2(cfg: Config) -> (Net, BlockKey, u64) {
+    let mut net = Net::new(3, cfg);
     let k = key_homed_at_1();
     net.put(0, 1, k, 0x5eed);
     net.settle();
     let Some(Outcome::Stored { version }) = net.outcome(0, 1) else { panic!("{:?}", net.outcome(0, 1)) };
     net.drive(2, Event::ClientGet { op: 2, key: k });
     net.settle();
-    assert_eq!(net.reads.len(), 1);
+    assert_eq!(net.reads.len(), 1, "node 2 reads from node 0");
+    (net, k, version)
+}
+
+/// With locate-time registration the home registers the reader (pending)
+/// when it names the holder, so the fetched copy is Valid the moment it
+/// validates — no round trip to the home after the read — and the home
+/// names it as a source only once the reader confirmed it.
+#[test]
+fn a_fetched_copy_is_valid_when_it_validates_and_a_source_once_confirmed() {
+    let (mut net, k, version) = reading_on_2(Config::default());
     let holders = net.nodes[1].directory_entry(&k).expect("entry").holders;
     assert!(holders.contains(&2), "node 2 registered (pending) at locate: {holders:?}");
     assert_eq!(net.nodes[1].metrics().pending_registrations, 1);
@@ -956,13 +963,7 @@ fn a_fetched_copy_is_valid_when_it_validates_and_a_source_once_confirmed() {
 /// was fetching never becomes Valid.
 #[test]
 fn an_overwrite_waits_for_a_pending_holder_and_dooms_its_read() {
-    let mut net = Net::new(3, Config::default());
-    let k = key_homed_at_1();
-    net.put(0, 1, k, 0x5eed);
-    net.settle();
-    net.drive(2, Event::ClientGet { op: 2, key: k });
-    net.settle();
-    assert_eq!(net.reads.len(), 1, "node 2 reads (registered pending)");
+    let (mut net, k, _) = reading_on_2(Config::default());
     // Overwrite by node 0; nothing reaches node 2 for a while.
     net.put(0, 3, k, 0x5eee);
     let mut held = Vec::new();
@@ -1000,14 +1001,7 @@ fn an_overwrite_waits_for_a_pending_holder_and_dooms_its_read() {
 #[test]
 fn after_a_view_change_a_fetched_copy_registers_again() {
     for bug in [None, Some(kvmesh_coherence::Bug::EarlyValidAcrossEpochs)] {
-        let mut net = Net::new(3, Config { bug, ..Config::default() });
-        let k = key_homed_at_1();
-        net.put(0, 1, k, 0x5eed);
-        net.settle();
-        let Some(Outcome::Stored { version: v1 }) = net.outcome(0, 1) else { panic!("{:?}", net.outcome(0, 1)) };
-        net.drive(2, Event::ClientGet { op: 2, key: k });
-        net.settle();
-        assert_eq!(net.reads.len(), 1);
+        let (mut net, k, v1) = reading_on_2(Config { bug, ..Config::default() });
         let view = View { epoch: 2, members: (0..3).map(|id| Member { id, incarnation: 1, capacity: 1 }).collect() };
         for n in 0..3 {
             net.drive(n, Event::View(view.clone()));
@@ -1048,12 +1042,7 @@ fn keep_leases(net: &mut Net) {
 /// answered busy to every such get).
 #[test]
 fn a_stale_registration_does_not_keep_its_reader_from_the_key() {
-    let mut net = Net::new(3, Config::default());
-    let k = key_homed_at_1();
-    net.put(0, 1, k, 0x5eed);
-    net.settle();
-    net.drive(2, Event::ClientGet { op: 2, key: k });
-    net.settle();
+    let (mut net, k, _) = reading_on_2(Config::default());
     net.serve_reads(false);
     net.settle();
     assert!(matches!(net.outcome(2, 2), Some(Outcome::Hit { .. })), "{:?}", net.outcome(2, 2));
@@ -1120,12 +1109,7 @@ fn a_late_locate_answer_is_taken_back() {
 /// dropped copy again as a source (found in review).
 #[test]
 fn a_confirmation_overtaken_by_its_remove_registers_nothing() {
-    let mut net = Net::new(3, Config::default());
-    let k = key_homed_at_1();
-    net.put(0, 1, k, 0x5eed);
-    net.settle();
-    net.drive(2, Event::ClientGet { op: 2, key: k });
-    net.settle();
+    let (mut net, k, _) = reading_on_2(Config::default());
     net.serve_reads(false);
     assert!(matches!(net.outcome(2, 2), Some(Outcome::Hit { .. })), "{:?}", net.outcome(2, 2));
     net.flush();
