@@ -500,8 +500,9 @@ impl Cluster {
             by_holder.entry(r.from).or_default().push(r);
         }
         for (from, reads) in by_holder {
+            let posted = self.post_reads_now(g, from, &reads);
             let me = Arc::clone(self);
-            tokio::spawn(async move { me.read_batch_task(from, reads).await });
+            tokio::spawn(async move { me.read_batch_task(from, reads, posted).await });
         }
     }
 
@@ -828,16 +829,21 @@ impl Cluster {
         Some(to_core(r))
     }
 
-    /// Reads a batch of slots from one holder; each read is reported to
-    /// the core as it ends.
-    async fn read_batch_task(self: Arc<Self>, from: NodeId, reads: Vec<Read>) {
+    /// Reads a batch of slots from one holder (`posted`: already handed
+    /// to the data plane); each read is reported to the core as it ends.
+    async fn read_batch_task(self: Arc<Self>, from: NodeId, reads: Vec<Read>, posted: Option<Wave>) {
         let t0 = Instant::now();
         let n = reads.len();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mover = {
             let me = Arc::clone(&self);
             let reads = reads.clone();
-            async move { me.read_slots(from, &reads, tx).await }
+            async move {
+                match posted {
+                    Some(wave) => me.finish_wave(from, &reads, 0, wave, &tx).await,
+                    None => me.read_slots(from, &reads, tx).await,
+                }
+            }
         };
         let consume = async {
             let mut done = 0usize;
@@ -934,14 +940,9 @@ impl Cluster {
         from: NodeId,
         reads: &[Read],
         base: usize,
-        mut slots: Vec<crate::staging::StagingSlot>,
+        slots: Vec<crate::staging::StagingSlot>,
         tx: &tokio::sync::mpsc::UnboundedSender<(usize, Result<SlotImage, TransferError>)>,
     ) -> Vec<bool> {
-        let mut reported = vec![false; reads.len()];
-        let report = |i: usize, r: Result<SlotImage, TransferError>, reported: &mut Vec<bool>| {
-            reported[i] = true;
-            let _ = tx.send((base + i, r));
-        };
         // The holder is a live member that just granted us these reads: if
         // the background handshake has not reached it yet, or reached an
         // earlier incarnation (its pool is gone), shake hands now.
@@ -957,12 +958,46 @@ impl Cluster {
             }
         }
         let conn = self.peers.conn_info(from).await.filter(|(inc, _, _)| Some(*inc) == member_inc);
-        let Some((inc, pools, _)) = conn else {
-            for i in 0..reads.len() {
-                report(i, Err(TransferError::PeerGone), &mut reported);
-            }
-            return reported;
+        let wave = match conn {
+            Some((inc, pools, _)) => self.post_wave(from, inc, &pools, reads, slots),
+            None => Wave { refused: (0..reads.len()).map(|i| (i, TransferError::PeerGone)).collect(), posted: None },
         };
+        self.finish_wave(from, reads, base, wave, tx).await
+    }
+
+    /// Posts the reads of a batch whose holder is connected (handshake
+    /// state free at this instant) and whose slots land straight in our
+    /// pools, from where the core asked for them: no task hop before the
+    /// data plane starts moving (on the data-plane thread, where locate
+    /// answers arrive, the reads start on its next turn). `None`: the read
+    /// task does it (handshake first, or staging slots to wait for).
+    fn post_reads_now(&self, g: &Inner, from: NodeId, reads: &[Read]) -> Option<Wave> {
+        let member_inc = g.node.view().member(from).map(|m| m.incarnation)?;
+        let (inc, pools) = self.peers.try_conn_info(from).filter(|(inc, _)| *inc == member_inc)?;
+        {
+            let st = self.store.lock();
+            let staged = reads
+                .iter()
+                .any(|r| st.pools().get(to_store(r.dest).pool as usize).is_none_or(|p| is_staged(&p.memory)));
+            if staged {
+                return None;
+            }
+        }
+        Some(self.post_wave(from, inc, &pools, reads, Vec::new()))
+    }
+
+    /// Checks the reads of a wave against the holder's pools (`inc`,
+    /// `pools`: its handshake) and hands those that can be made to the
+    /// data plane; the rest are refused.
+    fn post_wave(
+        &self,
+        from: NodeId,
+        inc: u64,
+        pools: &[pb::PoolDesc],
+        reads: &[Read],
+        mut slots: Vec<crate::staging::StagingSlot>,
+    ) -> Wave {
+        let mut refused = Vec::new();
         // Whole slots are copied: the holder's pool must have our layout.
         let mut items = Vec::with_capacity(reads.len());
         let mut index = Vec::with_capacity(reads.len());
@@ -984,26 +1019,26 @@ impl Cluster {
             let d = to_store(r.dest);
             let rs = to_store(r.remote);
             let Some((stride, cap, memory)) = local else {
-                report(i, Err(TransferError::NoSpace), &mut reported);
+                refused.push((i, TransferError::NoSpace));
                 continue;
             };
             let Some(rp) = pools.iter().find(|p| p.index == rs.pool) else {
                 // A grant naming a pool the holder never advertised.
                 self.peers.refusals.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(peer = from, pool = rs.pool, "peer granted a slot of a pool it has not advertised");
-                report(i, Err(TransferError::PeerGone), &mut reported);
+                refused.push((i, TransferError::PeerGone));
                 continue;
             };
             if rp.slot_stride_bytes != stride || rp.slot_payload_bytes != cap {
                 tracing::warn!(peer = from, pool = rs.pool, "peer pool layout differs from ours; cannot read its slot");
-                report(i, Err(TransferError::PeerGone), &mut reported);
+                refused.push((i, TransferError::PeerGone));
                 continue;
             }
             if u64::from(rs.slot) >= rp.bytes / stride {
                 // Past the end of the pool the holder advertised.
                 self.peers.refusals.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(peer = from, pool = rs.pool, slot = rs.slot, "peer granted a slot outside its pool");
-                report(i, Err(TransferError::PeerGone), &mut reported);
+                refused.push((i, TransferError::PeerGone));
                 continue;
             }
             // Where the bytes land: our pool, or — for a pool UCX cannot
@@ -1018,7 +1053,7 @@ impl Cluster {
                     }
                     None => {
                         tracing::debug!(peer = from, "no staging slot: read refused (a miss)");
-                        report(i, Err(TransferError::NoSpace), &mut reported);
+                        refused.push((i, TransferError::NoSpace));
                         continue;
                     }
                 },
@@ -1038,7 +1073,7 @@ impl Cluster {
             geometry.push((stride, cap, Some(dest)));
         }
         if items.is_empty() {
-            return reported;
+            return Wave { refused, posted: None };
         }
         let limit = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
         let earliest = index.iter().map(|&i| reads[i].deadline).min().expect("non-empty");
@@ -1067,7 +1102,32 @@ impl Cluster {
         } else {
             Vec::new()
         };
-        let (_, mut rx) = dp.transfer_ordered(mode, from, inc, items, orders, until);
+        let (_, rx) = dp.transfer_ordered(mode, from, inc, items, orders, until);
+        Wave { refused, posted: Some(Posted { rx, index, geometry, mode, t_post }) }
+    }
+
+    /// Reports what a wave refused at once, then each posted read as it
+    /// ends (what arrived, checked where it landed; the core validates it
+    /// against the grant). Returns which reads were reported.
+    async fn finish_wave(
+        &self,
+        from: NodeId,
+        reads: &[Read],
+        base: usize,
+        wave: Wave,
+        tx: &tokio::sync::mpsc::UnboundedSender<(usize, Result<SlotImage, TransferError>)>,
+    ) -> Vec<bool> {
+        let mut reported = vec![false; reads.len()];
+        let report = |i: usize, r: Result<SlotImage, TransferError>, reported: &mut Vec<bool>| {
+            reported[i] = true;
+            let _ = tx.send((base + i, r));
+        };
+        for (i, e) in wave.refused {
+            report(i, Err(e), &mut reported);
+        }
+        let Some(Posted { mut rx, index, mut geometry, mode, t_post }) = wave.posted else {
+            return reported;
+        };
         let mut failed = false;
         let mut pending = index.len();
         let mut moved = 0u64;
@@ -2111,6 +2171,28 @@ fn from_pb_view(v: &pb::View) -> View {
 /// bytes, so 1,024 stay well under the data plane's message limit.
 const SEND_ORDER_ITEMS: usize = 1024;
 const _: () = assert!(SEND_ORDER_ITEMS * 38 + 64 <= crate::dataplane::SEND_ORDER_BYTES_MAX);
+
+/// A wave of reads handed to the data plane (or not): what
+/// [`Cluster::finish_wave`] needs to report them.
+struct Wave {
+    /// Reads refused before posting (by index in the wave), with why.
+    refused: Vec<(usize, TransferError)>,
+    /// The reads posted, if any.
+    posted: Option<Posted>,
+}
+
+/// Reads the data plane is moving.
+struct Posted {
+    /// One outcome per posted read, as each ends.
+    rx: tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>,
+    /// Index in the wave of each posted read.
+    index: Vec<usize>,
+    /// Per posted read: slot stride, payload capacity, where it lands.
+    geometry: Vec<(u64, u64, Option<Dest>)>,
+    mode: Mode,
+    /// When it was handed to the data plane.
+    t_post: Instant,
+}
 
 /// Where a read lands.
 enum Dest {

@@ -311,6 +311,15 @@ impl Peers {
         g.as_ref().map(|c| (c.incarnation, c.pools.clone(), c.client.clone()))
     }
 
+    /// As [`Peers::conn_info`] without waiting: the incarnation and pools
+    /// of peer `id` when connected and its handshake state is not being
+    /// changed at this moment (`None` then: ask [`Peers::conn_info`]).
+    pub fn try_conn_info(&self, id: u32) -> Option<(u64, Vec<pb::PoolDesc>)> {
+        let p = self.peers.iter().find(|p| p.entry.id == id)?;
+        let g = p.conn.try_lock().ok()?;
+        g.as_ref().map(|c| (c.incarnation, c.pools.clone()))
+    }
+
     /// Shakes hands with `id` now if not connected (and no attempt is in
     /// progress or failed just before); true when connected.
     /// Waits (up to the control timeout) for an attempt already in flight.
