@@ -40,6 +40,104 @@ const MAGIC_TIMEOUT: Duration = Duration::from_secs(10);
 /// outlives anyway.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// Answer bytes queued on one connection at most (answers of calls whose
+/// client stopped reading); past it the connection is dropped.
+const QUEUED_BYTES_MAX: usize = 64 << 20;
+
+/// The answering side of a connection. Frames go out whole and never
+/// interleave. A frame the socket takes at once is written by whoever
+/// finished the call — a runtime worker too, since the write never waits
+/// (one wake-up less than handing it to a blocking thread); what the
+/// socket does not take queues, and one flusher on a thread that may
+/// block (the connection's own, or a blocking-pool thread; never a
+/// runtime worker) writes the queue out, waiting for the client up to
+/// `WRITE_TIMEOUT` per write. While it flushes, later frames queue behind.
+struct Writer {
+    stream: UnixStream,
+    state: Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    frames: std::collections::VecDeque<Vec<u8>>,
+    bytes: usize,
+    /// A flusher owns the socket's writes.
+    flushing: bool,
+    /// A write failed or the queue overflowed: nothing more is written.
+    broken: bool,
+}
+
+impl Writer {
+    /// Writes `frame` at once, or queues it. `Ok(true)`: the caller is now
+    /// the flusher and must call [`Writer::flush`] from a thread that may
+    /// block.
+    fn offer(&self, frame: Vec<u8>) -> io::Result<bool> {
+        let mut q = self.state.lock();
+        if q.broken {
+            return Err(io::Error::other("connection broken"));
+        }
+        let written = if q.flushing {
+            0
+        } else {
+            match kvmesh_ffi_os::fdpass::send_now(std::os::fd::AsFd::as_fd(&self.stream), &frame) {
+                Ok(n) if n == frame.len() => return Ok(false),
+                Ok(n) => n,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
+                Err(e) => {
+                    q.broken = true;
+                    return Err(e);
+                }
+            }
+        };
+        let rest = frame.len() - written;
+        if q.bytes + rest > QUEUED_BYTES_MAX {
+            q.broken = true;
+            return Err(io::Error::other(format!("over {QUEUED_BYTES_MAX} bytes of answers unread")));
+        }
+        q.bytes += rest;
+        q.frames.push_back(if written == 0 { frame } else { frame[written..].to_vec() });
+        let flusher = !q.flushing;
+        q.flushing = true;
+        Ok(flusher)
+    }
+
+    /// Writes the queue out, waiting for the client (the flusher only).
+    fn flush(&self) -> io::Result<()> {
+        loop {
+            let frame = {
+                let mut q = self.state.lock();
+                match q.frames.pop_front() {
+                    Some(f) => {
+                        q.bytes -= f.len();
+                        f
+                    }
+                    None => {
+                        q.flushing = false;
+                        return Ok(());
+                    }
+                }
+            };
+            if let Err(e) = (&self.stream).write_all(&frame) {
+                let mut q = self.state.lock();
+                q.broken = true;
+                q.frames.clear();
+                q.bytes = 0;
+                return Err(e);
+            }
+        }
+    }
+
+    /// Writes `frame`, blocking until it is out (or queued behind a
+    /// flusher): for threads that may block.
+    fn write(&self, frame: Vec<u8>) -> io::Result<()> {
+        if self.offer(frame)? { self.flush() } else { Ok(()) }
+    }
+
+    fn shutdown(&self) {
+        let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
 /// What a fast-path connection needs, set once the service exists.
 pub struct FastPath {
     /// The engine service (the same handlers as gRPC).
@@ -104,25 +202,23 @@ fn serve<G: Send + Sync + 'static>(
     if &magic != FAST_MAGIC {
         return Err(io::Error::other("bad fast-path magic"));
     }
-    let writer = Arc::new(Mutex::new(stream));
-    {
-        let mut w = writer.lock();
-        w.write_all(FAST_MAGIC)?;
-        w.write_all(&session.to_le_bytes())?;
-        w.write_all(&ctx.instance_id.to_le_bytes())?;
-    }
+    let mut hello = FAST_MAGIC.to_vec();
+    hello.extend_from_slice(&session.to_le_bytes());
+    hello.extend_from_slice(&ctx.instance_id.to_le_bytes());
+    (&stream).write_all(&hello)?;
+    let writer = Arc::new(Writer { stream, state: Mutex::default() });
     reader.set_read_timeout(None)?;
     let r = read_calls(ctx, &mut reader, &writer, session, guard);
     // Whatever ended the connection, the client sees it end now (answers
     // still running hold the writer).
-    let _ = writer.lock().shutdown(std::net::Shutdown::Both);
+    writer.shutdown();
     r
 }
 
 fn read_calls<G: Send + Sync + 'static>(
     ctx: &Arc<FastPath>,
     reader: &mut UnixStream,
-    writer: &Arc<Mutex<UnixStream>>,
+    writer: &Arc<Writer>,
     session: u64,
     guard: &Arc<G>,
 ) -> io::Result<()> {
@@ -153,21 +249,31 @@ fn read_calls<G: Send + Sync + 'static>(
         // Run it here; a call that has to wait finishes on the runtime.
         let mut cx = Context::from_waker(std::task::Waker::noop());
         match call.as_mut().poll(&mut cx) {
-            Poll::Ready(r) => answer(writer, &ctx.metrics, label, id, r, started)?,
+            Poll::Ready(r) => writer.write(answer(&ctx.metrics, label, id, r, started))?,
             Poll::Pending => {
                 let (w, m, g) = (Arc::clone(writer), Arc::clone(&ctx.metrics), Arc::clone(guard));
                 ctx.rt.spawn(async move {
                     let r = call.await;
-                    // The write may block (a client slow to read): not on a
+                    let failed = |w: &Writer, e: io::Error| {
+                        tracing::warn!("fast path: answer not written ({e}); connection closed, its pins released");
+                        w.shutdown();
+                    };
+                    // Written from here when the socket takes it at once;
+                    // waiting for a client slow to read is not for a
                     // runtime worker.
-                    let _ = tokio::task::spawn_blocking(move || {
-                        if let Err(e) = answer(&w, &m, label, id, r, started) {
-                            tracing::warn!("fast path: answer not written ({e}); connection closed, its pins released");
-                            let _ = w.lock().shutdown(std::net::Shutdown::Both);
+                    match w.offer(answer(&m, label, id, r, started)) {
+                        Ok(false) => drop(g),
+                        Ok(true) => {
+                            let _ = tokio::task::spawn_blocking(move || {
+                                if let Err(e) = w.flush() {
+                                    failed(&w, e);
+                                }
+                                drop(g);
+                            })
+                            .await;
                         }
-                        drop(g);
-                    })
-                    .await;
+                        Err(e) => failed(&w, e),
+                    }
                 });
             }
         }
@@ -205,18 +311,81 @@ async fn call(svc: EngineService, session: u64, id: u64, method: u8, body: Vec<u
     })
 }
 
-fn answer(
-    writer: &Mutex<UnixStream>,
-    metrics: &Metrics,
-    label: &'static str,
-    id: u64,
-    r: Result<Vec<u8>, Status>,
-    started: Instant,
-) -> io::Result<()> {
+/// The answer frame of a call (counted in the call metrics).
+fn answer(metrics: &Metrics, label: &'static str, id: u64, r: Result<Vec<u8>, Status>, started: Instant) -> Vec<u8> {
     metrics.observe_call(label, r.is_ok(), started);
-    let frame = r.unwrap_or_else(|s| {
+    r.unwrap_or_else(|s| {
         let msg = s.message().as_bytes();
         fast::frame(id, s.code() as i32 as u8, msg.len(), |v| v.extend_from_slice(msg))
-    });
-    writer.lock().write_all(&frame)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn writer() -> (Arc<Writer>, UnixStream) {
+        let (a, b) = UnixStream::pair().unwrap();
+        (Arc::new(Writer { stream: a, state: Mutex::default() }), b)
+    }
+
+    fn frame(i: u32, len: usize) -> Vec<u8> {
+        let mut f = vec![(i % 251) as u8; len];
+        f[..4].copy_from_slice(&i.to_le_bytes());
+        f
+    }
+
+    #[test]
+    fn answers_go_out_whole_and_in_order_when_the_socket_is_full() {
+        let (w, mut client) = writer();
+        // Taken at once: nothing queues, nobody has to flush.
+        assert!(!w.offer(frame(0, 100)).unwrap());
+        let mut got = vec![0u8; 100];
+        client.read_exact(&mut got).unwrap();
+        assert_eq!(got, frame(0, 100));
+        // A client that does not read: the socket fills, the frame that
+        // does not fit makes its writer the flusher, later ones queue.
+        let mut sent = Vec::new();
+        let mut flusher = None;
+        for i in 1..1000u32 {
+            let f = frame(i, 64 << 10);
+            sent.extend_from_slice(&f);
+            if w.offer(f).unwrap() {
+                flusher = Some(i);
+                break;
+            }
+        }
+        let first_queued = flusher.expect("the socket filled up");
+        for i in first_queued + 1..first_queued + 20 {
+            let f = frame(i, 1000 + i as usize);
+            sent.extend_from_slice(&f);
+            assert!(!w.offer(f).unwrap(), "one flusher at a time");
+        }
+        let total = sent.len();
+        let reader = std::thread::spawn(move || {
+            let mut all = vec![0u8; total];
+            client.read_exact(&mut all).unwrap();
+            all
+        });
+        w.flush().unwrap();
+        assert_eq!(reader.join().unwrap(), sent, "frames interleaved or lost");
+        // Flushed: frames go straight out again.
+        assert!(!w.state.lock().flushing);
+    }
+
+    #[test]
+    fn a_client_that_never_reads_breaks_its_connection_not_the_daemon() {
+        let (w, _client) = writer();
+        let mut queued = 0usize;
+        let err = loop {
+            match w.offer(vec![1u8; 1 << 20]) {
+                Ok(_) => queued += 1,
+                Err(e) => break e,
+            }
+            assert!(queued < 1000, "the queue has no bound");
+        };
+        assert!(err.to_string().contains("unread"), "{err}");
+        assert!(w.state.lock().bytes <= QUEUED_BYTES_MAX);
+        assert!(w.offer(vec![1u8; 10]).is_err(), "a broken connection takes nothing more");
+    }
 }

@@ -4,7 +4,7 @@
 use std::io::{IoSlice, IoSliceMut};
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
 
-use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recv, recvmsg, sendmsg};
+use nix::sys::socket::{ControlMessage, ControlMessageOwned, MsgFlags, recv, recvmsg, send, sendmsg};
 
 /// Sends `payload` with `fds` attached, in one message.
 pub fn send_fds(sock: BorrowedFd<'_>, payload: &[u8], fds: &[BorrowedFd<'_>]) -> std::io::Result<()> {
@@ -48,6 +48,13 @@ pub fn peek(sock: BorrowedFd<'_>, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(recv(sock.as_raw_fd(), buf, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT)?)
 }
 
+/// Writes as much of `buf` as the socket takes at once, without waiting
+/// (MSG_DONTWAIT; no SIGPIPE). Returns the bytes written (possibly fewer
+/// than asked); `WouldBlock` when it takes none.
+pub fn send_now(sock: BorrowedFd<'_>, buf: &[u8]) -> std::io::Result<usize> {
+    Ok(send(sock.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL)?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -82,5 +89,32 @@ mod tests {
         let mut all = [0u8; 4];
         b.read_exact(&mut all).unwrap();
         assert_eq!(&all, b"abcd");
+    }
+
+    #[test]
+    fn send_now_never_waits() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        assert_eq!(send_now(a.as_fd(), b"abcd").unwrap(), 4);
+        let mut got = [0u8; 4];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"abcd");
+        // Fill the socket: a send then takes part of what it is given, or
+        // nothing (WouldBlock), and returns at once either way.
+        let chunk = vec![7u8; 1 << 16];
+        let mut short = false;
+        for _ in 0..1024 {
+            match send_now(a.as_fd(), &chunk) {
+                Ok(n) if n == chunk.len() => {}
+                Ok(_) => short = true,
+                Err(e) => {
+                    assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock);
+                    short = true;
+                }
+            }
+            if short {
+                break;
+            }
+        }
+        assert!(short, "64 MiB went into a socket nobody reads");
     }
 }
