@@ -160,6 +160,10 @@ struct Read {
     started: Instant,
 }
 
+/// Reads of one holder posted where the core asked for them at most
+/// ([`Cluster::post_reads_now`]); larger batches are posted by their task.
+const POST_NOW_READS_MAX: usize = 64;
+
 /// Counters of the driver (the core counts the protocol).
 #[derive(Default)]
 pub struct ClusterCounters {
@@ -502,6 +506,9 @@ impl Cluster {
         for (from, reads) in by_holder {
             let posted = self.post_reads_now(g, from, &reads);
             let me = Arc::clone(self);
+            // (A task the runtime drops unstarted — it is shutting down —
+            // leaves its reads unreported, posted or not: nothing waits
+            // for them any more.)
             tokio::spawn(async move { me.read_batch_task(from, reads, posted).await });
         }
     }
@@ -972,6 +979,11 @@ impl Cluster {
     /// answers arrive, the reads start on its next turn). `None`: the read
     /// task does it (handshake first, or staging slots to wait for).
     fn post_reads_now(&self, g: &Inner, from: NodeId, reads: &[Read]) -> Option<Wave> {
+        // Posting holds the core lock: a large batch (whose copies take far
+        // longer than a wake-up) is posted by its task.
+        if reads.len() > POST_NOW_READS_MAX {
+            return None;
+        }
         let member_inc = g.node.view().member(from).map(|m| m.incarnation)?;
         let (inc, pools) = self.peers.try_conn_info(from).filter(|(inc, _)| *inc == member_inc)?;
         {

@@ -44,6 +44,12 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// client stopped reading); past it the connection is dropped.
 const QUEUED_BYTES_MAX: usize = 64 << 20;
 
+/// The connection's own thread, having queued an answer behind a flusher,
+/// waits until the queue is below this before it reads the next request:
+/// a client that sends and does not read is slowed down, as when every
+/// answer was a blocking write.
+const QUEUED_BYTES_RESUME: usize = 1 << 20;
+
 /// The answering side of a connection. Frames go out whole and never
 /// interleave. A frame the socket takes at once is written by whoever
 /// finished the call — a runtime worker too, since the write never waits
@@ -52,9 +58,16 @@ const QUEUED_BYTES_MAX: usize = 64 << 20;
 /// block (the connection's own, or a blocking-pool thread; never a
 /// runtime worker) writes the queue out, waiting for the client up to
 /// `WRITE_TIMEOUT` per write. While it flushes, later frames queue behind.
+///
+/// A queued frame's call may end (and drop its hold on the session) before
+/// the frame is written: the flusher holds the session meanwhile (the
+/// connection thread's, or the one its task took), so pins named in an
+/// answer outlive its writing.
 struct Writer {
     stream: UnixStream,
     state: Mutex<Queue>,
+    /// Signalled when the flusher takes a frame, stops, or fails.
+    drained: parking_lot::Condvar,
 }
 
 #[derive(Default)]
@@ -67,11 +80,26 @@ struct Queue {
     broken: bool,
 }
 
+/// What became of an offered frame.
+#[derive(Debug, PartialEq, Eq)]
+enum Offered {
+    /// Written whole.
+    Sent,
+    /// Queued behind a flusher.
+    Queued,
+    /// Queued, and the caller is now the flusher: it must call
+    /// [`Writer::flush`] from a thread that may block.
+    Flush,
+}
+
 impl Writer {
-    /// Writes `frame` at once, or queues it. `Ok(true)`: the caller is now
-    /// the flusher and must call [`Writer::flush`] from a thread that may
-    /// block.
-    fn offer(&self, frame: Vec<u8>) -> io::Result<bool> {
+    fn new(stream: UnixStream) -> Writer {
+        Writer { stream, state: Mutex::default(), drained: parking_lot::Condvar::new() }
+    }
+
+    /// Writes `frame` at once when the socket takes it whole, or queues it.
+    /// Never waits.
+    fn offer(&self, frame: Vec<u8>) -> io::Result<Offered> {
         let mut q = self.state.lock();
         if q.broken {
             return Err(io::Error::other("connection broken"));
@@ -80,7 +108,7 @@ impl Writer {
             0
         } else {
             match kvmesh_ffi_os::fdpass::send_now(std::os::fd::AsFd::as_fd(&self.stream), &frame) {
-                Ok(n) if n == frame.len() => return Ok(false),
+                Ok(n) if n == frame.len() => return Ok(Offered::Sent),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
                 Err(e) => {
@@ -92,13 +120,16 @@ impl Writer {
         let rest = frame.len() - written;
         if q.bytes + rest > QUEUED_BYTES_MAX {
             q.broken = true;
+            self.drained.notify_all();
             return Err(io::Error::other(format!("over {QUEUED_BYTES_MAX} bytes of answers unread")));
         }
         q.bytes += rest;
         q.frames.push_back(if written == 0 { frame } else { frame[written..].to_vec() });
-        let flusher = !q.flushing;
+        if q.flushing {
+            return Ok(Offered::Queued);
+        }
         q.flushing = true;
-        Ok(flusher)
+        Ok(Offered::Flush)
     }
 
     /// Writes the queue out, waiting for the client (the flusher only).
@@ -106,35 +137,74 @@ impl Writer {
         loop {
             let frame = {
                 let mut q = self.state.lock();
-                match q.frames.pop_front() {
+                if q.broken {
+                    q.frames.clear();
+                    q.bytes = 0;
+                    self.drained.notify_all();
+                    return Err(io::Error::other("connection broken"));
+                }
+                let f = q.frames.pop_front();
+                match f {
                     Some(f) => {
                         q.bytes -= f.len();
+                        self.drained.notify_all();
                         f
                     }
                     None => {
                         q.flushing = false;
+                        self.drained.notify_all();
                         return Ok(());
                     }
                 }
             };
             if let Err(e) = (&self.stream).write_all(&frame) {
-                let mut q = self.state.lock();
-                q.broken = true;
-                q.frames.clear();
-                q.bytes = 0;
+                self.fail();
                 return Err(e);
             }
         }
     }
 
-    /// Writes `frame`, blocking until it is out (or queued behind a
-    /// flusher): for threads that may block.
+    /// Nothing more is written (a write failed, or a flusher never ran).
+    fn fail(&self) {
+        let mut q = self.state.lock();
+        q.broken = true;
+        q.frames.clear();
+        q.bytes = 0;
+        self.drained.notify_all();
+    }
+
+    /// Writes `frame` from a thread that may block: flushes when it has to,
+    /// and, queued behind another flusher, waits until the queue is short.
     fn write(&self, frame: Vec<u8>) -> io::Result<()> {
-        if self.offer(frame)? { self.flush() } else { Ok(()) }
+        match self.offer(frame)? {
+            Offered::Sent => Ok(()),
+            Offered::Flush => self.flush(),
+            Offered::Queued => {
+                let mut q = self.state.lock();
+                while q.flushing && q.bytes > QUEUED_BYTES_RESUME && !q.broken {
+                    self.drained.wait(&mut q);
+                }
+                if q.broken { Err(io::Error::other("connection broken")) } else { Ok(()) }
+            }
+        }
     }
 
     fn shutdown(&self) {
         let _ = self.stream.shutdown(std::net::Shutdown::Both);
+    }
+}
+
+/// Held by a flusher handed to a blocking thread: if that thread never runs
+/// it (the runtime shutting down), the connection is failed and closed
+/// rather than left with frames nobody writes.
+struct FlushDuty(Arc<Writer>, bool);
+
+impl Drop for FlushDuty {
+    fn drop(&mut self) {
+        if !self.1 {
+            self.0.fail();
+            self.0.shutdown();
+        }
     }
 }
 
@@ -206,7 +276,7 @@ fn serve<G: Send + Sync + 'static>(
     hello.extend_from_slice(&session.to_le_bytes());
     hello.extend_from_slice(&ctx.instance_id.to_le_bytes());
     (&stream).write_all(&hello)?;
-    let writer = Arc::new(Writer { stream, state: Mutex::default() });
+    let writer = Arc::new(Writer::new(stream));
     reader.set_read_timeout(None)?;
     let r = read_calls(ctx, &mut reader, &writer, session, guard);
     // Whatever ended the connection, the client sees it end now (answers
@@ -262,11 +332,13 @@ fn read_calls<G: Send + Sync + 'static>(
                     // waiting for a client slow to read is not for a
                     // runtime worker.
                     match w.offer(answer(&m, label, id, r, started)) {
-                        Ok(false) => drop(g),
-                        Ok(true) => {
+                        Ok(Offered::Sent | Offered::Queued) => drop(g),
+                        Ok(Offered::Flush) => {
+                            let mut duty = FlushDuty(w, false);
                             let _ = tokio::task::spawn_blocking(move || {
-                                if let Err(e) = w.flush() {
-                                    failed(&w, e);
+                                duty.1 = true;
+                                if let Err(e) = duty.0.flush() {
+                                    failed(&duty.0, e);
                                 }
                                 drop(g);
                             })
@@ -326,7 +398,7 @@ mod tests {
 
     fn writer() -> (Arc<Writer>, UnixStream) {
         let (a, b) = UnixStream::pair().unwrap();
-        (Arc::new(Writer { stream: a, state: Mutex::default() }), b)
+        (Arc::new(Writer::new(a)), b)
     }
 
     fn frame(i: u32, len: usize) -> Vec<u8> {
@@ -339,7 +411,7 @@ mod tests {
     fn answers_go_out_whole_and_in_order_when_the_socket_is_full() {
         let (w, mut client) = writer();
         // Taken at once: nothing queues, nobody has to flush.
-        assert!(!w.offer(frame(0, 100)).unwrap());
+        assert_eq!(w.offer(frame(0, 100)).unwrap(), Offered::Sent);
         let mut got = vec![0u8; 100];
         client.read_exact(&mut got).unwrap();
         assert_eq!(got, frame(0, 100));
@@ -350,16 +422,20 @@ mod tests {
         for i in 1..1000u32 {
             let f = frame(i, 64 << 10);
             sent.extend_from_slice(&f);
-            if w.offer(f).unwrap() {
-                flusher = Some(i);
-                break;
+            match w.offer(f).unwrap() {
+                Offered::Sent => {}
+                Offered::Flush => {
+                    flusher = Some(i);
+                    break;
+                }
+                Offered::Queued => panic!("queued with no flusher"),
             }
         }
         let first_queued = flusher.expect("the socket filled up");
         for i in first_queued + 1..first_queued + 20 {
             let f = frame(i, 1000 + i as usize);
             sent.extend_from_slice(&f);
-            assert!(!w.offer(f).unwrap(), "one flusher at a time");
+            assert_eq!(w.offer(f).unwrap(), Offered::Queued, "one flusher at a time");
         }
         let total = sent.len();
         let reader = std::thread::spawn(move || {
@@ -387,5 +463,57 @@ mod tests {
         assert!(err.to_string().contains("unread"), "{err}");
         assert!(w.state.lock().bytes <= QUEUED_BYTES_MAX);
         assert!(w.offer(vec![1u8; 10]).is_err(), "a broken connection takes nothing more");
+    }
+
+    /// Offers frames of 64 KiB until the socket is full; returns the bytes
+    /// offered (the caller is then the flusher).
+    fn fill(w: &Writer) -> Vec<u8> {
+        let mut sent = Vec::new();
+        for i in 1..1000u32 {
+            let f = frame(i, 64 << 10);
+            sent.extend_from_slice(&f);
+            if w.offer(f).unwrap() == Offered::Flush {
+                return sent;
+            }
+        }
+        panic!("64 MiB went into a socket nobody reads");
+    }
+
+    #[test]
+    fn the_connection_thread_waits_for_a_long_queue_before_reading_on() {
+        let (w, mut client) = writer();
+        let mut sent = fill(&w);
+        for i in 0..40u32 {
+            let f = frame(5000 + i, 64 << 10);
+            sent.extend_from_slice(&f);
+            assert_eq!(w.offer(f).unwrap(), Offered::Queued);
+        }
+        // 2.5 MiB queued behind the flusher: the connection thread's write
+        // queues its frame and waits.
+        let last = frame(9999, 300);
+        sent.extend_from_slice(&last);
+        let w2 = Arc::clone(&w);
+        let conn_thread = std::thread::spawn(move || w2.write(last));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(!conn_thread.is_finished(), "wrote on over a queue of {} bytes", w.state.lock().bytes);
+        let total = sent.len();
+        let reader = std::thread::spawn(move || {
+            let mut all = vec![0u8; total];
+            client.read_exact(&mut all).unwrap();
+            all
+        });
+        w.flush().unwrap();
+        conn_thread.join().unwrap().unwrap();
+        assert_eq!(reader.join().unwrap(), sent);
+    }
+
+    #[test]
+    fn a_flusher_that_never_runs_closes_the_connection() {
+        let (w, _client) = writer();
+        fill(&w);
+        assert_eq!(w.offer(frame(1, 10)).unwrap(), Offered::Queued);
+        drop(FlushDuty(Arc::clone(&w), false));
+        assert!(w.offer(frame(2, 10)).is_err(), "frames taken that nobody will write");
+        assert!(w.write(frame(3, 10)).is_err());
     }
 }
