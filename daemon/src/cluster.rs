@@ -1884,7 +1884,10 @@ impl Cluster {
         let mut g = self.inner.lock();
         let (res, evicted) = {
             let mut st = self.store.lock();
-            let res = st.allocate_detached(session, ns, keys, lease_ms, !overwrite, Instant::now());
+            // A draining daemon takes no new puts (as alone: `Store::allocate`).
+            let res = st
+                .check_not_draining()
+                .and_then(|()| st.allocate_detached(session, ns, keys, lease_ms, !overwrite, Instant::now()));
             (res, st.take_evicted())
         };
         let any = !evicted.is_empty();

@@ -152,6 +152,30 @@ impl Pool {
         }
     }
 
+    /// Appends to eviction queue `which`. Entries of slots freed or
+    /// removed since stay in a queue until eviction passes them; a queue
+    /// that reaches its capacity drops them first, and grows only when at
+    /// least half of it is live (so a pool below its watermark, where
+    /// nothing is evicted, does not grow its queues with every put).
+    fn enqueue(&mut self, which: Queue, entry: (u32, u64)) {
+        let q = match which {
+            Queue::Small => &mut self.small,
+            Queue::Main => &mut self.main,
+            Queue::None => return,
+        };
+        if q.len() >= q.capacity() {
+            let slots = &self.slots;
+            q.retain(|&(s, g)| {
+                let x = &slots[s as usize];
+                x.generation == g && x.queue == which && x.state == State::Valid
+            });
+            if q.len() > q.capacity() / 2 {
+                q.reserve(q.capacity().max(16));
+            }
+        }
+        q.push_back(entry);
+    }
+
     fn ghost_add(&mut self, h: u64) {
         if self.ghost_set.insert(h) {
             self.ghost.push_back(h);
@@ -553,8 +577,8 @@ impl Store {
                 main: VecDeque::with_capacity(n as usize),
                 small_live: 0,
                 main_live: 0,
-                ghost: VecDeque::new(),
-                ghost_set: HashSet::default(),
+                ghost: VecDeque::with_capacity(n as usize),
+                ghost_set: HashSet::with_capacity_and_hasher(n as usize, Default::default()),
                 valid: 0,
                 pending: 0,
                 pinned: 0,
@@ -803,9 +827,13 @@ impl Store {
         self.pins_outstanding += 1;
         let rec = sess.pins.entry(r).or_insert((0, 0));
         rec.0 += 1;
-        // The record follows the newest lease (deadlines only grow for
-        // equal lease lengths; a shorter re-pin keeps the newer one too).
-        if rec.1 != lease {
+        // The record follows the lease that ends last: a re-pin with a
+        // shorter lease never cuts short the pin an earlier call was
+        // promised (its guard may still read the slot in place).
+        let later = |old: u64| {
+            self.leases.get(&old).is_none_or(|o| self.leases.get(&lease).is_some_and(|n| n.deadline >= o.deadline))
+        };
+        if rec.1 != lease && (rec.1 == 0 || later(rec.1)) {
             if rec.1 != 0 {
                 moved_from.push(rec.1);
             }
@@ -954,7 +982,7 @@ impl Store {
     }
 
     /// Refuses new work while draining.
-    fn check_not_draining(&self) -> Result<(), Error> {
+    pub fn check_not_draining(&self) -> Result<(), Error> {
         if self.draining {
             return Err(Error::Unavailable(
                 "kvmeshd is draining (shutting down): no new pins or allocations; connect to the daemon that replaces it".into(),
@@ -1225,9 +1253,9 @@ impl Store {
                 if pinned_seen > live {
                     // every live slot is pinned
                     if from_small {
-                        pool.small.push_back((s, gen_))
+                        pool.enqueue(Queue::Small, (s, gen_))
                     } else {
-                        pool.main.push_back((s, gen_))
+                        pool.enqueue(Queue::Main, (s, gen_))
                     }
                     return false;
                 }
@@ -1236,7 +1264,7 @@ impl Store {
                     pool.main_live += 1;
                     slot.queue = Queue::Main;
                 }
-                pool.main.push_back((s, gen_));
+                pool.enqueue(Queue::Main, (s, gen_));
                 continue;
             }
             if from_small {
@@ -1245,13 +1273,13 @@ impl Store {
                     slot.freq = 0;
                     slot.queue = Queue::Main;
                     pool.main_live += 1;
-                    pool.main.push_back((s, gen_));
+                    pool.enqueue(Queue::Main, (s, gen_));
                     continue;
                 }
             } else {
                 if slot.freq > 0 {
                     slot.freq -= 1;
-                    pool.main.push_back((s, gen_));
+                    pool.enqueue(Queue::Main, (s, gen_));
                     continue;
                 }
                 pool.main_live -= 1;
@@ -1512,11 +1540,11 @@ impl Store {
             pool.valid += 1;
             if pool.ghost_set.remove(&h) {
                 pool.slots[r.slot as usize].queue = Queue::Main;
-                pool.main.push_back((r.slot, gen_));
+                pool.enqueue(Queue::Main, (r.slot, gen_));
                 pool.main_live += 1;
             } else {
                 pool.slots[r.slot as usize].queue = Queue::Small;
-                pool.small.push_back((r.slot, gen_));
+                pool.enqueue(Queue::Small, (r.slot, gen_));
                 pool.small_live += 1;
             }
             let meta = pool.meta_of(r.slot, SlotState::Valid, fingerprint);
@@ -1810,6 +1838,58 @@ mod tests {
         let sum = j.memory.checksum(j.offset, j.len).unwrap();
         st.finish_commit(&[(slot, sum)]);
         Some(slot)
+    }
+
+    /// Puts and removes below the watermark (nothing is evicted) leave
+    /// stale queue entries behind; the queues drop them instead of growing.
+    #[test]
+    fn eviction_queues_stay_bounded_without_evictions() {
+        let mut st = store(64, "");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let now = Instant::now();
+        let cap = (st.pools[0].small.capacity(), st.pools[0].main.capacity());
+        for i in 0..20_000u128 {
+            put(&mut st, 1, ns, Key(i % 8), now).unwrap();
+            st.remove(ns, &[Key(i % 8)]).unwrap();
+            if i % 3 == 0 {
+                // Some stay (and some are read, so they move to main).
+                put(&mut st, 1, ns, Key(100 + i % 16), now);
+                let _ = st.pin(2, ns, &[Key(100 + i % 16)], 0, false, now).unwrap();
+                st.release_session(2);
+            }
+        }
+        st.check_invariants().unwrap();
+        let p = &st.pools[0];
+        assert!(p.small.len() <= cap.0 && p.main.len() <= cap.1.max(p.main.len()), "queues grew: {}", p.small.len());
+        assert_eq!((p.small.capacity(), p.main.capacity()), cap, "a queue regrew");
+        assert_eq!(st.counters.evictions, 0, "the test is about a pool that does not evict");
+    }
+
+    /// A re-pin with a shorter lease does not cut short the first pin's
+    /// lease: the slot stays pinned (not evictable) until the longer one.
+    #[test]
+    fn a_shorter_repin_keeps_the_longer_lease() {
+        let mut st = store(4, "");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let t0 = Instant::now();
+        let slot = put(&mut st, 9, ns, Key(1), t0).unwrap();
+        let (_, long) = st.pin(1, ns, &[Key(1)], 60_000, false, t0).unwrap();
+        let (_, short) = st.pin(1, ns, &[Key(1)], 1_000, false, t0).unwrap();
+        assert!(short < long);
+        st.expire(short + Duration::from_millis(1));
+        assert_eq!(st.pools[0].slots[slot.slot as usize].pins, 2, "the short lease released the long one's pin");
+        st.check_invariants().unwrap();
+        st.expire(long + Duration::from_millis(1));
+        assert_eq!(st.pools[0].slots[slot.slot as usize].pins, 0);
+        st.check_invariants().unwrap();
+        // The other way round, the record follows the longer lease.
+        let (_, short) = st.pin(1, ns, &[Key(1)], 1_000, false, t0).unwrap();
+        let (_, long) = st.pin(1, ns, &[Key(1)], 60_000, false, t0).unwrap();
+        st.expire(short + Duration::from_millis(1));
+        assert_eq!(st.pools[0].slots[slot.slot as usize].pins, 2);
+        st.expire(long + Duration::from_millis(1));
+        assert_eq!(st.pools[0].slots[slot.slot as usize].pins, 0);
+        st.check_invariants().unwrap();
     }
 
     /// A namespace lives on one device: one with no pool is refused, and a

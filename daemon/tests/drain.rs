@@ -222,3 +222,35 @@ async fn a_drained_daemon_leaves_at_once_a_killed_one_is_waited_out() {
     assert!(drained.misses < killed.misses, "drained: {drained:?}, killed: {killed:?}");
     assert!(drained.read < killed.read, "drained: {drained:?}, killed: {killed:?}");
 }
+
+/// A clustered daemon refuses new puts while it drains, as a daemon alone
+/// does (a put begun then would keep the drain waiting, and its block would
+/// be lost when the daemon leaves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_clustered_daemon_refuses_new_puts() {
+    let ports = [free_port(), free_port()];
+    let pools = pool("p", "4MiB", "64KiB");
+    let mut nodes: Vec<Daemon> = (1..=2)
+        .map(|id| Daemon::start(&format!("drain-clustered-{id}"), &peer_config(id, &ports, "tcp", &pools)))
+        .collect();
+    for n in &nodes {
+        n.wait_peers(1).await;
+    }
+    fill::put_until_stored(&nodes[0], KEY, b'A', Duration::from_secs(20)).await;
+    let c = nodes[0].client().await;
+    let ns = c.register_namespace("ns", fill::BLOCK as u64, "t").await.unwrap();
+    // A pin keeps the drain waiting.
+    let held = c.pin(&ns, &[KEY]).await.unwrap().pop().flatten().expect("hit");
+    signal(&nodes[0], "-TERM");
+    wait_draining(&nodes[0]).await;
+    let c2 = nodes[0].client().await;
+    let e = c2.allocate(&ns, &[Key(KEY.0 + 7)]).await.expect_err("a clustered allocation while draining");
+    assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}");
+    assert!(e.to_string().contains("draining"), "{e}");
+    assert_eq!(c2.stats().await.unwrap().allocations_outstanding, 0);
+    drop(held);
+    drop((c, c2));
+    let mut n1 = nodes.remove(0);
+    let status = wait_exit(&mut n1, Duration::from_secs(10)).await.unwrap_or_else(|| panic!("log:\n{}", n1.log()));
+    assert!(status.success(), "{status:?}");
+}
