@@ -86,6 +86,18 @@ pub unsafe fn move_pages(
         return Err(GpuError::Invalid("a tensor or slot pointer is NULL".into()));
     }
     let page = |p: u64| usize::try_from(p).map_err(|_| GpuError::Invalid(format!("page {p} out of range")));
+    // Every page and the slot size are checked before a byte moves (an
+    // error never leaves a scatter half done in the engine's tensors).
+    for &p in pages {
+        let p = page(p)?;
+        if p >= shape.num_blocks {
+            return Err(crate::layout::LayoutError::Page { page: p, num_blocks: shape.num_blocks }.into());
+        }
+    }
+    let block = shape.block_bytes()?;
+    if !pages.is_empty() && slot_bytes < block {
+        return Err(crate::layout::LayoutError::Buffer { what: "slot payload", got: slot_bytes, want: block }.into());
+    }
     match mem {
         Memory::Host => {
             // The caller vouches for `bytes` bytes at each tensor pointer and
@@ -216,6 +228,19 @@ mod tests {
         assert!(unsafe { move_pages(&s, Memory::Host, Direction::Gather, &tp[..1], &[0], &sp[..1], block) }.is_err());
         // SAFETY: as above.
         assert!(unsafe { move_pages(&s, Memory::Host, Direction::Gather, &tp, &[0], &[0], block) }.is_err());
+        // A scatter with one bad page fails before it writes any page.
+        for slot in slots.iter_mut() {
+            slot.fill(0xab);
+        }
+        let sp: Vec<u64> = slots.iter_mut().map(|t| t.as_mut_ptr() as u64).collect();
+        let mut tensors = tensors;
+        let before = tensors.clone();
+        let tpm: Vec<u64> = tensors.iter_mut().map(|t| t.as_mut_ptr() as u64).collect();
+        // SAFETY: as above (the slots are read; the tensors, through
+        // pointers taken for writing, written).
+        let e = unsafe { move_pages(&s, Memory::Host, Direction::Scatter, &tpm, &[0, 3], &sp, block) };
+        assert!(e.is_err());
+        assert_eq!(tensors, before, "a failed scatter wrote the engine's tensors");
         // SAFETY: NULL with a length is refused before any read.
         assert!(unsafe { kvsum64(Memory::Host, 0, 8) }.is_err());
         assert_eq!(Memory::from_code(-2), None);

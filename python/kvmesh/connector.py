@@ -326,7 +326,10 @@ class Mover:
                         if not self._unpack(batch, i, task.pages[i]):
                             break
                     except Exception as e:  # a bad block is a miss, never a crash
-                        log.warning("kvmesh load of chunk %d failed: %s", i, e)
+                        # (The text only: a record that kept the exception
+                        # would keep its traceback's views, and with them
+                        # the pins.)
+                        log.warning("kvmesh load of chunk %d failed: %s", i, str(e))
                         break
                     ok += 1
         for pages in task.pages[ok:]:
@@ -350,7 +353,9 @@ class Mover:
         else:
             staging.copy_(_torch_host(block, len(staging)))
             self.packing.load(self.tensors, pages, staging)
-        return True
+        # Copied out of the daemon's slot: only while the pin held it (a
+        # copy that ended after the lease may have read a reused slot).
+        return batch.lease_remaining_ms > 0
 
     def _fill(self, alloc: Any, i: int, pages: List[int]) -> None:
         block = alloc[i]
@@ -384,10 +389,16 @@ class Mover:
         except KvmeshError as e:
             log.warning("kvmesh allocate failed (%s): %d chunks not saved", e, len(task.keys))
             return 0
-        with alloc:
-            for i in range(len(alloc)):
-                self._fill(alloc, i, task.pages[i])
-            status = alloc.commit()
+        try:
+            with alloc:
+                for i in range(len(alloc)):
+                    self._fill(alloc, i, task.pages[i])
+                status = alloc.commit()
+        except Exception as e:  # a failed save is a miss later, never a crash
+            # (The text only: the exception's traceback holds views of the
+            # allocation, which stays held while they live.)
+            log.warning("kvmesh save failed (%s): %d chunks not saved", str(e), len(task.keys))
+            return 0
         stored = sum(1 for s in status if s == "stored")
         with self._lock:
             self.saved_chunks += stored

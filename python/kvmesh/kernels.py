@@ -96,7 +96,9 @@ def _region(obj: Any, writable: bool, what: str) -> Tuple[int, int, int]:
     if cai is not None:  # CuPy, Numba, ...
         _contiguous(cai, what)
         addr, readonly = cai["data"]
-        if writable and readonly:
+        # A kvmesh.DeviceView of a pinned block says False in its interface
+        # (torch refuses read-only CUDA arrays) and True in ``readonly``.
+        if writable and (readonly or getattr(obj, "readonly", False)):
             raise InvalidArgument(f"{what}: read-only array")
         device = getattr(obj, "device_id", None)  # kvmesh.DeviceView
         if device is None:

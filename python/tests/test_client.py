@@ -246,6 +246,27 @@ def test_bad_input_of_every_argument_raises_never_crashes(daemon, client, ns):
     assert client.lookup(ns, good) == 1
 
 
+def test_a_view_keeps_its_pins_after_its_batch_and_client_are_gone(daemon, client, ns):
+    # The daemon releases a connection's pins when it closes: a view must
+    # keep the connection of its batch open, or the slot it reads (or an
+    # allocation view writes) could be reused under it.
+    k = fresh_keys(1)
+    blocks = rand_blocks(1)
+    client.put(ns, zip(k, blocks))
+    base = client.stats()["pins_outstanding"]
+    other = kvmesh.Client(daemon.socket)
+    b = other.pin(other.namespace("pytest"), k)
+    view = b[0]
+    del b
+    other.close()
+    del other
+    assert view == blocks[0]
+    time.sleep(0.2)
+    assert client.stats()["pins_outstanding"] == base + 1, "the pin went with the connection"
+    del view
+    assert wait_for(lambda: client.stats()["pins_outstanding"] == base)
+
+
 def test_use_after_release_raises_and_live_views_keep_the_pins(client, ns):
     k = fresh_keys(2)
     blocks = rand_blocks(2)

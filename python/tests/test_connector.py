@@ -8,6 +8,7 @@ and failed loads reported with their engine blocks."""
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -166,6 +167,43 @@ def test_a_chunk_gone_before_the_load_is_reported_with_its_engine_blocks(client)
         assert page_bytes("nhd", b, blocks[i]) == page_bytes("nhd", a, i)
 
 
+def test_a_load_that_outlives_its_pin_is_a_miss_and_a_failed_save_no_crash(client, monkeypatch):
+    scheme, packing, ns = setup(client, "nhd", 2)
+    c = scheme.chunk_tokens
+    prompt = tokens(2 * c + 1, seed=8)
+    a = engine("nhd", 5)
+    pa = Planner(client, scheme, ns)
+    pa.add("a", prompt)
+    pa.allocated("a", list(range(4)), 0, 0)
+    save = pa.step({"a": len(prompt)}).saves[0]
+    # A save whose packing fails (a kernel error, a device gone) stores
+    # nothing and raises nothing into the engine.
+    broken = Mover(client, ns, packing, a)
+    monkeypatch.setattr(broken.packing, "save", lambda *a: (_ for _ in ()).throw(RuntimeError("device lost")))
+    assert broken.save(save) == 0
+    monkeypatch.undo()
+    # (Its allocation is aborted in the background: wait for that.)
+    deadline = time.time() + 10
+    while client.stats()["allocations_outstanding"] and time.time() < deadline:
+        time.sleep(0.01)
+    assert Mover(client, ns, packing, a).save(save) == 2
+    pb = Planner(client, scheme, ns)
+    assert pb.matched_tokens(prompt, 0) == 2 * c
+    pb.add("b", prompt)
+    blocks = list(range(12, 16))
+    pb.allocated("b", blocks, 0, 2 * c)
+    plan = pb.step({})
+    # The copies end after the pin's lease (a long GC pause, say): what
+    # they read may be a reused slot, so nothing of it counts as loaded.
+    monkeypatch.setattr(kvmesh.Batch, "lease_remaining_ms", property(lambda self: 0))
+    assert Mover(client, ns, packing, engine("nhd", 6)).load(plan.loads[0]) == set(blocks)
+    monkeypatch.undo()
+    b = engine("nhd", 6)
+    assert Mover(client, ns, packing, b).load(plan.loads[0]) == set()
+    for i in range(4):
+        assert page_bytes("nhd", b, blocks[i]) == page_bytes("nhd", a, i)
+
+
 def test_a_daemon_that_cannot_answer_means_compute(client):
     scheme, packing, ns = setup(client, "nhd", 1)
     p = Planner(client, scheme, ns)
@@ -214,7 +252,7 @@ class HostPool:
         return self.kv[:, first : first + self.page_size].tobytes()
 
 
-def test_sglang_storage_moves_pages_between_two_host_pools(daemon):
+def test_sglang_storage_moves_pages_between_two_host_pools(daemon, monkeypatch):
     from types import SimpleNamespace
 
     from kvmesh.sglang import KvmeshStorage, page_key
@@ -236,6 +274,11 @@ def test_sglang_storage_moves_pages_between_two_host_pools(daemon):
     for i in range(3):
         assert pb.page(i * 4) == pa.page(16 + i * 4), f"page {i}"
     assert pb.page(12) == before, "a missing page is left alone"
+    # A copy that ends after the pin's lease is a miss (the slot may have
+    # been reused under it).
+    monkeypatch.setattr(kvmesh.Batch, "lease_remaining_ms", property(lambda self: 0))
+    assert b.batch_get_v1(keys, b_idx) == [False] * 4
+    monkeypatch.undo()
     # Set again: already held pages count as stored.
     assert a.batch_set_v1(keys[:3], a_idx[:12]) == [True] * 3
     assert page_key(keys[0]) != page_key(keys[1]) and len(page_key(keys[0])) == 16

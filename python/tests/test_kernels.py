@@ -97,6 +97,18 @@ def test_kvsum64_matches_its_definition():
         assert kernels.kvsum64(a) == kernels.kvsum64_py(a.tobytes()), n
 
 
+def test_a_pinned_device_block_is_never_a_kernel_destination():
+    # A DeviceView of a pinned block says "writable" in its CUDA array
+    # interface (torch refuses read-only CUDA arrays) and readonly=True on
+    # itself: it is refused as a destination before anything runs.
+    view = kvmesh.DeviceView(0x1000, 4096, 0, True, None)
+    with pytest.raises(InvalidArgument, match="read-only"):
+        kernels._region(view, True, "slot")
+    assert kernels._region(view, False, "slot") == (0x1000, 4096, 0)
+    writable = kvmesh.DeviceView(0x1000, 4096, 0, False, None)
+    assert kernels._region(writable, True, "slot") == (0x1000, 4096, 0)
+
+
 def test_device_memory_without_a_driver_is_no_device():
     import ctypes.util
 

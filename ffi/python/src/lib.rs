@@ -572,10 +572,14 @@ struct PyBatch {
     client: blocking::Client,
 }
 
-/// Keeps a batch's pins, or an allocation's slots, while a view lives.
+/// Keeps a batch's pins, or an allocation's slots, while a view lives —
+/// and the connection they belong to: the daemon releases a connection's
+/// pins and allocations when it closes, so a view must keep it open even
+/// after its batch and client are gone.
 #[pyclass(module = "kvmesh._kvmesh", frozen, name = "Export")]
 struct Export {
     of: Exported,
+    _client: blocking::Client,
 }
 
 enum Exported {
@@ -660,7 +664,12 @@ impl PyBatch {
             None => (b.as_ptr() as usize, b.len(), -1),
         };
         st.exports += 1;
-        Ok(Some((addr, len, Export { of: Exported::Batch(Arc::clone(&self.state)) }, device)))
+        Ok(Some((
+            addr,
+            len,
+            Export { of: Exported::Batch(Arc::clone(&self.state)), _client: self.client.clone() },
+            device,
+        )))
     }
 
     /// Re-reads entry `i`'s whole slot and checks it still holds this block
@@ -768,7 +777,12 @@ impl PyAllocation {
             None => (w.as_mut_ptr() as usize, w.len(), -1),
         };
         st.exports += 1;
-        Ok(Some((addr, len, Export { of: Exported::Alloc(Arc::clone(&self.state)) }, device)))
+        Ok(Some((
+            addr,
+            len,
+            Export { of: Exported::Alloc(Arc::clone(&self.state)), _client: self.client.clone() },
+            device,
+        )))
     }
 
     /// Commits every allocated entry; per entry "stored", "exists",

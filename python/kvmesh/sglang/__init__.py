@@ -148,7 +148,9 @@ class KvmeshStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         for ptr, size in parts:
             ctypes.memmove(int(ptr), src + off, int(size))
             off += int(size)
-        return True
+        # Only a copy that ended within the pin's lease read this block (past
+        # it the slot may have been reused): a miss otherwise.
+        return batch.lease_remaining_ms > 0
 
     def _copy_in(self, alloc: Any, i: int, parts: List[tuple]) -> None:
         block = alloc[i]
