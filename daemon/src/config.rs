@@ -451,7 +451,7 @@ pub struct LimitsConfig {
     pub batch_keys_max: u32,
     /// Most concurrent engine connections.
     pub sessions_max: u32,
-    /// Most pins one session holds at once.
+    /// Most pins one session holds at once (a block pinned twice counts twice).
     pub pins_per_session_max: u32,
     /// Most uncommitted allocations one session holds at once.
     pub allocations_per_session_max: u32,

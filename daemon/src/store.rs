@@ -215,6 +215,10 @@ enum LeaseKind {
 struct Session {
     /// Pins: slot -> (count, lease id).
     pins: HashMap<SlotRef, (u32, u64)>,
+    /// Pins held, a slot pinned again counted again (the sum of the
+    /// counts): what `limits.pins_per_session_max` bounds, so no slot's
+    /// pin count can overflow.
+    pin_total: u64,
     /// Pending allocations: slot -> lease id.
     allocs: HashMap<SlotRef, u64>,
 }
@@ -825,6 +829,7 @@ impl Store {
             checksum: slot.checksum,
         };
         self.pins_outstanding += 1;
+        sess.pin_total += 1;
         let rec = sess.pins.entry(r).or_insert((0, 0));
         rec.0 += 1;
         // The record follows the lease that ends last: a re-pin with a
@@ -1009,8 +1014,8 @@ impl Store {
 
     /// Refuses `n` more pins for a session at `limits.pins_per_session_max`.
     fn check_pins_room(&mut self, session: SessionId, n: usize) -> Result<(), Error> {
-        let held = self.sessions.get(&session).map_or(0, |s| s.pins.len());
-        if held + n > self.cfg.limits.pins_per_session_max as usize {
+        let held = self.sessions.get(&session).map_or(0, |s| s.pin_total);
+        if held + n as u64 > u64::from(self.cfg.limits.pins_per_session_max) {
             self.counters.resource_exhausted += 1;
             return Err(Error::ResourceExhausted(format!(
                 "session holds {held} pins; {n} more would exceed limits.pins_per_session_max ({})",
@@ -1211,6 +1216,7 @@ impl Store {
                 continue;
             };
             *count -= 1;
+            sess.pin_total -= 1;
             if let Some(l) = self.leases.get(lease) {
                 self.lease_left_at_unpin.observe(l.deadline.saturating_duration_since(now).as_secs_f64());
             }
@@ -1643,6 +1649,7 @@ impl Store {
                             && l == id
                         {
                             sess.pins.remove(&r);
+                            sess.pin_total -= u64::from(count);
                             for _ in 0..count {
                                 self.drop_pin(r);
                             }
@@ -1774,6 +1781,11 @@ impl Store {
         if session_pins != pins_total {
             return Err(format!("pins: sessions hold {session_pins}, slots hold {pins_total}"));
         }
+        if let Some((sid, s)) =
+            self.sessions.iter().find(|(_, s)| s.pin_total != s.pins.values().map(|(c, _)| u64::from(*c)).sum::<u64>())
+        {
+            return Err(format!("session {sid}: pin total {} is not the sum of its pin counts", s.pin_total));
+        }
         let session_allocs: usize = self.sessions.values().map(|s| s.allocs.len()).sum();
         let records = self.sessions.values().map(|s| s.allocs.len() + s.pins.len()).sum::<usize>();
         let live: usize = self.leases.values().map(|l| l.live as usize).sum();
@@ -1863,6 +1875,26 @@ mod tests {
         assert!(p.small.len() <= cap.0 && p.main.len() <= cap.1.max(p.main.len()), "queues grew: {}", p.small.len());
         assert_eq!((p.small.capacity(), p.main.capacity()), cap, "a queue regrew");
         assert_eq!(st.counters.evictions, 0, "the test is about a pool that does not evict");
+    }
+
+    /// Pinning one slot again and again counts against the session's pin
+    /// limit (each pin is a count on the slot: unbounded, it could wrap).
+    #[test]
+    fn repeated_pins_of_one_slot_count_against_the_limit() {
+        let mut st = store(4, "[limits]\npins_per_session_max = 5");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let now = Instant::now();
+        let slot = put(&mut st, 9, ns, Key(1), now).unwrap();
+        for _ in 0..5 {
+            st.check_pin_request(1, 1).unwrap();
+            st.pin(1, ns, &[Key(1)], 0, false, now).unwrap();
+        }
+        let e = st.check_pin_request(1, 1).unwrap_err();
+        assert!(matches!(&e, Error::ResourceExhausted(m) if m.contains("pins_per_session_max")), "{e:?}");
+        assert_eq!(st.pools[0].slots[slot.slot as usize].pins, 5);
+        st.unpin(1, &[slot, slot]).unwrap();
+        st.check_pin_request(1, 2).unwrap();
+        st.check_invariants().unwrap();
     }
 
     /// A re-pin with a shorter lease does not cut short the first pin's
