@@ -362,7 +362,7 @@ fn ok_frame<M: Message>(id: u64, m: &M) -> Vec<u8> {
 async fn call(svc: EngineService, session: u64, id: u64, method: u8, body: Vec<u8>) -> Result<Vec<u8>, Status> {
     fn req<T>(m: T, session: u64) -> tonic::Request<T> {
         let mut r = tonic::Request::new(m);
-        r.extensions_mut().insert(ConnInfo { session });
+        r.extensions_mut().insert(ConnInfo { session, hold: None });
         r
     }
     let bad = |e: prost::DecodeError| Status::invalid_argument(format!("undecodable request: {e}"));

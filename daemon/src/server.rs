@@ -159,7 +159,10 @@ struct TrackedStream {
 impl Connected for TrackedStream {
     type ConnectInfo = ConnInfo;
     fn connect_info(&self) -> ConnInfo {
-        ConnInfo { session: self.guard.session }
+        ConnInfo {
+            session: self.guard.session,
+            hold: Some(Arc::clone(&self.guard) as Arc<dyn std::any::Any + Send + Sync>),
+        }
     }
 }
 

@@ -16,10 +16,33 @@ use crate::error::Error;
 use crate::store::{AllocOutcome, SessionId, SlotRef, Store};
 
 /// Connection identity attached to every request by the server.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ConnInfo {
     /// The session (connection) id.
     pub session: SessionId,
+    /// What keeps the session open (gRPC: the connection's guard, whose
+    /// drop releases the session's pins and allocations). A call holds it
+    /// while it runs ([`held_session`]), so a connection that closes while
+    /// a call of it is queued or running releases its session after that
+    /// call — never before, when the call would open the session again and
+    /// leave it behind. `None` on the fast path, whose calls hold their
+    /// connection's guard themselves.
+    pub hold: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl std::fmt::Debug for ConnInfo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnInfo").field("session", &self.session).finish_non_exhaustive()
+    }
+}
+
+/// The session of a request's connection, and what keeps it open: keep
+/// the second for as long as the call uses the session.
+fn held_session<T>(req: &Request<T>) -> Result<(SessionId, Option<Arc<dyn std::any::Any + Send + Sync>>), Status> {
+    req.extensions()
+        .get::<ConnInfo>()
+        .map(|c| (c.session, c.hold.clone()))
+        .ok_or_else(|| Status::internal("request without connection info"))
 }
 
 /// Commits whose payload is larger than this are checksummed on a blocking
@@ -95,7 +118,7 @@ impl EngineService {
 #[tonic::async_trait]
 impl pb::engine_server::Engine for EngineService {
     async fn hello(&self, req: Request<pb::HelloRequest>) -> Result<Response<pb::HelloResponse>, Status> {
-        let session = session_of(&req)?;
+        let (session, _hold) = held_session(&req)?;
         self.admitted(session)?;
         let st = self.store.lock();
         let l = &st.config().limits;
@@ -129,7 +152,8 @@ impl pb::engine_server::Engine for EngineService {
         &self,
         req: Request<pb::RegisterNamespaceRequest>,
     ) -> Result<Response<pb::NamespaceInfo>, Status> {
-        self.admitted(session_of(&req)?)?;
+        let (session, _hold) = held_session(&req)?;
+        self.admitted(session)?;
         let r = req.into_inner();
         let ns = self.store.lock().register_namespace_on(&r.name, r.block_bytes, &r.layout, &r.device)?;
         Ok(Response::new(ns_info(ns)))
@@ -139,13 +163,15 @@ impl pb::engine_server::Engine for EngineService {
         &self,
         req: Request<pb::GetNamespaceRequest>,
     ) -> Result<Response<pb::NamespaceInfo>, Status> {
-        self.admitted(session_of(&req)?)?;
+        let (session, _hold) = held_session(&req)?;
+        self.admitted(session)?;
         let ns = self.store.lock().namespace_by_name(&req.into_inner().name)?;
         Ok(Response::new(ns_info(ns)))
     }
 
     async fn lookup(&self, req: Request<pb::LookupRequest>) -> Result<Response<pb::LookupResponse>, Status> {
-        self.admitted(session_of(&req)?)?;
+        let (session, _hold) = held_session(&req)?;
+        self.admitted(session)?;
         let r = req.into_inner();
         let ks = keys(&r.keys);
         let (cluster, fingerprint) = {
@@ -187,7 +213,7 @@ impl pb::engine_server::Engine for EngineService {
     }
 
     async fn pin(&self, req: Request<pb::PinRequest>) -> Result<Response<pb::PinResponse>, Status> {
-        let session = session_of(&req)?;
+        let (session, _hold) = held_session(&req)?;
         let r = req.into_inner();
         let ks = keys(&r.keys);
         let now = Instant::now();
@@ -249,14 +275,14 @@ impl pb::engine_server::Engine for EngineService {
     }
 
     async fn unpin(&self, req: Request<pb::UnpinRequest>) -> Result<Response<pb::UnpinResponse>, Status> {
-        let session = session_of(&req)?;
+        let (session, _hold) = held_session(&req)?;
         let r = req.into_inner();
         let (released, unknown) = self.store.lock().unpin(session, &refs(&r.slots))?;
         Ok(Response::new(pb::UnpinResponse { released, unknown }))
     }
 
     async fn allocate(&self, req: Request<pb::AllocateRequest>) -> Result<Response<pb::AllocateResponse>, Status> {
-        let session = session_of(&req)?;
+        let (session, _hold) = held_session(&req)?;
         self.admitted(session)?;
         let r = req.into_inner();
         let now = Instant::now();
@@ -297,7 +323,7 @@ impl pb::engine_server::Engine for EngineService {
     }
 
     async fn commit(&self, req: Request<pb::CommitRequest>) -> Result<Response<pb::CommitResponse>, Status> {
-        let session = session_of(&req)?;
+        let (session, _hold) = held_session(&req)?;
         let r = req.into_inner();
         let jobs = self.store.lock().begin_commit(session, &refs(&r.slots))?;
         // The slots now belong to this commit, not to the session: finish it
@@ -371,14 +397,15 @@ impl pb::engine_server::Engine for EngineService {
     }
 
     async fn abort(&self, req: Request<pb::AbortRequest>) -> Result<Response<pb::AbortResponse>, Status> {
-        let session = session_of(&req)?;
+        let (session, _hold) = held_session(&req)?;
         let r = req.into_inner();
         let (aborted, unknown) = self.store.lock().abort(session, &refs(&r.slots))?;
         Ok(Response::new(pb::AbortResponse { aborted, unknown }))
     }
 
     async fn remove(&self, req: Request<pb::RemoveRequest>) -> Result<Response<pb::RemoveResponse>, Status> {
-        self.admitted(session_of(&req)?)?;
+        let (session, _hold) = held_session(&req)?;
+        self.admitted(session)?;
         let r = req.into_inner();
         let removed = match &self.cluster {
             None => self.store.lock().remove(r.namespace_id, &keys(&r.keys))?,
@@ -398,7 +425,8 @@ impl pb::engine_server::Engine for EngineService {
         &self,
         req: Request<pb::InvalidateRequest>,
     ) -> Result<Response<pb::InvalidateResponse>, Status> {
-        self.admitted(session_of(&req)?)?;
+        let (session, _hold) = held_session(&req)?;
+        self.admitted(session)?;
         let r = req.into_inner();
         let (fp, ks) = {
             let st = self.store.lock();
@@ -826,5 +854,62 @@ async fn stream_events(
                 None => return,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use pb::engine_server::Engine;
+
+    /// Stands in for the server's connection guard: releases the session
+    /// when the last holder drops it.
+    struct Guard(SessionId, Arc<Mutex<Store>>);
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            self.1.lock().release_session(self.0);
+        }
+    }
+
+    fn req<T>(m: T, session: SessionId, guard: &Arc<Guard>) -> Request<T> {
+        let mut r = Request::new(m);
+        let hold: Arc<dyn std::any::Any + Send + Sync> = Arc::clone(guard) as _;
+        r.extensions_mut().insert(ConnInfo { session, hold: Some(hold) });
+        r
+    }
+
+    /// A connection that closes while its call is queued (its guard is then
+    /// held by the call's request alone) releases its session after the
+    /// call, not before: the call does not open it again and leave it (and
+    /// its allocation) behind.
+    #[tokio::test]
+    async fn a_call_of_a_closed_connection_leaves_no_session_behind() {
+        let text = "[[pools]]\nname = \"t\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\nmlock = false\n";
+        let store = Arc::new(Mutex::new(Store::new(Config::parse(text, "test").unwrap()).unwrap()));
+        let (drain, _) = tokio::sync::watch::channel(None);
+        let svc = EngineService::new(Arc::clone(&store), None, None, drain, "test".into());
+        let guard = Arc::new(Guard(1, Arc::clone(&store)));
+        let ns = svc
+            .register_namespace(req(
+                pb::RegisterNamespaceRequest { name: "n".into(), block_bytes: 4096, ..Default::default() },
+                1,
+                &guard,
+            ))
+            .await
+            .unwrap()
+            .into_inner()
+            .id;
+        let call = req(
+            pb::AllocateRequest { namespace_id: ns, keys: vec![pb::Key { hi: 0, lo: 7 }], ..Default::default() },
+            1,
+            &guard,
+        );
+        drop(guard); // the connection closed; the queued call holds the rest
+        let out = svc.allocate(call).await.unwrap().into_inner();
+        assert_eq!(out.allocations.len(), 1);
+        let st = store.lock().stats();
+        assert_eq!((st.sessions, st.allocations_outstanding), (0, 0), "a session outlived its connection");
     }
 }
