@@ -1676,12 +1676,13 @@ impl Store {
         if self.sessions.contains_key(&session) {
             return Ok(());
         }
-        if self.sessions.len() >= self.cfg.limits.sessions_max as usize {
+        // Engine connections only: peers' grant sessions and the daemon's
+        // own fetches are not what the limit is about. (Counted only when a
+        // connection opens: O(sessions).)
+        let engines = self.sessions.keys().filter(|&&id| id < PEER_SESSION_BASE).count();
+        if session < PEER_SESSION_BASE && engines >= self.cfg.limits.sessions_max as usize {
             self.counters.resource_exhausted += 1;
-            return Err(Error::ResourceExhausted(format!(
-                "{} sessions open, limits.sessions_max reached",
-                self.sessions.len()
-            )));
+            return Err(Error::ResourceExhausted(format!("{engines} sessions open, limits.sessions_max reached")));
         }
         self.sessions.entry(session).or_default();
         Ok(())
@@ -1875,6 +1876,20 @@ mod tests {
         assert!(p.small.len() <= cap.0 && p.main.len() <= cap.1.max(p.main.len()), "queues grew: {}", p.small.len());
         assert_eq!((p.small.capacity(), p.main.capacity()), cap, "a queue regrew");
         assert_eq!(st.counters.evictions, 0, "the test is about a pool that does not evict");
+    }
+
+    /// `sessions_max` bounds engine connections: the sessions of peers'
+    /// grants and of the daemon's own fetches do not take their places.
+    #[test]
+    fn internal_sessions_do_not_count_against_sessions_max() {
+        let mut st = store(4, "[limits]\nsessions_max = 2");
+        st.open_session(PEER_SESSION_BASE + 1).unwrap();
+        st.open_session(FETCH_SESSION).unwrap();
+        st.open_session(1).unwrap();
+        st.open_session(2).unwrap();
+        let e = st.open_session(3).unwrap_err();
+        assert!(matches!(&e, Error::ResourceExhausted(m) if m.starts_with("2 sessions open")), "{e:?}");
+        st.open_session(PEER_SESSION_BASE + 2).unwrap();
     }
 
     /// Pinning one slot again and again counts against the session's pin

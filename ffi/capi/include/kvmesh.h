@@ -235,7 +235,9 @@ uint32_t kvmesh_abi_version(void);
 const char *kvmesh_version(void);
 
 // The message of the calling thread's last failure ("" if none). Valid
-// until the next failing call on this thread; copy it to keep it.
+// until the next call on this thread that sets it — a failing call, or a
+// `kvmesh_commit` / `kvmesh_put` that succeeded with entries refused (it
+// then says why); copy it to keep it.
 const char *kvmesh_last_error(void);
 
 // The name of a code ("KVMESH_E_NOT_FOUND", ...), a static string;
@@ -372,7 +374,9 @@ int32_t kvmesh_watch_events(const kvmesh_client_t *client,
 // batch beyond `cap` are kept for the next call. The watcher cut off (too
 // far behind, or not reading): `KVMESH_E_EXHAUSTED` — watch again with a
 // snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`.
-// One thread at a time per stream.
+// One thread at a time per stream: nothing interrupts a call from another
+// thread (`kvmesh_events_close` must not race it), so a reader that must
+// stop on request uses a finite `timeout_ms` and checks between calls.
 //
 // # Safety
 // `ev` is a live stream; `events` has room for `cap` events; `n` is

@@ -11,7 +11,9 @@
 //!
 //! **Ownership.** Handles come from `_open`-style calls and go back through
 //! the matching call (`kvmesh_close`, `kvmesh_unpin`, `kvmesh_commit` or
-//! `kvmesh_abort`), exactly once; NULL is accepted and ignored there. The
+//! `kvmesh_abort`), exactly once; NULL is accepted and ignored there
+//! (except by `kvmesh_commit`, which answers NULL with
+//! `KVMESH_E_INVALID`: nothing was committed). The
 //! library copies what it needs from caller memory during a call and never
 //! keeps a caller's pointer after the call returns.
 //!
@@ -387,7 +389,9 @@ pub extern "C" fn kvmesh_version() -> *const c_char {
 }
 
 /// The message of the calling thread's last failure ("" if none). Valid
-/// until the next failing call on this thread; copy it to keep it.
+/// until the next call on this thread that sets it — a failing call, or a
+/// `kvmesh_commit` / `kvmesh_put` that succeeded with entries refused (it
+/// then says why); copy it to keep it.
 #[unsafe(no_mangle)]
 pub extern "C" fn kvmesh_last_error() -> *const c_char {
     LAST_ERROR.with(|e| e.borrow().as_ptr())
@@ -791,7 +795,9 @@ pub unsafe extern "C" fn kvmesh_watch_events(
 /// batch beyond `cap` are kept for the next call. The watcher cut off (too
 /// far behind, or not reading): `KVMESH_E_EXHAUSTED` — watch again with a
 /// snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`.
-/// One thread at a time per stream.
+/// One thread at a time per stream: nothing interrupts a call from another
+/// thread (`kvmesh_events_close` must not race it), so a reader that must
+/// stop on request uses a finite `timeout_ms` and checks between calls.
 ///
 /// # Safety
 /// `ev` is a live stream; `events` has room for `cap` events; `n` is

@@ -323,7 +323,7 @@ fn run_engine(data: &[u8]) -> kvmeshd::store::StoreStats {
         let body = s.bytes(usize::from(len)).to_vec();
         fn req<T>(t: T) -> Request<T> {
             let mut r = Request::new(t);
-            r.extensions_mut().insert(kvmeshd::service::ConnInfo { session: 1 });
+            r.extensions_mut().insert(kvmeshd::service::ConnInfo { session: 1, hold: None });
             r
         }
         macro_rules! call {
