@@ -774,16 +774,31 @@ fn run(
         // the limits runs alone). Sends for peers' orders do not wait for
         // our own reads: two daemons reading from each other at their
         // limits would otherwise each wait for the other's sends.
-        while let Some(p) = queue.front() {
+        // (Our own batches start in order: one that does not fit holds
+        // back those behind it, but never a send queued behind it.)
+        let mut i = 0;
+        let mut blocked = false;
+        while i < queue.len() {
+            let p = &queue[i];
             let bytes: u64 = p.items.iter().map(|i| i.len).sum();
-            let fits = (reqs_in_flight + p.items.len() <= limits.inflight_requests_max
-                && bytes_in_flight + bytes <= limits.inflight_bytes_max)
-                || reqs_in_flight == 0
-                || p.mode == Mode::Send;
-            if !fits {
-                break;
+            if p.mode != Mode::Send {
+                let fits = (reqs_in_flight + p.items.len() <= limits.inflight_requests_max
+                    && bytes_in_flight + bytes <= limits.inflight_bytes_max)
+                    || reqs_in_flight == 0;
+                if blocked || !fits {
+                    blocked = true;
+                    i += 1;
+                    continue;
+                }
             }
-            let p = queue.pop_front().expect("front exists");
+            let p = queue.remove(i).expect("index within the queue");
+            if p.mode == Mode::Send && Instant::now() >= p.deadline {
+                // Its getter's receives are past their deadline too.
+                for k in 0..p.items.len() {
+                    let _ = p.reply.send((k, TransferOutcome::Failed("send order waited past its deadline".into())));
+                }
+                continue;
+            }
             let f = start(worker, &peers, regions, p, bytes);
             reqs_in_flight += f.reqs.iter().filter(|r| r.is_some()).count();
             bytes_in_flight += f.bytes;
@@ -1163,9 +1178,68 @@ mod tests {
     }
 
     fn plane_on(name: &str, t: Transports) -> (DataPlane, Arc<SharedMapping>) {
+        plane_with(name, t, Limits { inflight_requests_max: 64, inflight_bytes_max: 64 << 20 })
+    }
+
+    fn plane_with(name: &str, t: Transports, limits: Limits) -> (DataPlane, Arc<SharedMapping>) {
         let pool = Arc::new(SharedMapping::create(name, 1 << 20, false).unwrap());
-        let limits = Limits { inflight_requests_max: 64, inflight_bytes_max: 64 << 20 };
         (DataPlane::start(t, &[Arc::clone(&pool)], limits).unwrap(), pool)
+    }
+
+    /// A holder at its in-flight limit with its own reads queued still
+    /// serves a peer's send order at once: two daemons reading from each
+    /// other at their limits would otherwise wait on each other until the
+    /// deadlines.
+    #[tokio::test]
+    async fn send_orders_do_not_wait_behind_our_own_queued_reads() {
+        let (getter, gpool) = plane("dp-q-getter");
+        let (holder, hpool) = plane_with(
+            "dp-q-holder",
+            Transports::Tcp,
+            Limits { inflight_requests_max: 1, inflight_bytes_max: 64 << 20 },
+        );
+        holder.connect(addr(1, &getter)).await.unwrap();
+        getter.connect(addr(2, &holder)).await.unwrap();
+        let block: Vec<u8> = (0..65536u32).map(|i| (i % 239) as u8).collect();
+        hpool.copy_in(65536, &block).unwrap();
+        let check: OrderCheck = Box::new(|bytes: &[u8]| {
+            let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
+            let items = vec![TransferItem {
+                remote_pool: 0,
+                remote_offset: 0,
+                len: 65536,
+                local_pool: 0,
+                local_offset: 65536,
+                tag,
+            }];
+            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
+        });
+        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
+        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
+        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
+        let item = |slot: u64, tag: u64| TransferItem {
+            remote_pool: 0,
+            remote_offset: 0,
+            len: 65536,
+            local_pool: 0,
+            local_offset: slot * 65536,
+            tag,
+        };
+        let far = Instant::now() + Duration::from_secs(20);
+        // The holder's own reads: one in flight that nobody answers (no
+        // order sent), one queued behind it (over the limit of 1).
+        let (_, _stuck) = holder.transfer_ordered(Mode::Recv, 1, 1, vec![item(10, 901)], Vec::new(), far);
+        let (_, _queued) = holder.transfer_ordered(Mode::Recv, 1, 1, vec![item(11, 902)], Vec::new(), far);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let t0 = Instant::now();
+        let order: Vec<u8> = [1u64.to_le_bytes(), 31u64.to_le_bytes()].concat();
+        let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(3, 31)], vec![order], far);
+        let (_, outcome) = tokio::time::timeout(Duration::from_secs(10), rx.recv()).await.unwrap().unwrap();
+        assert_eq!(outcome, TransferOutcome::Done);
+        assert!(t0.elapsed() < Duration::from_secs(5), "the send waited behind the holder's own reads");
+        let mut got = vec![0u8; 65536];
+        gpool.copy_out(3 * 65536, &mut got).unwrap();
+        assert_eq!(got, block);
     }
 
     fn addr(id: u32, dp: &DataPlane) -> PeerAddr {

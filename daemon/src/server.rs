@@ -104,7 +104,15 @@ pub fn bind_socket(path: &Path, default_location: bool, mode: u32) -> anyhow::Re
             return Err(e).with_context(|| format!("cannot lock {}", lock_path.display()));
         }
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::FileTypeExt;
+        if !meta.file_type().is_socket() {
+            bail!(
+                "server.socket {} exists and is not a socket (a file? a typo in the path?): not removed; \
+                 choose another path or remove it",
+                path.display()
+            );
+        }
         tracing::info!(socket = %path.display(), "removing stale socket of a daemon that is gone");
         std::fs::remove_file(path).with_context(|| format!("cannot remove stale socket {}", path.display()))?;
     }
@@ -352,19 +360,26 @@ fn watchdog(
     cluster: Option<Arc<crate::cluster::Cluster>>,
     stop: Arc<std::sync::atomic::AtomicBool>,
 ) {
+    // Checks start every `every` (half the systemd period) and share one
+    // budget of half that: a responsive daemon pings at most 0.75 of the
+    // period apart, however slow each check is within the budget.
     let budget = every / 2;
     let mut silent = false;
+    let mut next = Instant::now() + every;
     while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(every);
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
         if stop.load(Ordering::Relaxed) {
             return;
         }
+        let started = Instant::now();
+        next = started + every;
+        let left = || (started + budget).saturating_duration_since(Instant::now());
         let (tx, rx) = std::sync::mpsc::channel();
         rt.spawn(async move {
             let _ = tx.send(());
         });
-        let runtime_ok = rx.recv_timeout(budget).is_ok();
-        let locks_ok = store.try_lock_for(budget).is_some() && cluster.as_ref().is_none_or(|c| c.responsive(budget));
+        let runtime_ok = rx.recv_timeout(left()).is_ok();
+        let locks_ok = store.try_lock_for(left()).is_some() && cluster.as_ref().is_none_or(|c| c.responsive(left()));
         if runtime_ok && locks_ok {
             sd_notify("WATCHDOG=1");
             if silent {

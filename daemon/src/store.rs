@@ -36,6 +36,10 @@ pub const FETCH_SESSION: SessionId = u64::MAX - 1;
 /// Sessions of read grants to peers: this plus the peer's node id.
 pub const PEER_SESSION_BASE: SessionId = 1 << 62;
 
+/// Most pins one internal session (a peer's grants) holds: twice what the
+/// coherence core lets one reader hold in grants.
+pub const INTERNAL_PINS_MAX: u64 = 2 * kvmesh_coherence::GRANTS_PER_READER_MAX;
+
 /// One use of one slot: (pool, slot, generation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SlotRef {
@@ -778,6 +782,18 @@ impl Store {
         self.check_batch(refs.len())?;
         if session < PEER_SESSION_BASE {
             self.check_pins_room(session, refs.len())?;
+        } else {
+            // A peer's grants: the core bounds them per reader, but a member
+            // that asks for one block again and again without releasing
+            // keeps renewing one record; bounded here too, so no slot's pin
+            // count can wrap whatever a peer sends.
+            let held = self.sessions.get(&session).map_or(0, |s| s.pin_total);
+            if held + refs.len() as u64 > INTERNAL_PINS_MAX {
+                self.counters.resource_exhausted += 1;
+                return Err(Error::ResourceExhausted(format!(
+                    "internal session {session:#x} holds {held} pins (at most {INTERNAL_PINS_MAX})"
+                )));
+            }
         }
         if session < PEER_SESSION_BASE && !self.sessions.contains_key(&session) {
             // The engine's connection closed while its call was in flight:
@@ -1876,6 +1892,29 @@ mod tests {
         assert!(p.small.len() <= cap.0 && p.main.len() <= cap.1.max(p.main.len()), "queues grew: {}", p.small.len());
         assert_eq!((p.small.capacity(), p.main.capacity()), cap, "a queue regrew");
         assert_eq!(st.counters.evictions, 0, "the test is about a pool that does not evict");
+    }
+
+    /// A peer that asks for the same block again and again without ever
+    /// releasing is refused at a bound, never wraps the slot's pin count.
+    #[test]
+    fn a_peer_repinning_one_block_hits_a_bound() {
+        let mut st = store(4, "");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let now = Instant::now();
+        let slot = put(&mut st, 9, ns, Key(1), now).unwrap();
+        let peer = PEER_SESSION_BASE + 3;
+        let refs = vec![slot; 4096];
+        let rounds = INTERNAL_PINS_MAX / 4096;
+        for _ in 0..rounds {
+            let (out, _) = st.pin_slots(peer, &refs, 5_000, now).unwrap();
+            assert!(out.iter().all(Option::is_some));
+        }
+        let e = st.pin_slots(peer, &refs[..1], 5_000, now).unwrap_err();
+        assert!(matches!(&e, Error::ResourceExhausted(m) if m.contains("internal session")), "{e:?}");
+        assert_eq!(u64::from(st.pools[0].slots[slot.slot as usize].pins), INTERNAL_PINS_MAX);
+        st.release_session(peer);
+        assert_eq!(st.pools[0].slots[slot.slot as usize].pins, 0);
+        st.check_invariants().unwrap();
     }
 
     /// `sessions_max` bounds engine connections: the sessions of peers'

@@ -80,9 +80,11 @@ async fn pools_namespaces_and_top_describe_a_working_daemon() {
     assert_eq!(rows[1]["pins_outstanding"], 2);
     // This daemon serves no /metrics: no percentiles, said so.
     assert!(rows.iter().all(|r| r["pin_p99_s"].is_null()), "{out}");
-    let (code, _, err) = run_cli(&d.socket, &["top", "--interval-s", "0", "--count", "1"]);
-    assert_eq!(code, 1, "{err}");
-    assert!(err.contains("--interval-s"), "{err}");
+    for bad in ["0", "1e20", "NaN"] {
+        let (code, _, err) = run_cli(&d.socket, &["top", "--interval-s", bad, "--count", "1"]);
+        assert_eq!(code, 1, "{bad}: {err}");
+        assert!(err.contains("--interval-s"), "{bad}: {err}");
+    }
 }
 
 /// `kvmesh config` prints the running configuration, which the daemon

@@ -431,6 +431,25 @@ fn socket_of_live_daemon_is_not_stolen_and_stale_socket_is_reclaimed() {
     assert_eq!(mode & 0o777, 0o600);
     child.kill().unwrap();
     child.wait().unwrap();
+
+    // Not a socket (a typo pointing at a file): left alone, and said why.
+    let file = dir.0.join("notes.txt");
+    std::fs::write(&file, b"keep me").unwrap();
+    let cfg3 = dir.0.join("c3.toml");
+    std::fs::write(
+        &cfg3,
+        format!(
+            "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n{}",
+            file.display().to_string(),
+            pool("p", "4MiB", "4KiB")
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd")).arg("--config").arg(&cfg3).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("server.socket") && err.contains("is not a socket"), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), b"keep me", "a file at the socket path was removed");
 }
 
 #[test]

@@ -61,6 +61,8 @@ async fn metrics_are_served_while_the_daemon_works_and_pass_promtool() {
     c.flush_releases().await;
     let (_, _, text) = tokio::task::spawn_blocking(move || get(port, "/metrics", "*/*")).await.unwrap();
     assert_eq!(sample(&text, "kvmesh_lease_remaining_at_unpin_seconds_count"), 4.0, "{text}");
+    // The last bucket is +Inf (PromQL's histogram_quantile needs it).
+    assert_eq!(sample(&text, "kvmesh_lease_remaining_at_unpin_seconds_bucket{le=\"+Inf\"}"), 4.0, "{text}");
     // Released within a second of a 30 s lease: the 16.4-32.8 s bucket.
     assert_eq!(sample(&text, "kvmesh_lease_remaining_at_unpin_seconds_bucket{le=\"10.24\"}"), 0.0, "{text}");
 

@@ -319,8 +319,10 @@ async fn run(args: Args) -> Result<(), Failure> {
             return Err(Failure::Error("the event stream ended".into()));
         }
         Cmd::Top { interval_s, count, json } => {
-            if !(interval_s > 0.0 && interval_s.is_finite()) {
-                return Err(Failure::Error(format!("--interval-s must be a positive number, got {interval_s}")));
+            if !(0.05..=86_400.0).contains(&interval_s) {
+                return Err(Failure::Error(format!(
+                    "--interval-s must be from 0.05 to 86400 seconds, got {interval_s}"
+                )));
             }
             let client = connect(args.socket).await?;
             // Latency percentiles come from the daemon's /metrics histograms
