@@ -31,7 +31,9 @@ use crate::tls::PeerTls;
 struct Connected {
     client: PeerClient<Channel>,
     incarnation: u64,
-    pools: Vec<pb::PoolDesc>,
+    /// Shared, not copied, with every read batch (descriptors carry remote
+    /// keys: up to 256 pools of 16 KiB each).
+    pools: Arc<[pb::PoolDesc]>,
     takes_locate_registration: bool,
 }
 
@@ -283,7 +285,7 @@ impl Peers {
         Ok(Connected {
             client,
             incarnation: resp.incarnation,
-            pools: resp.pools,
+            pools: resp.pools.into(),
             takes_locate_registration: resp.takes_locate_registration,
         })
     }
@@ -305,19 +307,19 @@ impl Peers {
 
     /// The handshake state of peer `id`: its incarnation, pools and a
     /// client of its peer service. `None` while not connected.
-    pub async fn conn_info(&self, id: u32) -> Option<(u64, Vec<pb::PoolDesc>, PeerClient<Channel>)> {
+    pub async fn conn_info(&self, id: u32) -> Option<(u64, Arc<[pb::PoolDesc]>, PeerClient<Channel>)> {
         let p = self.peers.iter().find(|p| p.entry.id == id)?;
         let g = p.conn.lock().await;
-        g.as_ref().map(|c| (c.incarnation, c.pools.clone(), c.client.clone()))
+        g.as_ref().map(|c| (c.incarnation, Arc::clone(&c.pools), c.client.clone()))
     }
 
     /// As [`Peers::conn_info`] without waiting: the incarnation and pools
     /// of peer `id` when connected and its handshake state is not being
     /// changed at this moment (`None` then: ask [`Peers::conn_info`]).
-    pub fn try_conn_info(&self, id: u32) -> Option<(u64, Vec<pb::PoolDesc>)> {
+    pub fn try_conn_info(&self, id: u32) -> Option<(u64, Arc<[pb::PoolDesc]>)> {
         let p = self.peers.iter().find(|p| p.entry.id == id)?;
         let g = p.conn.try_lock().ok()?;
-        g.as_ref().map(|c| (c.incarnation, c.pools.clone()))
+        g.as_ref().map(|c| (c.incarnation, Arc::clone(&c.pools)))
     }
 
     /// Shakes hands with `id` now if not connected (and no attempt is in
