@@ -1173,6 +1173,11 @@ pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
 mod tests {
     use super::*;
 
+    /// A 64 KiB receive (or send) into (from) our pool's slot `slot`.
+    fn item(slot: u64, tag: u64) -> TransferItem {
+        TransferItem { remote_pool: 0, remote_offset: 0, len: 65536, local_pool: 0, local_offset: slot * 65536, tag }
+    }
+
     fn plane(name: &str) -> (DataPlane, Arc<SharedMapping>) {
         plane_on(name, Transports::Tcp)
     }
@@ -1217,14 +1222,6 @@ mod tests {
         let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
         let (staging, _) = tokio::sync::mpsc::unbounded_channel();
         holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
-        let item = |slot: u64, tag: u64| TransferItem {
-            remote_pool: 0,
-            remote_offset: 0,
-            len: 65536,
-            local_pool: 0,
-            local_offset: slot * 65536,
-            tag,
-        };
         let far = Instant::now() + Duration::from_secs(20);
         // The holder's own reads: one in flight that nobody answers (no
         // order sent), one queued behind it (over the limit of 1).
@@ -1298,14 +1295,6 @@ mod tests {
         holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
         let order: Vec<u8> =
             [(1u64, 11u64), (2, 12)].iter().flat_map(|(s, t)| [s.to_le_bytes(), t.to_le_bytes()]).flatten().collect();
-        let item = |slot: u64, tag: u64| TransferItem {
-            remote_pool: 0,
-            remote_offset: 0,
-            len: 65536,
-            local_pool: 0,
-            local_offset: slot * 65536,
-            tag,
-        };
         let t0 = Instant::now();
         let deadline = t0 + Duration::from_secs(20);
         let (_, mut rx) =

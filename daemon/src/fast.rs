@@ -417,32 +417,13 @@ mod tests {
         assert_eq!(got, frame(0, 100));
         // A client that does not read: the socket fills, the frame that
         // does not fit makes its writer the flusher, later ones queue.
-        let mut sent = Vec::new();
-        let mut flusher = None;
-        for i in 1..1000u32 {
-            let f = frame(i, 64 << 10);
-            sent.extend_from_slice(&f);
-            match w.offer(f).unwrap() {
-                Offered::Sent => {}
-                Offered::Flush => {
-                    flusher = Some(i);
-                    break;
-                }
-                Offered::Queued => panic!("queued with no flusher"),
-            }
-        }
-        let first_queued = flusher.expect("the socket filled up");
-        for i in first_queued + 1..first_queued + 20 {
+        let mut sent = fill(&w);
+        for i in 2000..2020u32 {
             let f = frame(i, 1000 + i as usize);
             sent.extend_from_slice(&f);
             assert_eq!(w.offer(f).unwrap(), Offered::Queued, "one flusher at a time");
         }
-        let total = sent.len();
-        let reader = std::thread::spawn(move || {
-            let mut all = vec![0u8; total];
-            client.read_exact(&mut all).unwrap();
-            all
-        });
+        let reader = read_all(client, sent.len());
         w.flush().unwrap();
         assert_eq!(reader.join().unwrap(), sent, "frames interleaved or lost");
         // Flushed: frames go straight out again.
@@ -472,16 +453,27 @@ mod tests {
         for i in 1..1000u32 {
             let f = frame(i, 64 << 10);
             sent.extend_from_slice(&f);
-            if w.offer(f).unwrap() == Offered::Flush {
-                return sent;
+            match w.offer(f).unwrap() {
+                Offered::Sent => {}
+                Offered::Flush => return sent,
+                Offered::Queued => panic!("queued with no flusher"),
             }
         }
         panic!("64 MiB went into a socket nobody reads");
     }
 
+    /// Reads `total` bytes from the client's end on a thread of its own.
+    fn read_all(mut client: UnixStream, total: usize) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut all = vec![0u8; total];
+            client.read_exact(&mut all).unwrap();
+            all
+        })
+    }
+
     #[test]
     fn the_connection_thread_waits_for_a_long_queue_before_reading_on() {
-        let (w, mut client) = writer();
+        let (w, client) = writer();
         let mut sent = fill(&w);
         for i in 0..40u32 {
             let f = frame(5000 + i, 64 << 10);
@@ -496,12 +488,7 @@ mod tests {
         let conn_thread = std::thread::spawn(move || w2.write(last));
         std::thread::sleep(Duration::from_millis(100));
         assert!(!conn_thread.is_finished(), "wrote on over a queue of {} bytes", w.state.lock().bytes);
-        let total = sent.len();
-        let reader = std::thread::spawn(move || {
-            let mut all = vec![0u8; total];
-            client.read_exact(&mut all).unwrap();
-            all
-        });
+        let reader = read_all(client, sent.len());
         w.flush().unwrap();
         conn_thread.join().unwrap().unwrap();
         assert_eq!(reader.join().unwrap(), sent);

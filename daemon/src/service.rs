@@ -77,13 +77,6 @@ impl EngineService {
     }
 }
 
-fn session_of<T>(req: &Request<T>) -> Result<SessionId, Status> {
-    req.extensions()
-        .get::<ConnInfo>()
-        .map(|c| c.session)
-        .ok_or_else(|| Status::internal("request without connection info"))
-}
-
 fn keys(ks: &[pb::Key]) -> Vec<Key> {
     ks.iter().map(|k| Key::from_parts(k.hi, k.lo)).collect()
 }
@@ -463,7 +456,7 @@ impl pb::engine_server::Engine for EngineService {
         &self,
         req: Request<pb::WatchEventsRequest>,
     ) -> Result<Response<Self::WatchEventsStream>, Status> {
-        let _ = session_of(&req)?;
+        held_session(&req)?;
         let r = req.into_inner();
         Ok(Response::new(watch_events(&self.store, r.namespace_id, r.snapshot)?))
     }
@@ -472,7 +465,7 @@ impl pb::engine_server::Engine for EngineService {
         &self,
         req: Request<pb::ListNamespacesRequest>,
     ) -> Result<Response<pb::ListNamespacesResponse>, Status> {
-        let _ = session_of(&req)?;
+        held_session(&req)?;
         let list = self.store.lock().namespace_summaries();
         Ok(Response::new(pb::ListNamespacesResponse {
             namespaces: list
@@ -483,7 +476,7 @@ impl pb::engine_server::Engine for EngineService {
     }
 
     async fn list_keys(&self, req: Request<pb::ListKeysRequest>) -> Result<Response<pb::ListKeysResponse>, Status> {
-        let _ = session_of(&req)?;
+        held_session(&req)?;
         let r = req.into_inner();
         let (keys, total) = self.store.lock().list_keys(r.namespace_id, r.limit as usize)?;
         Ok(Response::new(pb::ListKeysResponse {
@@ -493,19 +486,19 @@ impl pb::engine_server::Engine for EngineService {
     }
 
     async fn stats(&self, req: Request<pb::StatsRequest>) -> Result<Response<pb::StatsResponse>, Status> {
-        let _ = session_of(&req)?;
+        held_session(&req)?;
         Ok(Response::new(self.snapshot().await))
     }
 
     async fn get_config(&self, req: Request<pb::GetConfigRequest>) -> Result<Response<pb::GetConfigResponse>, Status> {
-        let _ = session_of(&req)?;
+        held_session(&req)?;
         let cfg = self.store.lock().config().clone();
         let toml = cfg.to_toml().map_err(|e| Status::internal(format!("cannot render the config: {e}")))?;
         Ok(Response::new(pb::GetConfigResponse { toml, source: self.config_source.clone() }))
     }
 
     async fn drain(&self, req: Request<pb::DrainRequest>) -> Result<Response<pb::DrainResponse>, Status> {
-        let _ = session_of(&req)?;
+        held_session(&req)?;
         let r = req.into_inner();
         if r.deadline_ms > crate::config::DRAIN_TIMEOUT_MS_MAX {
             return Err(Status::invalid_argument(format!(

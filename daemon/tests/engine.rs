@@ -406,16 +406,18 @@ fn socket_of_live_daemon_is_not_stolen_and_stale_socket_is_reclaimed() {
     let sock = dir.0.join("kvmeshd.sock");
     drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
     assert!(sock.exists());
-    let cfg2 = dir.0.join("c.toml");
-    std::fs::write(
-        &cfg2,
-        format!(
+    // A config with the engine socket at `at`.
+    let config_at = |name: &str, at: &std::path::Path| {
+        let cfg = dir.0.join(name);
+        let text = format!(
             "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n{}",
-            sock.display().to_string(),
+            at.display().to_string(),
             pool("p", "4MiB", "4KiB")
-        ),
-    )
-    .unwrap();
+        );
+        std::fs::write(&cfg, text).unwrap();
+        cfg
+    };
+    let cfg2 = config_at("c.toml", &sock);
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
         .arg("--config")
         .arg(&cfg2)
@@ -435,16 +437,7 @@ fn socket_of_live_daemon_is_not_stolen_and_stale_socket_is_reclaimed() {
     // Not a socket (a typo pointing at a file): left alone, and said why.
     let file = dir.0.join("notes.txt");
     std::fs::write(&file, b"keep me").unwrap();
-    let cfg3 = dir.0.join("c3.toml");
-    std::fs::write(
-        &cfg3,
-        format!(
-            "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n{}",
-            file.display().to_string(),
-            pool("p", "4MiB", "4KiB")
-        ),
-    )
-    .unwrap();
+    let cfg3 = config_at("c3.toml", &file);
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvmeshd")).arg("--config").arg(&cfg3).output().unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
