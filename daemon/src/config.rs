@@ -562,6 +562,27 @@ fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
 /// per-slot bookkeeping bounded too).
 pub const POOL_SLOTS_MAX: u64 = 1 << 24;
 
+/// Longest deadline of one operation (`*_timeout_ms` but the drain's): 10 minutes.
+pub const TIMEOUT_MS_MAX: u64 = 600_000;
+
+/// Longest lease or interval a daemon adds to its clocks: one day.
+pub const LEASE_MS_MAX: u64 = 86_400_000;
+
+/// Most pins the engine sessions together may hold on one slot
+/// (`limits.sessions_max` × `limits.pins_per_session_max`): 2^31, which
+/// leaves the other 2^31 of a slot's 32-bit pin count to the internal
+/// sessions (peers' grants, the daemon's fetches; each at most
+/// `store::INTERNAL_PINS_MAX` = 2^21, so 1,024 of them at their limit).
+pub const ENGINE_PINS_PER_SLOT_MAX: u64 = 1 << 31;
+
+/// `section.name` above `max` is a one-line error naming the field.
+fn check_max(section: &str, name: &str, v: u64, max: u64) -> Result<(), String> {
+    if v > max {
+        return Err(format!("{section}.{name}: {v} exceeds {max}"));
+    }
+    Ok(())
+}
+
 /// Most host memory the staging slots of GPU pools may take.
 pub const STAGING_BYTES_MAX: u64 = 16 << 30;
 
@@ -690,6 +711,19 @@ impl Config {
                 return Err(format!("peer.{name}: must be greater than 0"));
             }
         }
+        // Upper bounds (TIGER_STYLE: a limit on everything): durations a
+        // daemon adds to clocks (an absurd one wraps the core's µs
+        // arithmetic or panics `Instant + Duration`) and counts it sizes
+        // queues and maps by.
+        for (name, v, max) in [
+            ("transfer_timeout_ms", self.peer.transfer_timeout_ms, TIMEOUT_MS_MAX),
+            ("grant_lease_ms", self.peer.grant_lease_ms, LEASE_MS_MAX),
+            ("inflight_requests_max", self.peer.inflight_requests_max as u64, 1 << 20),
+            ("inflight_bytes_max", self.peer.inflight_bytes_max, 1 << 40),
+            ("staging_slots", self.peer.staging_slots as u64, 1 << 16),
+        ] {
+            check_max("peer", name, v, max)?;
+        }
         if self.peer.staging_slots < 2 {
             return Err("peer.staging_slots: at least 2 (half serve reads, half sends)".into());
         }
@@ -731,6 +765,21 @@ impl Config {
                 return Err(format!("coherence.{name}: must be greater than 0"));
             }
         }
+        for (name, v, max) in [
+            ("capacity", c.capacity as u64, 1 << 20),
+            ("flush_delay_us", c.flush_delay_us, 1_000_000),
+            ("op_timeout_ms", c.op_timeout_ms, TIMEOUT_MS_MAX),
+            ("retransmit_ms", c.retransmit_ms, 60_000),
+            ("membership_lease_ms", c.membership_lease_ms, LEASE_MS_MAX),
+            ("keepalive_ms", c.keepalive_ms, LEASE_MS_MAX),
+            ("drift_margin_ms", c.drift_margin_ms, LEASE_MS_MAX),
+            ("peer_queue_frames", c.peer_queue_frames as u64, 1 << 20),
+            ("heartbeat_ms", c.heartbeat_ms, 60_000),
+            ("invalidate_timeout_ms", c.invalidate_timeout_ms, LEASE_MS_MAX),
+            ("invalidate_window", c.invalidate_window as u64, 1 << 20),
+        ] {
+            check_max("coherence", name, v, max)?;
+        }
         // What peers' decoders take (kvmesh_coherence::DECODE_ENTRIES_MAX,
         // ANNOUNCE_ENTRIES_MAX): a batch above it would be refused.
         const _: () = assert!(kvmesh_coherence::DECODE_ENTRIES_MAX == 65_536);
@@ -768,15 +817,16 @@ impl Config {
                         m.key_prefix
                     ));
                 }
+                if m.lease_ttl_s > 3600 {
+                    return Err(format!("membership.lease_ttl_s: {} exceeds 3600", m.lease_ttl_s));
+                }
+                check_max("membership", "dial_timeout_ms", m.dial_timeout_ms, TIMEOUT_MS_MAX)?;
                 if m.lease_ttl_s * 1000 <= c.membership_lease_ms + 2 * c.drift_margin_ms {
                     return Err(format!(
                         "membership.lease_ttl_s ({} s) must exceed coherence.membership_lease_ms ({} ms) plus twice \
                          coherence.drift_margin_ms ({} ms): a daemon must stop serving before etcd drops it",
                         m.lease_ttl_s, c.membership_lease_ms, c.drift_margin_ms
                     ));
-                }
-                if m.lease_ttl_s > 3600 {
-                    return Err(format!("membership.lease_ttl_s: {} exceeds 3600", m.lease_ttl_s));
                 }
                 if m.dial_timeout_ms == 0 {
                     return Err("membership.dial_timeout_ms: must be greater than 0".into());
@@ -892,6 +942,27 @@ impl Config {
             if v == 0 {
                 return Err(format!("limits.{name}: must be greater than 0"));
             }
+        }
+        for (name, v, max) in [
+            ("sessions_max", l.sessions_max as u64, 1 << 16),
+            ("allocations_per_session_max", l.allocations_per_session_max as u64, 1 << 24),
+            ("namespaces_max", l.namespaces_max as u64, 1 << 16),
+            ("lease_ms_max", l.lease_ms_max, LEASE_MS_MAX),
+            ("reaper_interval_ms", l.reaper_interval_ms, 60_000),
+        ] {
+            check_max("limits", name, v, max)?;
+        }
+        // A slot counts its pins in 32 bits: every engine session pinning
+        // one block as often as it may must leave room for the internal
+        // sessions' pins, or the count wraps (release builds) and a pinned
+        // slot looks free.
+        let engine_pins = u64::from(l.sessions_max) * u64::from(l.pins_per_session_max);
+        if engine_pins > ENGINE_PINS_PER_SLOT_MAX {
+            return Err(format!(
+                "limits.pins_per_session_max ({}) times limits.sessions_max ({}) is {engine_pins}: at most \
+                 {ENGINE_PINS_PER_SLOT_MAX} (a slot counts its pins in 32 bits)",
+                l.pins_per_session_max, l.sessions_max
+            ));
         }
         if l.batch_keys_max > 65536 {
             return Err(format!("limits.batch_keys_max: {} exceeds 65536", l.batch_keys_max));
@@ -1014,6 +1085,112 @@ mod tests {
             assert!(e.starts_with("test.toml: "), "{e}");
         }
         Config::parse(pool, "ok.toml").unwrap();
+    }
+
+    /// Every duration and count has an upper bound: an absurd value (up to
+    /// u64::MAX, which used to be taken and wrapped clock arithmetic or
+    /// slot pin counts later) is one line naming the field; the bound itself
+    /// is taken.
+    #[test]
+    fn absurd_durations_and_counts_are_refused_naming_the_field() {
+        let pool = "[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n";
+        // (section, field, largest value taken); the clustered sections get
+        // a peer listener so their cross-field checks apply too.
+        let cases: &[(&str, &str, u64)] = &[
+            // (the grant must outlive it: see `companion` below)
+            ("peer", "transfer_timeout_ms", TIMEOUT_MS_MAX),
+            ("peer", "inflight_requests_max", 1 << 20),
+            ("peer", "inflight_bytes_max", 1 << 40),
+            ("peer", "staging_slots", 1 << 16),
+            ("coherence", "capacity", 1 << 20),
+            ("coherence", "flush_delay_us", 1_000_000),
+            ("coherence", "op_timeout_ms", TIMEOUT_MS_MAX),
+            ("coherence", "retransmit_ms", 60_000),
+            ("coherence", "peer_queue_frames", 1 << 20),
+            ("coherence", "heartbeat_ms", 60_000),
+            ("coherence", "invalidate_timeout_ms", LEASE_MS_MAX),
+            ("coherence", "invalidate_window", 1 << 20),
+            ("limits", "sessions_max", 1 << 11),
+            ("limits", "allocations_per_session_max", 1 << 24),
+            ("limits", "namespaces_max", 1 << 16),
+            ("limits", "reaper_interval_ms", 60_000),
+        ];
+        let peer = |extra: &str| format!("[peer]\nlisten = \"127.0.0.1:1\"\ntls = {{ mode = \"off\" }}\n{extra}");
+        // What a field's cross-field rules need beside it at its bound.
+        let companion = |field: &str| match field {
+            "transfer_timeout_ms" => "grant_lease_ms = 700000\n[limits]\nlease_ms_max = 800000\n",
+            _ => "",
+        };
+        let config = |section: &str, field: &str, v: u64| {
+            let line = format!("{field} = {v}\n{}", companion(field));
+            if section == "peer" {
+                format!("{}{pool}", peer(&line))
+            } else {
+                format!("{}[{section}]\n{line}{pool}", peer(""))
+            }
+        };
+        for &(section, field, max) in cases {
+            for bad in [max + 1, u64::MAX >> 1, u64::MAX] {
+                let text = config(section, field, bad);
+                // A value that does not fit a u32 field is refused by the
+                // parser, whose message quotes the line (the field's name).
+                let e = Config::parse(&text, "t.toml").unwrap_err();
+                assert!(e.contains(field), "{section}.{field} = {bad}: error {e:?} does not name the field");
+            }
+            Config::parse(&config(section, field, max), "t.toml")
+                .unwrap_or_else(|e| panic!("{section}.{field} = {max} (its bound) refused: {e}"));
+        }
+        // Leases and intervals: the bound is a day; their cross-field rules
+        // (a grant outlives a read, keepalives a third of the lease) must
+        // not overflow on the way to refusing.
+        for (section, field) in [
+            ("peer", "grant_lease_ms"),
+            ("coherence", "membership_lease_ms"),
+            ("coherence", "keepalive_ms"),
+            ("coherence", "drift_margin_ms"),
+            ("limits", "lease_ms_max"),
+        ] {
+            for bad in [LEASE_MS_MAX + 1, u64::MAX] {
+                let e = Config::parse(&config(section, field, bad), "t.toml").unwrap_err();
+                assert!(e.contains(&format!("{section}.{field}")), "{section}.{field} = {bad}: {e:?}");
+            }
+        }
+        let e = Config::parse(
+            &format!(
+                "[membership]\nkind = \"etcd\"\nendpoints = [\"127.0.0.1:1\"]\ndial_timeout_ms = {}\n{pool}",
+                u64::MAX
+            ),
+            "t.toml",
+        )
+        .unwrap_err();
+        assert!(e.contains("membership.dial_timeout_ms"), "{e}");
+        let e = Config::parse(
+            &format!(
+                "[membership]\nkind = \"etcd\"\nendpoints = [\"127.0.0.1:1\"]\nlease_ttl_s = {}\n{pool}",
+                u64::MAX
+            ),
+            "t.toml",
+        )
+        .unwrap_err();
+        assert!(e.contains("membership.lease_ttl_s"), "{e}");
+    }
+
+    /// Engine sessions together may not be allowed pins enough to wrap a
+    /// slot's 32-bit pin count (release builds wrap silently: a pinned
+    /// slot would look free and be evicted under its reader).
+    #[test]
+    fn session_pin_limits_cannot_wrap_a_slot_pin_count() {
+        let pool = "[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\n";
+        let limits = |sessions: u64, pins: u64| {
+            format!("[limits]\nsessions_max = {sessions}\npins_per_session_max = {pins}\n{pool}")
+        };
+        // 4,096 sessions of 2^20 pins each: 2^32, which a u32 count wraps to 0.
+        let e = Config::parse(&limits(4096, 1 << 20), "t.toml").unwrap_err();
+        assert!(e.contains("limits.pins_per_session_max") && e.contains("32 bits"), "{e}");
+        let e = Config::parse(&limits(1, u64::from(u32::MAX)), "t.toml").unwrap_err();
+        assert!(e.contains("limits.pins_per_session_max"), "{e}");
+        Config::parse(&limits(2048, 1 << 20), "t.toml").unwrap();
+        Config::parse(&limits(1, 1 << 31), "t.toml").unwrap();
     }
 
     /// A GPU pool on a machine without a CUDA driver is one line naming the
