@@ -73,10 +73,25 @@ pub fn load_tls(t: &crate::config::EtcdTlsConfig) -> Result<etcd_client::TlsOpti
     let read = |name: &str, p: &std::path::Path| {
         std::fs::read(p).map_err(|e| format!("membership.tls.{name}: {}: {e}", p.display()))
     };
-    let ca = t.ca.as_deref().ok_or("membership.tls.ca: not set")?;
-    let mut o = etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(read("ca", ca)?));
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    // PEM checked here, at start (and by `--check-config`): etcd's client
+    // would only fail at the first dial, as a connection error.
+    let certs = |name: &str, pem: &[u8]| match CertificateDer::pem_slice_iter(pem).next() {
+        Some(Ok(_)) => Ok(()),
+        _ => Err(format!("membership.tls.{name}: no PEM certificate in the file")),
+    };
+    let ca_path = t.ca.as_deref().ok_or("membership.tls.ca: not set")?;
+    let ca = read("ca", ca_path)?;
+    certs("ca", &ca)?;
+    let mut o = etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(ca));
     if let (Some(c), Some(k)) = (&t.cert, &t.key) {
-        o = o.identity(etcd_client::Identity::from_pem(read("cert", c)?, read("key", k)?));
+        let (cert, key) = (read("cert", c)?, read("key", k)?);
+        certs("cert", &cert)?;
+        if PrivateKeyDer::from_pem_slice(&key).is_err() {
+            return Err("membership.tls.key: no PEM private key in the file".into());
+        }
+        o = o.identity(etcd_client::Identity::from_pem(cert, key));
     }
     if let Some(d) = &t.domain {
         o = o.domain_name(d.clone());

@@ -58,6 +58,11 @@ fn main() -> std::process::ExitCode {
         cfg.server.socket = Some(s);
     }
     if args.check_config {
+        // The TLS files too, as start-up loads them.
+        if let Err(e) = kvmeshd::server::check_files(&cfg) {
+            eprintln!("kvmeshd: {e}");
+            return std::process::ExitCode::from(2);
+        }
         println!("configuration ok");
         return std::process::ExitCode::SUCCESS;
     }

@@ -433,16 +433,39 @@ impl Peers {
         let send_timeout = Duration::from_millis(self.cfg.transfer_timeout_ms);
         self.dp.serve_orders(Box::new(check), tx, staging_tx, send_timeout);
         // Orders with slots of staged pools: copied into staging slots on
-        // a blocking thread (device copies), then sent.
+        // a blocking thread (device copies), then sent. At most
+        // STAGED_ORDERS_MAX at once (each may wait for send slots until
+        // half the transfer deadline); beyond, an order's staged slots are
+        // refused at once (counted as staging exhaustion) and the rest of
+        // it sent, without a task of its own.
         let weak = Arc::downgrade(self);
+        let staged_slots = Arc::new(tokio::sync::Semaphore::new(STAGED_ORDERS_MAX));
         tokio::spawn(async move {
             while let Some(o) = staging_rx.recv().await {
                 let Some(p) = weak.upgrade() else { break };
+                let Ok(permit) = Arc::clone(&staged_slots).try_acquire_owned() else {
+                    let o = refuse_staged(o, p.staging.as_ref());
+                    tracing::debug!(node = o.node, "staged send order over {STAGED_ORDERS_MAX} at once: slots refused");
+                    let deadline = Instant::now() + send_timeout;
+                    // (Its outcomes go nowhere: the getter's receives end
+                    // by the refusals, or at its deadline.)
+                    let _ = p.dp.transfer_staged(
+                        Mode::Send,
+                        o.node,
+                        o.incarnation,
+                        o.items,
+                        Vec::new(),
+                        o.staged,
+                        deadline,
+                    );
+                    continue;
+                };
                 tokio::spawn(async move {
                     let o = p.staged(o).await;
                     if let Err(e) = p.send_connecting(o, false).await {
                         tracing::debug!("staged send order not served: {e}");
                     }
+                    drop(permit);
                 });
             }
         });
@@ -566,6 +589,27 @@ impl Peers {
 
 /// Most send orders from getters without an endpoint yet served at once.
 const UNCONNECTED_ORDERS_MAX: usize = 64;
+
+/// Most send orders with slots of staged pools served at once.
+const STAGED_ORDERS_MAX: usize = 64;
+
+/// `o` with every slot still to stage refused (`len` 0, sent as a
+/// refusal), counted as staging exhaustion; its other items unchanged.
+fn refuse_staged(mut o: SendOrder, staging: Option<&Arc<Staging>>) -> SendOrder {
+    match staging {
+        Some(st) => {
+            st.exhausted.fetch_add(o.jobs.len() as u64, Ordering::Relaxed);
+            crate::staging::stage(&mut o, st, Vec::new());
+        }
+        // (No staging: no order has jobs; none are sent regardless.)
+        None => {
+            for j in std::mem::take(&mut o.jobs) {
+                o.items[j.item].len = 0;
+            }
+        }
+    }
+    o
+}
 
 /// Most pools a peer may advertise (a pool index has 8 bits in a slot
 /// reference).
@@ -808,6 +852,44 @@ mod tests {
     use super::*;
     use crate::store::AllocOutcome;
     use kvmesh_common::Key;
+
+    /// An order over the staged-order limit: its slots still to stage go
+    /// as refusals at once (counted as staging exhaustion, no copy made),
+    /// its other items as they were.
+    #[test]
+    fn a_staged_order_over_the_limit_refuses_its_staged_slots_only() {
+        let st = Staging::new(4, 4096, 9, false).unwrap();
+        let pool =
+            crate::memory::PoolMemory::Host(Arc::new(kvmesh_ffi_os::SharedMapping::create("p", 16384, false).unwrap()));
+        let item = |off| TransferItem {
+            remote_pool: 0,
+            remote_offset: 0,
+            len: 4096,
+            local_pool: 0,
+            local_offset: off,
+            tag: off,
+        };
+        let order = || SendOrder {
+            node: 2,
+            incarnation: 1,
+            items: vec![item(0), item(4096), item(8192)],
+            staged: Vec::new(),
+            jobs: vec![
+                StageJob { item: 0, memory: pool.clone(), offset: 0, len: 4096 },
+                StageJob { item: 2, memory: pool.clone(), offset: 8192, len: 4096 },
+            ],
+        };
+        for staging in [Some(&st), None] {
+            let o = refuse_staged(order(), staging);
+            assert!(o.jobs.is_empty() && o.staged.is_empty(), "{o:?}");
+            let lens: Vec<u64> = o.items.iter().map(|i| i.len).collect();
+            assert_eq!(lens, [0, 4096, 0], "staged items refused, the host one kept");
+            assert_eq!(o.items[1].local_offset, 4096);
+        }
+        assert_eq!(st.exhausted.load(Ordering::Relaxed), 2, "two staged sends refused");
+        assert_eq!(st.staged_sends.load(Ordering::Relaxed), 0, "nothing copied");
+        assert_eq!(st.free_slots(), 4, "no staging slot taken");
+    }
 
     /// A send order sends only slots pinned for the asking node's grants,
     /// each once however often the order names it.

@@ -561,6 +561,21 @@ async fn drain(
     true
 }
 
+/// What start-up reads from disk besides the config — the peer TLS files
+/// of a clustered daemon (its certificate must name `node.id`) and those
+/// of `[membership.tls]` — loaded and checked by the loaders start-up
+/// uses, for `kvmeshd --check-config` (which must refuse what start-up
+/// would refuse).
+pub fn check_files(cfg: &Config) -> Result<(), String> {
+    if cfg.peer.listen.is_some() || !cfg.peers.is_empty() {
+        crate::tls::PeerTls::load(&cfg.peer.tls, cfg.node.id)?;
+        if let ("etcd", Some(t)) = (cfg.membership.kind.as_str(), &cfg.membership.tls) {
+            crate::etcd::load_tls(t)?;
+        }
+    }
+    Ok(())
+}
+
 /// [`run`] with a configuration reload on `SIGHUP` (when `handle_signals`).
 pub async fn run_with(
     cfg: Config,

@@ -106,7 +106,7 @@ impl Staging {
 
     /// Staging slots free now.
     #[cfg(test)]
-    fn free_slots(&self) -> usize {
+    pub(crate) fn free_slots(&self) -> usize {
         self.free.lock().len()
     }
 

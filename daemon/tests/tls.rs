@@ -141,3 +141,52 @@ async fn a_tls_cluster_moves_blocks_and_refuses_callers_that_are_not_its_nodes()
     assert_eq!(fill::get(&b, KEY).await, Some(b'z'));
     let _ = std::fs::remove_dir_all(&base);
 }
+
+/// `--check-config` loads the TLS files as start-up does (it used to
+/// check only the config's text, so a missing key or another node's
+/// certificate passed it and failed the start): each bad file is refused
+/// with exit 2 and a line naming its field; the right files pass.
+#[test]
+fn check_config_loads_the_tls_files_as_start_up_does() {
+    let base = std::env::temp_dir().join(format!("kvmesh-tls-check-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&base);
+    kvmeshd::tls::make_certs(&base, &[1, 2], 1).unwrap();
+    let garbage = base.join("garbage.pem");
+    std::fs::write(&garbage, "not a certificate\n").unwrap();
+    let (ca, garbage) = (base.join("ca.pem").display().to_string(), garbage.display().to_string());
+    let ports = [free_port(), free_port()];
+    let pools = pool("p", "4MiB", "4KiB");
+    let check = |name: &str, text: String| {
+        let path = base.join(format!("{name}.toml"));
+        std::fs::write(&path, text).unwrap();
+        let out = common::check_config(&path);
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let etcd = |tls: &str| {
+        format!("[membership]\nkind = \"etcd\"\nendpoints = [\"https://127.0.0.1:1\"]\n[membership.tls]\n{tls}")
+    };
+    let client = |cert: &str, key: &str| format!("ca = {ca:?}\ncert = {cert:?}\nkey = {key:?}\n");
+    let node2 = (base.join("node-2.pem").display().to_string(), base.join("node-2.key").display().to_string());
+    let good = peer_config_tls(1, &ports, "sm", &pools, &tls_inline(&base, 1));
+    let (code, err) = check("good", good.clone() + &etcd(&client(&node2.0, &node2.1)));
+    assert_eq!(code, Some(0), "the right files refused: {err}");
+    let cases = [
+        // Node 2's certificate in node 1's config.
+        (
+            peer_config_tls(1, &ports, "sm", &pools, &tls_inline(&base, 2)),
+            "peer.tls.cert: the certificate does not name",
+        ),
+        (good.replace("node-1.key", "missing.key"), "peer.tls.key: "),
+        (good.replace("ca.pem", "garbage.pem"), "peer.tls.ca: no PEM certificate"),
+        (good.clone() + &etcd(&format!("ca = {garbage:?}\n")), "membership.tls.ca: no PEM certificate"),
+        (good.clone() + &etcd(&client(&node2.0, &garbage)), "membership.tls.key: no PEM private key"),
+        (good.clone() + &etcd(&client(&garbage, &node2.1)), "membership.tls.cert: no PEM certificate"),
+        (good.clone() + &etcd("ca = \"/nonexistent/ca.pem\"\n"), "membership.tls.ca: /nonexistent/ca.pem: "),
+    ];
+    for (i, (text, want)) in cases.into_iter().enumerate() {
+        let (code, err) = check(&format!("bad-{i}"), text);
+        assert_eq!(code, Some(2), "case {i} ({want}) passed --check-config: {err}");
+        assert!(err.starts_with("kvmeshd: ") && err.contains(want) && err.lines().count() == 1, "case {i}: {err:?}");
+    }
+    let _ = std::fs::remove_dir_all(&base);
+}
