@@ -130,7 +130,7 @@ impl Peers {
             store,
             peers,
             staging,
-            next_tag: AtomicU64::new(1),
+            next_tag: AtomicU64::new(tag_start()),
             tls,
             unknown_refusals: AtomicU64::new(0),
             refusals: AtomicU64::new(0),
@@ -587,6 +587,19 @@ impl Peers {
     }
 }
 
+/// Where this daemon's receive tags start: 64 random bits (UCX matches a
+/// tagged message to a posted receive worker-wide, from any endpoint, so a
+/// process that reaches the worker could otherwise aim messages at the
+/// receives a counter from 1 names; it must now guess). Consecutive after
+/// it (wrapping): unique among the receives in flight. A forged message
+/// that still hit one would fail validation (a miss, never wrong bytes).
+fn tag_start() -> u64 {
+    getrandom::u64().unwrap_or_else(|e| {
+        tracing::warn!("no OS randomness for UCX tags ({e}); using std's per-process hash keys");
+        std::hash::BuildHasher::hash_one(&std::hash::RandomState::new(), std::process::id())
+    })
+}
+
 /// Most send orders from getters without an endpoint yet served at once.
 const UNCONNECTED_ORDERS_MAX: usize = 64;
 
@@ -852,6 +865,14 @@ mod tests {
     use super::*;
     use crate::store::AllocOutcome;
     use kvmesh_common::Key;
+
+    /// Receive tags start at random, not at 1 (two starts alike: odds 2^-64).
+    #[test]
+    fn receive_tags_start_at_random() {
+        let (a, b) = (tag_start(), tag_start());
+        assert_ne!(a, b, "two daemons' tags start alike");
+        assert!(a > 1 << 32 || b > 1 << 32, "tags start low: {a}, {b}");
+    }
 
     /// An order over the staged-order limit: its slots still to stage go
     /// as refusals at once (counted as staging exhaustion, no copy made),
