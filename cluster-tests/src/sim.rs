@@ -469,6 +469,9 @@ pub struct World {
     // checker state
     /// Highest epoch ever published (M1).
     max_published: u64,
+    /// The last view published, by which coordinator (node, incarnation)
+    /// (CAP).
+    last_published: Option<(NodeId, u64, View)>,
     /// When a home assigned each version (real time): the order of changes.
     assigned_at: HashMap<(BlockKey, u64), u64>,
     /// Puts reported stored: (when answered, when their version was assigned).
@@ -596,6 +599,7 @@ impl World {
             etcd: EtcdModel::default(),
             etcd_ttl: 0,
             max_published: 0,
+            last_published: None,
             assigned_at: HashMap::new(),
             acked_puts: HashMap::new(),
             pins: HashMap::new(),
@@ -685,6 +689,7 @@ impl World {
             removal_us: self.core_cfg.membership_lease_us + 2 * self.core_cfg.drift_margin_us,
             epoch_floor: if n == COORDINATOR { self.persisted_epoch } else { 0 },
             skip_restart_wait: self.cfg.bug == Some(Bug::CoordinatorNoWait),
+            take_capacity_changes: self.cfg.bug == Some(Bug::CapacityPerKeepalive),
         };
         if self.cfg.etcd {
             let inc = self.nodes[n as usize].incarnation;
@@ -888,7 +893,12 @@ impl World {
             Action::KeepAlive { sent_at } if self.cfg.etcd => self.etcd_keepalive(n, inc, sent_at),
             Action::KeepAlive { sent_at } => {
                 let epoch_seen = self.nodes[n as usize].core.as_ref().map_or(0, |c| c.view().epoch);
-                let ka = KeepAlive { node: n, incarnation: inc, sent_at_us: sent_at, epoch_seen, capacity: 1 };
+                // The last node is a member that names another capacity in
+                // every other keepalive (buggy or hostile: a daemon's
+                // capacity changes only with a restart); the others 1.
+                let flapping = n as usize + 1 == self.nodes.len() && n > 0;
+                let capacity = if flapping { 1 + (sent_at / 1000 % 2) as u32 } else { 1 };
+                let ka = KeepAlive { node: n, incarnation: inc, sent_at_us: sent_at, epoch_seen, capacity };
                 let local = self.local_now(n);
                 let Some(m) = self.nodes[n as usize].membership.as_mut() else { return };
                 let actions = m.keepalive(ka, local);
@@ -1295,6 +1305,7 @@ impl World {
     /// sends it to every member.
     fn publish(&mut self, n: NodeId, view: View) {
         self.check_m1(&view);
+        self.check_cap(n, &view);
         for m in &view.members {
             if m.id == n {
                 self.push(0, Ev::View { node: n, inc: m.incarnation, view: view.clone(), local: true });
@@ -1309,6 +1320,35 @@ impl World {
     /// earlier one (across restarts of the coordinator, or of etcd and
     /// every daemon), and it leaves out no node that may still serve under
     /// a lease granted before it.
+    /// CAP: between two views one coordinator incarnation publishes, a
+    /// member incarnation listed in both keeps its capacity (a capacity
+    /// changes only with a restart; a coordinator taking it from each
+    /// keepalive publishes a view per keepalive of a member that names
+    /// another one each time, and every view rebuilds every directory).
+    fn check_cap(&mut self, n: NodeId, view: &View) {
+        let inc = self.nodes[n as usize].incarnation;
+        if let Some((pn, pinc, prev)) = &self.last_published
+            && (*pn, *pinc) == (n, inc)
+        {
+            for m in &view.members {
+                if let Some(p) = prev.member(m.id).filter(|p| p.incarnation == m.incarnation)
+                    && p.capacity != m.capacity
+                {
+                    self.pending_fail.get_or_insert_with(|| {
+                        (
+                            "CAP",
+                            format!(
+                                "view e{} lists node {} (incarnation {}) with capacity {}, e{} with {}",
+                                view.epoch, m.id, m.incarnation, m.capacity, prev.epoch, p.capacity
+                            ),
+                        )
+                    });
+                }
+            }
+        }
+        self.last_published = Some((n, inc, view.clone()));
+    }
+
     fn check_m1(&mut self, view: &View) {
         self.stats.epochs += 1;
         self.note(format!("t={} publish view e{} {:?}", self.now, view.epoch, view.members));

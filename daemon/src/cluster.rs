@@ -362,6 +362,7 @@ impl Cluster {
                     removal_us,
                     epoch_floor,
                     skip_restart_wait: core_cfg.bug == Some(kvmesh_coherence::Bug::CoordinatorNoWait),
+                    take_capacity_changes: core_cfg.bug == Some(kvmesh_coherence::Bug::CapacityPerKeepalive),
                 },
                 0,
             )

@@ -695,6 +695,73 @@ async fn a_hostile_peer_cannot_crash_or_mislead_the_cluster() {
     assert!(ka.serving && kb.serving);
 }
 
+/// A member that names another capacity in every keepalive (a buggy or
+/// hostile process speaking as node 2 without TLS; an honest daemon's
+/// capacity changes only with a restart) does not make the coordinator
+/// publish a view per keepalive — each view clears and rebuilds every
+/// directory. With the old rule, planted (`KVMESH_TEST_BUG=capacity-per-keepalive`
+/// on the coordinator), the same keepalives move the epoch by dozens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_changing_its_capacity_in_every_keepalive_publishes_no_views() {
+    use kvmesh_proto::peer::v1 as pb;
+    for planted in [true, false] {
+        let env: &[(&str, &str)] = if planted { &[("KVMESH_TEST_BUG", "capacity-per-keepalive")] } else { &[] };
+        let (a, b) = pair(if planted { "capflap-bug" } else { "capflap" }, "sm", env);
+        a.wait_peers(1).await;
+        b.wait_peers(1).await;
+        let ca = a.client().await;
+        let sa = ca.stats().await.unwrap();
+        let epoch = sa.coherence.as_ref().unwrap().epoch;
+        let inc_b = sa.peers.iter().find(|p| p.id == 2).map(|p| p.view_incarnation).unwrap();
+        let cfg = std::fs::read_to_string(a.dir.0.join("kvmeshd.toml")).unwrap();
+        let listen = cfg.lines().find(|l| l.starts_with("listen = ") && l.contains("127.0.0.1")).unwrap();
+        let addr = listen.trim_start_matches("listen = ").trim_matches('"');
+        let frame = |body| pb::Frame { body: Some(body) };
+        let mut frames = vec![frame(pb::frame::Body::Hello(pb::StreamHello { node_id: 2, incarnation: inc_b }))];
+        for i in 0..40u32 {
+            // (An old send time: the acknowledgements extend no lease of B's.)
+            frames.push(frame(pb::frame::Body::Keepalive(pb::KeepAlive {
+                sent_at_us: 1,
+                incarnation: inc_b,
+                epoch_seen: epoch,
+                capacity: 2 + i % 2,
+            })));
+        }
+        frames.push(frame(pb::frame::Body::Ping(7)));
+        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+        let mut r =
+            pb::peer_client::PeerClient::new(ch).exchange(tokio_stream::iter(frames)).await.unwrap().into_inner();
+        // The pong comes after every keepalive before it was handled.
+        loop {
+            match r.message().await.unwrap().map(|f| f.body) {
+                Some(Some(pb::frame::Body::Pong(7))) => break,
+                Some(_) => continue,
+                None => panic!("stream ended before the pong"),
+            }
+        }
+        // (Views are applied by the driver: give them time to show.)
+        let t0 = Instant::now();
+        let after = loop {
+            let e = ca.stats().await.unwrap().coherence.unwrap().epoch;
+            if (planted && e >= epoch + 20) || t0.elapsed() > Duration::from_millis(if planted { 5000 } else { 500 }) {
+                break e;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        if planted {
+            assert!(after >= epoch + 20, "the planted rule must publish views: epoch {epoch} -> {after}");
+            continue;
+        }
+        assert_eq!(after, epoch, "keepalives naming other capacities published views");
+        // Both still serve, in one view, and move blocks.
+        let key = Key(0xcaf0_0000_0000_0000_0000_0000_0000_0001);
+        common::fill::put_until_stored(&a, key, b'c', Duration::from_secs(10)).await;
+        assert_eq!(common::fill::get(&b, key).await, Some(b'c'));
+        let kb = b.client().await.stats().await.unwrap().coherence.unwrap();
+        assert_eq!(kb.epoch, epoch, "B is in the same view");
+    }
+}
+
 /// A peer from before locate-time registration (its handshake says so:
 /// `KVMESH_TEST_HOOK=predate-locate-registration`) is sent plain locates:
 /// it registers nobody at locate time (it could not decode such a locate),

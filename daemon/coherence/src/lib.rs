@@ -253,6 +253,10 @@ pub enum Bug {
     /// even after a view change (the registration went with the old
     /// epoch's directory).
     EarlyValidAcrossEpochs,
+    /// The static coordinator takes a member's capacity from every
+    /// keepalive (a member naming another one each time makes it publish a
+    /// view per keepalive), not from the first of its incarnation.
+    CapacityPerKeepalive,
 }
 
 impl Bug {
@@ -269,11 +273,12 @@ impl Bug {
             "lookup-counts-pending-put" => Bug::LookupCountsPendingPut,
             "take-late-registration" => Bug::TakeLateRegistration,
             "early-valid-across-epochs" => Bug::EarlyValidAcrossEpochs,
+            "capacity-per-keepalive" => Bug::CapacityPerKeepalive,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 10] = [
+    pub const NAMES: [&'static str; 11] = [
         "skip-ack-wait",
         "skip-validation",
         "reuse-granted-slot",
@@ -284,6 +289,7 @@ impl Bug {
         "lookup-counts-pending-put",
         "take-late-registration",
         "early-valid-across-epochs",
+        "capacity-per-keepalive",
     ];
 }
 

@@ -134,6 +134,9 @@ pub struct StaticConfig {
     pub epoch_floor: u64,
     /// Planted bug: a restarted coordinator serves at once (no wait).
     pub skip_restart_wait: bool,
+    /// Planted bug: the coordinator takes a member's capacity from every
+    /// keepalive, not from the first of its incarnation.
+    pub take_capacity_changes: bool,
 }
 
 /// Static membership: `coordinator` answers keepalives; a member silent for
@@ -187,6 +190,8 @@ pub struct Coordinator {
     /// keepalives still in flight must not bring them back; kept for the
     /// removal time (one entry per node at most).
     departed: BTreeMap<NodeId, (u64, Time)>,
+    /// Planted bug (`StaticConfig::take_capacity_changes`).
+    take_capacity_changes: bool,
 }
 
 impl Coordinator {
@@ -199,6 +204,7 @@ impl Coordinator {
             removal_us: cfg.removal_us,
             recover_until: (!cfg.skip_restart_wait).then_some(now + cfg.removal_us),
             departed: BTreeMap::new(),
+            take_capacity_changes: cfg.take_capacity_changes,
         }
     }
 
@@ -258,7 +264,16 @@ impl Coordinator {
         {
             return None;
         }
-        let capacity = ka.capacity.max(1);
+        // A member's capacity is that of the first keepalive of its
+        // incarnation: it changes only with a restart (`coherence.capacity`
+        // is not reloadable), and a member naming another one in every
+        // keepalive (buggy or hostile) must not make this coordinator
+        // publish a view per keepalive — every view clears and rebuilds
+        // every directory in the cluster.
+        let capacity = match self.members.get(&ka.node) {
+            Some(m) if m.0 == ka.incarnation && !self.take_capacity_changes => m.1,
+            _ => ka.capacity.max(1),
+        };
         let mut changed = self.members.get(&ka.node).is_none_or(|m| m.0 != ka.incarnation || m.1 != capacity);
         if ka.epoch_seen > self.epoch && ka.epoch_seen <= EPOCH_SEEN_MAX {
             // A member saw a later epoch than this coordinator knows (it
@@ -533,7 +548,43 @@ mod tests {
     }
 
     fn cfg(floor: u64) -> StaticConfig {
-        StaticConfig { me: 1, coordinator: 1, removal_us: REMOVAL, epoch_floor: floor, skip_restart_wait: false }
+        StaticConfig {
+            me: 1,
+            coordinator: 1,
+            removal_us: REMOVAL,
+            epoch_floor: floor,
+            skip_restart_wait: false,
+            take_capacity_changes: false,
+        }
+    }
+
+    /// A member's capacity is fixed for its incarnation: keepalives naming
+    /// other capacities publish no view and change none; a restart (a new
+    /// incarnation) brings its new capacity.
+    #[test]
+    fn a_member_cannot_change_its_capacity_without_a_restart() {
+        for bug in [false, true] {
+            let mut m =
+                static_membership(StaticConfig { skip_restart_wait: true, take_capacity_changes: bug, ..cfg(0) }, 0);
+            m.keepalive(ka(1, 10, 0, 0), 0);
+            let v =
+                published(&m.peer_keepalive(KeepAlive { capacity: 3, ..ka(2, 20, 1, 1) }, 1)).expect("node 2 joins");
+            assert_eq!(v.member(2).map(|x| x.capacity), Some(3));
+            let mut views = 0;
+            for t in 2..102u64 {
+                let a = m.peer_keepalive(KeepAlive { capacity: 1 + (t % 5) as u32, ..ka(2, 20, t, v.epoch) }, t);
+                assert_eq!(acks(&a), 1, "each keepalive still acknowledged");
+                views += published(&a).is_some_and(|w| w.member(2).map(|x| x.capacity) != Some(3)) as u32;
+            }
+            if bug {
+                assert!(views >= 50, "the planted bug publishes a view per change: {views}");
+                continue;
+            }
+            assert_eq!(views, 0, "100 keepalives with other capacities published views");
+            let v = published(&m.peer_keepalive(KeepAlive { capacity: 7, ..ka(2, 21, 200, v.epoch) }, 200))
+                .expect("restart");
+            assert_eq!(v.member(2).map(|x| (x.incarnation, x.capacity)), Some((21, 7)));
+        }
     }
 
     #[test]
