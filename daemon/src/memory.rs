@@ -58,6 +58,15 @@ impl PoolMemory {
         }
     }
 
+    /// Bytes of a host pool the kernel maps with huge pages (device memory:
+    /// 0, it has its own page sizes).
+    pub fn huge_page_bytes(&self) -> u64 {
+        match self {
+            PoolMemory::Host(m) => m.huge_page_bytes(),
+            PoolMemory::Cuda(_) => 0,
+        }
+    }
+
     /// The host mapping, for what only host pools do (UCX registration,
     /// one-sided reads, the cluster).
     pub fn host(&self) -> Option<&Arc<SharedMapping>> {

@@ -568,7 +568,8 @@ impl Store {
                 })
                 .collect();
             tracing::info!(pool = %p.name, slots = n, slot_payload_bytes = p.slot_payload_bytes,
-                bytes = stride * n as u64, mlocked = memory.mlocked(), "pool ready");
+                bytes = stride * n as u64, mlocked = memory.mlocked(), huge_page_bytes = memory.huge_page_bytes(),
+                shmem_huge_pages = %kvmesh_ffi_os::shm::shmem_huge_mode(), "pool ready");
             pools.push(Pool {
                 index: i as u32,
                 name: p.name.clone(),

@@ -147,36 +147,27 @@ impl SharedMapping {
     }
 
     /// Maps an existing memfd (received from the daemon) of `bytes` bytes,
-    /// read-write and prefaulted.
+    /// read-write and prefaulted (with huge pages where the kernel allows:
+    /// [`advise_huge_and_prefault`]).
     pub fn map(fd: OwnedFd, bytes: u64) -> Result<Self, ShmError> {
         let len = NonZeroUsize::new(bytes as usize).ok_or(ShmError::Empty)?;
         // Fresh mapping at a kernel-chosen address; the fd lives in `self`.
+        // Not MAP_POPULATE: pages faulted before MADV_HUGEPAGE stay small.
         // SAFETY: it overlaps no Rust object and is unmapped only in Drop.
-        let ptr = unsafe {
-            mmap(
-                None,
-                len,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_SHARED | MapFlags::MAP_POPULATE,
-                &fd,
-                0,
-            )
-        }
-        .map_err(sys("mmap"))?;
-        // Ask for transparent huge pages: honoured for shmem only when the
-        // operator sets /sys/kernel/mm/transparent_hugepage/shmem_enabled to
-        // `advise` (or `always`); harmless otherwise. Fewer TLB misses make
-        // block copies markedly faster (see docs/BENCHMARKS.md).
-        // SAFETY: ptr/len describe the mapping just created; MADV_HUGEPAGE
-        // does not change its contents or validity.
-        let _ = unsafe { nix::sys::mman::madvise(ptr, len.get(), nix::sys::mman::MmapAdvise::MADV_HUGEPAGE) };
-        Ok(SharedMapping {
+        let ptr =
+            unsafe { mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &fd, 0) }
+                .map_err(sys("mmap"))?;
+        let m = SharedMapping {
             ptr: ptr.cast(),
             len: len.get(),
             backing: Backing::Memfd(fd),
             mlocked: false,
             claims: Mutex::new(Claims::default()),
-        })
+        };
+        // SAFETY: ptr/len are the read-write mapping `m` owns (unmapped
+        // only when `m` drops, here on error too).
+        unsafe { advise_huge_and_prefault(m.ptr, m.len) }?;
+        Ok(m)
     }
 
     /// Attaches the SysV shared memory segment `shmid` (at least `bytes`
@@ -208,13 +199,9 @@ impl SharedMapping {
             mlocked: false,
             claims: Mutex::new(Claims::default()),
         };
-        // Prefault: read one byte of every page (reads keep the contents).
-        let mut acc = 0u8;
-        for off in (0..m.len).step_by(4096) {
-            // SAFETY: off < len, inside the attached segment.
-            acc ^= unsafe { std::ptr::read_volatile(m.ptr.as_ptr().add(off)) };
-        }
-        std::hint::black_box(acc);
+        // SAFETY: ptr/len lie inside the segment just attached read-write
+        // (detached only when `m` drops, here on error too).
+        unsafe { advise_huge_and_prefault(m.ptr, m.len) }?;
         Ok(m)
     }
 
@@ -254,6 +241,12 @@ impl SharedMapping {
         self.ptr.as_ptr() as usize
     }
 
+    /// Bytes of this mapping the kernel maps with huge pages now (what
+    /// operators check after setting `shmem_enabled`).
+    pub fn huge_page_bytes(&self) -> u64 {
+        huge_mapped_bytes(self.base_addr())
+    }
+
     fn check(&self, offset: u64, len: u64) -> Result<(), ShmError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len as u64 => Ok(()),
@@ -287,6 +280,92 @@ impl SharedMapping {
         let r = self.read(offset, dst.len() as u64)?;
         dst.copy_from_slice(&r);
         Ok(())
+    }
+}
+
+/// The kernel's setting for shared-memory huge pages (the selected word of
+/// `/sys/kernel/mm/transparent_hugepage/shmem_enabled`: `never`, `advise`,
+/// `always`, ...), or `unknown`.
+pub fn shmem_huge_mode() -> String {
+    let mode = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").unwrap_or_default();
+    let active = mode.split_whitespace().find(|w| w.starts_with('['));
+    active.map(|w| w.trim_matches(['[', ']']).to_string()).unwrap_or_else(|| "unknown".into())
+}
+
+/// Whether [`advise_huge_and_prefault`] can get huge pages for shared
+/// memory on this machine.
+pub fn shmem_huge_pages_allowed_here() -> bool {
+    matches!(shmem_huge_mode().as_str(), "advise" | "always" | "within_size" | "force")
+}
+
+/// Bytes of the mapping that starts at `addr` in this process which the
+/// kernel maps with huge pages (`ShmemPmdMapped` plus `FilePmdMapped` and
+/// `AnonHugePages` of its entry in `/proc/self/smaps`); 0 when there is no
+/// such mapping or smaps cannot be read.
+pub fn huge_mapped_bytes(addr: usize) -> u64 {
+    let Ok(smaps) = std::fs::read_to_string("/proc/self/smaps") else { return 0 };
+    let mut inside = false;
+    let mut kib = 0u64;
+    for line in smaps.lines() {
+        // An entry starts with its range: "7f1e00000000-7f1e01000000 rw-s ...".
+        let range = line.split_whitespace().next().and_then(|r| r.split_once('-'));
+        if let Some((start, end)) = range
+            && let (Ok(start), Ok(_)) = (usize::from_str_radix(start, 16), usize::from_str_radix(end, 16))
+        {
+            if inside {
+                break;
+            }
+            inside = start == addr;
+            continue;
+        }
+        if inside
+            && let Some((name, value)) = line.split_once(':')
+            && matches!(name, "ShmemPmdMapped" | "FilePmdMapped" | "AnonHugePages")
+        {
+            kib += value.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0);
+        }
+    }
+    kib * 1024
+}
+
+/// Asks for transparent huge pages on `len` bytes at `ptr`, then faults
+/// every page in, contents kept. The order matters: the kernel picks a
+/// page's size when the page is first faulted, so pages faulted before
+/// `MADV_HUGEPAGE` (by `MAP_POPULATE`, or by touching them) stay 4 KiB for
+/// good. Shared memory gets huge pages only when the operator sets
+/// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` to `advise` (or
+/// `always`); otherwise the advice changes nothing. Fewer TLB misses make
+/// block copies markedly faster (docs/BENCHMARKS.md, "Huge pages").
+///
+/// Prefaulting is `MADV_POPULATE_WRITE` (Linux 5.14+), which reports a
+/// failure (memory the kernel cannot give) as an error here instead of a
+/// SIGBUS on the data path later; on older kernels one byte of every page
+/// is read instead.
+///
+/// # Safety
+/// `ptr..ptr + len` must lie inside one live read-write mapping of this
+/// process.
+pub unsafe fn advise_huge_and_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), ShmError> {
+    use nix::sys::mman::{MmapAdvise, madvise};
+    // SAFETY: the caller's range; MADV_HUGEPAGE changes neither contents
+    // nor validity of the mapping.
+    let _ = unsafe { madvise(ptr.cast(), len, MmapAdvise::MADV_HUGEPAGE) };
+    // SAFETY: the caller's read-write range; MADV_POPULATE_WRITE faults
+    // the pages in writable without writing them.
+    match unsafe { madvise(ptr.cast(), len, MmapAdvise::MADV_POPULATE_WRITE) } {
+        Ok(()) => Ok(()),
+        Err(nix::errno::Errno::EINVAL) => {
+            // A kernel without MADV_POPULATE_WRITE: read one byte per page
+            // (reads keep the contents).
+            let mut acc = 0u8;
+            for off in (0..len).step_by(4096) {
+                // SAFETY: off < len, inside the caller's mapping.
+                acc ^= unsafe { std::ptr::read_volatile(ptr.as_ptr().add(off)) };
+            }
+            std::hint::black_box(acc);
+            Ok(())
+        }
+        Err(errno) => Err(ShmError::Sys { call: "madvise(MADV_POPULATE_WRITE)", errno }),
     }
 }
 
@@ -372,12 +451,60 @@ mod tests {
     #[test]
     fn two_mappings_of_one_memfd_share_bytes() {
         let a = Arc::new(SharedMapping::create("kvmesh-test", 1 << 20, false).unwrap());
+        // Written before the second mapping prefaults: kept.
+        a.copy_in(100, b"early").unwrap();
         let fd = a.fd().unwrap().try_clone_to_owned().unwrap();
         let b = Arc::new(SharedMapping::map(fd, 1 << 20).unwrap());
         a.copy_in(4096, b"hello").unwrap();
         let mut out = [0u8; 5];
         b.copy_out(4096, &mut out).unwrap();
         assert_eq!(&out, b"hello");
+        b.copy_out(100, &mut out).unwrap();
+        assert_eq!(&out, b"early");
+    }
+
+    /// Whether this machine allows shmem huge pages; says so loudly when not.
+    fn shmem_huge_pages_allowed(test: &str) -> bool {
+        let allowed = shmem_huge_pages_allowed_here();
+        if !allowed {
+            eprintln!(
+                "SKIPPED {test}: shared-memory huge pages are off here (shmem_enabled = {}); \
+                 echo advise > /sys/kernel/mm/transparent_hugepage/shmem_enabled to run it",
+                shmem_huge_mode()
+            );
+        }
+        allowed
+    }
+
+    /// Pages are advised huge before their first fault, so where the kernel
+    /// allows shmem huge pages a pool and an engine's mapping of it get
+    /// them (pages faulted first, as MAP_POPULATE did, stay 4 KiB).
+    #[test]
+    fn pools_get_huge_pages_where_the_kernel_allows_them() {
+        if !shmem_huge_pages_allowed("pools_get_huge_pages_where_the_kernel_allows_them") {
+            return;
+        }
+        let a = SharedMapping::create("kvmesh-thp-test", 32 << 20, false).unwrap();
+        assert!(a.huge_page_bytes() >= 2 << 20, "pool mapping: {} bytes in huge pages", a.huge_page_bytes());
+        let fd = a.fd().unwrap().try_clone_to_owned().unwrap();
+        let b = SharedMapping::map(fd, 32 << 20).unwrap();
+        assert!(b.huge_page_bytes() >= 2 << 20, "second mapping: {} bytes in huge pages", b.huge_page_bytes());
+        // SAFETY: creating a private segment has no preconditions.
+        let id = unsafe { libc::shmget(libc::IPC_PRIVATE, 32 << 20, libc::IPC_CREAT | 0o600) };
+        assert!(id >= 0, "shmget: {}", std::io::Error::last_os_error());
+        let s = SharedMapping::attach_sysv(id, 32 << 20);
+        // SAFETY: IPC_RMID on our own segment; a null buffer is allowed.
+        unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+        let s = s.unwrap();
+        assert!(s.huge_page_bytes() >= 2 << 20, "SysV segment: {} bytes in huge pages", s.huge_page_bytes());
+    }
+
+    #[test]
+    fn huge_mapped_bytes_of_no_mapping_is_zero() {
+        assert_eq!(huge_mapped_bytes(0), 0);
+        // 1 MiB cannot hold a 2 MiB page.
+        let a = SharedMapping::create("kvmesh-test", 1 << 20, false).unwrap();
+        assert_eq!(a.huge_page_bytes(), 0);
     }
 
     #[test]

@@ -312,11 +312,20 @@ impl MemoryRegion {
         }
         let base = attr.address as usize;
         // Prefault UCX's mapping (peers' one-sided reads and our receives go
-        // through it): touch every page once now, not on the data path.
-        for off in (0..attr.length).step_by(4096) {
-            // SAFETY: base..base+length is the live allocation UCX just made
-            // for us; a volatile read of one byte per page changes nothing.
-            unsafe { std::ptr::read_volatile((base + off) as *const u8) };
+        // through it) now, not on the data path — with huge pages where the
+        // kernel allows, so advised before the first fault.
+        let prefault = match std::ptr::NonNull::new(attr.address.cast::<u8>()) {
+            Some(p) => {
+                // SAFETY: base..base+length is the live read-write allocation
+                // UCX just made for us (unmapped only by Drop, or below).
+                unsafe { kvmesh_ffi_os::shm::advise_huge_and_prefault(p, attr.length) }.map_err(|e| e.to_string())
+            }
+            None => Err("UCX allocated at address 0".to_string()),
+        };
+        if let Err(message) = prefault {
+            // SAFETY: unmapped once, on the context that mapped it.
+            unsafe { sys::ucp_mem_unmap(ctx.h, memh) };
+            return Err(UcxError { call: "prefault", code: sys::ucs_status_t::UCS_ERR_NO_MEMORY.0, message });
         }
         Ok(MemoryRegion {
             ctx: Arc::clone(ctx),
@@ -1029,6 +1038,24 @@ mod tests {
             assert_eq!(empty.received(), Some(0), "{t:?}");
             drop(ep);
         }
+    }
+
+    /// UCX's own pool allocation is advised huge before it is prefaulted,
+    /// so where the kernel allows shmem huge pages the pool gets them.
+    #[test]
+    fn allocated_pools_get_huge_pages_where_the_kernel_allows_them() {
+        if !kvmesh_ffi_os::shm::shmem_huge_pages_allowed_here() {
+            eprintln!(
+                "SKIPPED allocated_pools_get_huge_pages_where_the_kernel_allows_them: shared-memory huge pages \
+                 are off here (shmem_enabled = {})",
+                kvmesh_ffi_os::shm::shmem_huge_mode()
+            );
+            return;
+        }
+        let ctx = Context::new(&Transports::SharedMemory).unwrap();
+        let mr = MemoryRegion::allocate(&ctx, 32 << 20).unwrap();
+        let huge = kvmesh_ffi_os::shm::huge_mapped_bytes(mr.base() as usize);
+        assert!(huge >= 2 << 20, "UCX-allocated pool: {huge} bytes in huge pages (SysV id {:?})", mr.sysv_id());
     }
 
     #[test]
