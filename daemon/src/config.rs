@@ -648,6 +648,21 @@ impl Config {
             if self.pools[..i].iter().any(|q| q.name == p.name) {
                 return Err(format!("{}: duplicate pool name", f("name")));
             }
+            // A namespace goes to the pool with the smallest slots that fit
+            // on its device: of two pools alike, the second would hold
+            // memory and never a block.
+            if let Some(q) =
+                self.pools[..i].iter().find(|q| q.device == p.device && q.slot_payload_bytes == p.slot_payload_bytes)
+            {
+                return Err(format!(
+                    "{}: pool {} on {} has slots of {} bytes already; a second pool like it would never be used \
+                     (give the first one both pools' bytes)",
+                    f("slot_payload_bytes"),
+                    q.name,
+                    p.device,
+                    p.slot_payload_bytes
+                ));
+            }
             if p.device != "host" {
                 let Some(ordinal) = kvmesh_kernels::cuda::parse_device(&p.device) else {
                     return Err(format!("{}: {:?} is neither \"host\" nor \"cuda:N\"", f("device"), p.device));
@@ -1004,6 +1019,10 @@ mod tests {
             ),
             ("[[pools]]\nname = \"p\"\nbytes = \"1MiB\"\nslot_payload_bytes = 4096\nbogus = 1\n", "bogus"),
             (&format!("{pool}{pool}"), "duplicate pool name"),
+            (
+                &format!("{pool}[[pools]]\nname = \"q\"\nbytes = \"2MiB\"\nslot_payload_bytes = 4096\n"),
+                "pools[1] (q).slot_payload_bytes: pool p on host has slots of 4096 bytes already",
+            ),
             (&format!("[limits]\nbatch_keys_max = 0\n{pool}"), "limits.batch_keys_max"),
             (&format!("[limits]\nlease_ms_default = 10\nlease_ms_max = 5\n{pool}"), "limits.lease_ms_default"),
             (&format!("[eviction]\nhigh_watermark = 0.5\nlow_watermark = 0.9\n{pool}"), "low_watermark"),
@@ -1059,6 +1078,12 @@ mod tests {
             assert!(e.starts_with("test.toml: "), "{e}");
         }
         Config::parse(pool, "ok.toml").unwrap();
+        // Pools of different slot sizes on one device are what several pools are for.
+        Config::parse(
+            &format!("{pool}[[pools]]\nname = \"q\"\nbytes = \"2MiB\"\nslot_payload_bytes = 65536\n"),
+            "ok.toml",
+        )
+        .unwrap();
     }
 
     /// Every duration and count has an upper bound: an absurd value (up to
