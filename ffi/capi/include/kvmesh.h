@@ -50,6 +50,9 @@
 // A bug or an unexpected answer (including a caught panic).
 #define KVMESH_E_INTERNAL (-7)
 
+// The event stream was cancelled (`kvmesh_events_cancel`); only close it.
+#define KVMESH_E_CANCELLED (-9)
+
 // `kvmesh_pin` flag: stop at the first miss (a prefix fetch).
 #define KVMESH_PIN_STOP_AT_FIRST_MISS 1
 
@@ -134,7 +137,7 @@ typedef struct kvmesh_batch_t kvmesh_batch_t;
 typedef struct kvmesh_client_t kvmesh_client_t;
 
 // A KV event stream (opaque): `kvmesh_watch_events`, `kvmesh_events_next`,
-// `kvmesh_events_close`.
+// `kvmesh_events_cancel`, `kvmesh_events_close`.
 typedef struct kvmesh_events_t kvmesh_events_t;
 
 // The shape of an engine's paged KV cache.
@@ -373,10 +376,12 @@ int32_t kvmesh_watch_events(const kvmesh_client_t *client,
 // sending daemon's node id in `*node_id` (may be NULL). Events of one
 // batch beyond `cap` are kept for the next call. The watcher cut off (too
 // far behind, or not reading): `KVMESH_E_EXHAUSTED` — watch again with a
-// snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`.
-// One thread at a time per stream: nothing interrupts a call from another
-// thread (`kvmesh_events_close` must not race it), so a reader that must
-// stop on request uses a finite `timeout_ms` and checks between calls.
+// snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`;
+// cancelled (`kvmesh_events_cancel`, before or during the call; events
+// not taken yet are dropped): `KVMESH_E_CANCELLED`, and so every later
+// call. One thread at a time per stream; another thread stops a waiting
+// call with `kvmesh_events_cancel` (`kvmesh_events_close` must not race
+// it: close after the reader returned).
 //
 // # Safety
 // `ev` is a live stream; `events` has room for `cap` events; `n` is
@@ -387,6 +392,15 @@ int32_t kvmesh_events_next(kvmesh_events_t *ev,
                            uintptr_t cap,
                            uintptr_t *n,
                            uint32_t *node_id);
+
+// Cancels an event stream from any thread: a `kvmesh_events_next` waiting
+// on it returns `KVMESH_E_CANCELLED` at once, and so does every later one
+// (the daemon sees the watcher leave then). The stream still has to be
+// closed, after its reader returned. Idempotent; NULL: nothing.
+//
+// # Safety
+// `ev` is NULL or a live stream from `kvmesh_watch_events` (not closed).
+void kvmesh_events_cancel(const kvmesh_events_t *ev);
 
 // Ends an event stream and releases it (NULL: nothing).
 //

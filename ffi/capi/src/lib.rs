@@ -76,6 +76,8 @@ pub const KVMESH_E_REFUSED: i32 = -5;
 pub const KVMESH_E_TRANSPORT: i32 = -6;
 /// A bug or an unexpected answer (including a caught panic).
 pub const KVMESH_E_INTERNAL: i32 = -7;
+/// The event stream was cancelled (`kvmesh_events_cancel`); only close it.
+pub const KVMESH_E_CANCELLED: i32 = -9;
 
 /// `kvmesh_pin` flag: stop at the first miss (a prefix fetch).
 pub const KVMESH_PIN_STOP_AT_FIRST_MISS: u32 = 1;
@@ -165,10 +167,15 @@ pub struct kvmesh_client_t {
 }
 
 /// A KV event stream (opaque): `kvmesh_watch_events`, `kvmesh_events_next`,
-/// `kvmesh_events_close`.
+/// `kvmesh_events_cancel`, `kvmesh_events_close`.
 pub struct kvmesh_events_t {
     client: blocking::Client,
     state: Mutex<EventsState>,
+    /// Set by `kvmesh_events_cancel` (any thread), read by every `next`.
+    cancelled: std::sync::atomic::AtomicBool,
+    /// Wakes a `next` waiting when the cancel comes (a permit is kept for a
+    /// `next` that has not started waiting yet).
+    cancel: tokio::sync::Notify,
 }
 
 struct EventsState {
@@ -413,6 +420,7 @@ pub extern "C" fn kvmesh_code_name(code: i32) -> *const c_char {
         KVMESH_E_TRANSPORT => "KVMESH_E_TRANSPORT\0",
         KVMESH_E_INTERNAL => "KVMESH_E_INTERNAL\0",
         KVMESH_E_NO_DEVICE => "KVMESH_E_NO_DEVICE\0",
+        KVMESH_E_CANCELLED => "KVMESH_E_CANCELLED\0",
         _ => "KVMESH_UNKNOWN_CODE\0",
     };
     s.as_ptr().cast()
@@ -783,6 +791,8 @@ pub unsafe extern "C" fn kvmesh_watch_events(
         let e = Box::new(kvmesh_events_t {
             client: c.client.clone(),
             state: Mutex::new(EventsState { stream: Some(stream), pending: Default::default(), node: 0 }),
+            cancelled: Default::default(),
+            cancel: tokio::sync::Notify::new(),
         });
         put_out(out, Box::into_raw(e), "out")?;
         Ok(KVMESH_OK)
@@ -794,10 +804,12 @@ pub unsafe extern "C" fn kvmesh_watch_events(
 /// sending daemon's node id in `*node_id` (may be NULL). Events of one
 /// batch beyond `cap` are kept for the next call. The watcher cut off (too
 /// far behind, or not reading): `KVMESH_E_EXHAUSTED` — watch again with a
-/// snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`.
-/// One thread at a time per stream: nothing interrupts a call from another
-/// thread (`kvmesh_events_close` must not race it), so a reader that must
-/// stop on request uses a finite `timeout_ms` and checks between calls.
+/// snapshot; the stream ended (daemon stopping): `KVMESH_E_TRANSPORT`;
+/// cancelled (`kvmesh_events_cancel`, before or during the call; events
+/// not taken yet are dropped): `KVMESH_E_CANCELLED`, and so every later
+/// call. One thread at a time per stream; another thread stops a waiting
+/// call with `kvmesh_events_cancel` (`kvmesh_events_close` must not race
+/// it: close after the reader returned).
 ///
 /// # Safety
 /// `ev` is a live stream; `events` has room for `cap` events; `n` is
@@ -817,18 +829,37 @@ pub unsafe extern "C" fn kvmesh_events_next(
         if n.is_null() || cap == 0 {
             return Err(Fail::invalid("n is NULL or cap is 0"));
         }
+        let cancelled = || Fail(KVMESH_E_CANCELLED, "the event stream was cancelled".into());
         let mut st = lock(&e.state, "event stream")?;
+        if e.cancelled.load(std::sync::atomic::Ordering::SeqCst) {
+            // The daemon sees this watcher leave now, not at close.
+            st.stream = None;
+            st.pending.clear();
+            return Err(cancelled());
+        }
         if st.pending.is_empty() {
             let Some(stream) = st.stream.as_mut() else {
                 return Err(Fail(KVMESH_E_TRANSPORT, "the event stream has ended".into()));
             };
             let got = e.client.block_on(async {
-                if timeout_ms == 0 {
-                    Some(stream.message().await)
-                } else {
-                    tokio::time::timeout(std::time::Duration::from_millis(timeout_ms), stream.message()).await.ok()
+                let message = async {
+                    if timeout_ms == 0 {
+                        Some(stream.message().await)
+                    } else {
+                        tokio::time::timeout(std::time::Duration::from_millis(timeout_ms), stream.message()).await.ok()
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    () = e.cancel.notified() => None,
+                    got = message => Some(got),
                 }
             })?;
+            let Some(got) = got else {
+                st.stream = None;
+                st.pending.clear();
+                return Err(cancelled());
+            };
             match got {
                 None => {
                     put_out(n, 0, "n")?;
@@ -864,6 +895,23 @@ pub unsafe extern "C" fn kvmesh_events_next(
         out_opt(node_id, st.node);
         Ok(KVMESH_OK)
     })
+}
+
+/// Cancels an event stream from any thread: a `kvmesh_events_next` waiting
+/// on it returns `KVMESH_E_CANCELLED` at once, and so does every later one
+/// (the daemon sees the watcher leave then). The stream still has to be
+/// closed, after its reader returned. Idempotent; NULL: nothing.
+///
+/// # Safety
+/// `ev` is NULL or a live stream from `kvmesh_watch_events` (not closed).
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvmesh_events_cancel(ev: *const kvmesh_events_t) {
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if let Ok(e) = handle(ev, "events") {
+            e.cancelled.store(true, std::sync::atomic::Ordering::SeqCst);
+            e.cancel.notify_one();
+        }
+    }));
 }
 
 /// Ends an event stream and releases it (NULL: nothing).
@@ -1798,7 +1846,7 @@ mod tests {
 
     #[test]
     fn every_code_has_a_name() {
-        for code in -7..=2 {
+        for code in -9..=2 {
             // SAFETY: kvmesh_code_name returns a static NUL-terminated string.
             let name = unsafe { CStr::from_ptr(kvmesh_code_name(code)) }.to_str().unwrap();
             assert!(name.starts_with("KVMESH_") && name != "KVMESH_UNKNOWN_CODE", "{code}: {name}");

@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 static int failures = 0;
 static int checks = 0;
@@ -52,6 +53,30 @@ struct thread_arg {
     const uint8_t *expect;
     int errors;
 };
+
+/* A reader blocked for ever in kvmesh_events_next, stopped by another
+ * thread's kvmesh_events_cancel. */
+struct reader_arg {
+    kvmesh_events_t *w;
+    int32_t rc;
+    double waited_s;
+};
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void *events_reader(void *p) {
+    struct reader_arg *a = p;
+    kvmesh_event_t ev[4];
+    size_t n = 0;
+    double t0 = now_s();
+    a->rc = kvmesh_events_next(a->w, 0, ev, 4, &n, NULL);
+    a->waited_s = now_s() - t0;
+    return NULL;
+}
 
 /* Many threads share one client: pins, reads in place, copies. */
 static void *worker(void *p) {
@@ -144,8 +169,35 @@ int main(int argc, char **argv) {
         CHECK(en == 0, "nothing more within 100 ms: %zu", en);
         EXPECT(kvmesh_events_next(w, 100, ev, 0, &en, NULL), KVMESH_E_INVALID);
         EXPECT(kvmesh_watch_events(c, 9999, 0, &w), KVMESH_E_NOT_FOUND);
+
+        /* A reader waiting without a timeout is stopped by a cancel from
+         * this thread; every later call says cancelled too. */
+        struct reader_arg ra = {w, 12345, 0};
+        pthread_t reader;
+        pthread_create(&reader, NULL, events_reader, &ra);
+        struct timespec pause = {0, 300 * 1000 * 1000};
+        nanosleep(&pause, NULL);
+        double t_cancel = now_s();
+        kvmesh_events_cancel(w);
+        pthread_join(reader, NULL);
+        double after_cancel = now_s() - t_cancel;
+        EXPECT(ra.rc, KVMESH_E_CANCELLED);
+        CHECK(ra.waited_s >= 0.25, "the reader waited until the cancel: %.3f s", ra.waited_s);
+        CHECK(after_cancel < 5.0, "the reader returned %.3f s after the cancel", after_cancel);
+        EXPECT(kvmesh_events_next(w, 100, ev, 2, &en, NULL), KVMESH_E_CANCELLED);
+        kvmesh_events_cancel(w); /* idempotent */
+        kvmesh_events_cancel(NULL);
         kvmesh_events_close(w);
         kvmesh_events_close(NULL);
+
+        /* Cancelled before the first call: that call does not wait. */
+        kvmesh_events_t *w2 = NULL;
+        EXPECT(kvmesh_watch_events(c, ens.id, 0, &w2), KVMESH_OK);
+        kvmesh_events_cancel(w2);
+        double t1 = now_s();
+        EXPECT(kvmesh_events_next(w2, 0, ev, 2, &en, NULL), KVMESH_E_CANCELLED);
+        CHECK(now_s() - t1 < 5.0, "a cancelled stream's next returned at once");
+        kvmesh_events_close(w2);
     }
 
     /* Keys derived from token ids, the documented rule. */
