@@ -142,7 +142,10 @@ pub(crate) fn run(
             rows.iter().map(|r| r.calls).min().unwrap_or(0)
         );
     }
-    println!("{}", serde_json::json!({"bench": "breakdown", "rows": out}));
+    println!(
+        "{}",
+        serde_json::json!({"bench": "breakdown", "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": out})
+    );
     Ok(())
 }
 

@@ -857,7 +857,7 @@ async fn local(
             })
         })
         .collect();
-    let out = serde_json::json!({ "bench": "local", "batch": batch, "pool_mib": pool_mib, "rows": rows_json });
+    let out = serde_json::json!({ "bench": "local", "batch": batch, "pool_mib": pool_mib, "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": rows_json });
     if !json {
         println!("batch {batch}, pools of {pool_mib} MiB; copy_ratio = copy-get / cold memcpy of the same bytes");
     }

@@ -442,7 +442,7 @@ pub(crate) fn run(o: Opts) -> anyhow::Result<()> {
         let wrong: u64 = accs.iter().flatten().map(|a| a.wrong).sum();
         println!(
             "{}",
-            serde_json::json!({"bench": "peers", "rounds": rounds, "mooncake_version": mooncake_version, "rows": out})
+            serde_json::json!({"bench": "peers", "rounds": rounds, "mooncake_version": mooncake_version, "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": out})
         );
         if wrong > 0 {
             bail!("{wrong} wrong bytes read (see the rows)");

@@ -323,7 +323,10 @@ pub(crate) fn run(
     if !json {
         println!("remote get = engine pin on B of blocks held by A (query, one-sided reads, validation, commit)");
     }
-    println!("{}", serde_json::json!({ "bench": "transfer", "pool_mib": pool_mib, "rows": rows_json }));
+    println!(
+        "{}",
+        serde_json::json!({ "bench": "transfer", "pool_mib": pool_mib, "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": rows_json })
+    );
     Ok(())
 }
 
