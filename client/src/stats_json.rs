@@ -11,7 +11,8 @@ pub fn stats_json(s: &crate::Stats) -> String {
             serde_json::json!({
                 "name": p.name, "device": p.device, "bytes": p.bytes, "slot_payload_bytes": p.slot_payload_bytes,
                 "slots": p.slots, "free": p.free, "valid": p.valid, "pending": p.pending, "pinned": p.pinned,
-                "zombie": p.zombie, "mlocked": p.mlocked,
+                "zombie": p.zombie, "mlocked": p.mlocked, "quarantined": p.quarantined,
+                "huge_page_bytes": p.huge_page_bytes,
             })
         })
         .collect();

@@ -284,6 +284,10 @@ impl prometheus_client::collector::Collector for Snapshot {
             ("pool_pending_slots", "Slots being written.", |p| p.pending as u64),
             ("pool_pinned_slots", "Slots pinned by engines or peers.", |p| p.pinned as u64),
             ("pool_zombie_slots", "Removed slots still pinned.", |p| p.zombie as u64),
+            ("pool_quarantined_slots", "Slots reserved until restart after a timed-out transfer.", |p| {
+                p.quarantined as u64
+            }),
+            ("pool_huge_page_bytes", "Bytes of the pool mapped with huge pages.", |p| p.huge_page_bytes),
         ] {
             let g = ConstGauge::new(0u64);
             let mut me = e.encode_descriptor(name, help, None, g.metric_type())?;

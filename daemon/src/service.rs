@@ -583,6 +583,8 @@ impl EngineService {
                     pinned: p.pinned,
                     zombie: p.zombie,
                     mlocked: p.mlocked,
+                    quarantined: p.quarantined,
+                    huge_page_bytes: p.huge_page_bytes,
                 })
                 .collect(),
             namespaces: s.namespaces,

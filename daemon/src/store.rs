@@ -112,6 +112,9 @@ pub struct Pool {
     pending: u32,
     pinned: u32,
     zombie: u32,
+    /// Of `pending`: slots quarantined (a timed-out transfer may still
+    /// write them), reserved until restart.
+    quarantined: u32,
 }
 
 impl Pool {
@@ -334,7 +337,7 @@ pub struct PoolStats {
     pub free: u32,
     /// Valid slots.
     pub valid: u32,
-    /// Pending or committing slots.
+    /// Pending or committing slots, quarantined ones not counted.
     pub pending: u32,
     /// Valid slots with a pin.
     pub pinned: u32,
@@ -342,6 +345,10 @@ pub struct PoolStats {
     pub zombie: u32,
     /// Whether the pool is mlocked.
     pub mlocked: bool,
+    /// Slots reserved for good after a timed-out transfer.
+    pub quarantined: u32,
+    /// Bytes mapped with huge pages.
+    pub huge_page_bytes: u64,
 }
 
 /// Whole-store figures for `Stats`.
@@ -592,6 +599,7 @@ impl Store {
                 pending: 0,
                 pinned: 0,
                 zombie: 0,
+                quarantined: 0,
             });
         }
         // The index never holds more keys than there are slots: sized once,
@@ -1057,6 +1065,7 @@ impl Store {
         self.unindex(ns, key, r.pool, r.slot);
         self.allocs_outstanding -= 1;
         self.counters.quarantined += 1;
+        self.pools[r.pool as usize].quarantined += 1;
         tracing::warn!(?r, "slot quarantined: a timed-out transfer may still write it");
     }
 
@@ -1719,10 +1728,12 @@ impl Store {
                     slots: p.slot_count(),
                     free: p.free.len() as u32,
                     valid: p.valid,
-                    pending: p.pending,
+                    pending: p.pending.saturating_sub(p.quarantined),
                     pinned: p.pinned,
                     zombie: p.zombie,
                     mlocked: p.memory.mlocked(),
+                    quarantined: p.quarantined,
+                    huge_page_bytes: p.memory.huge_page_bytes(),
                 })
                 .collect(),
             namespaces: self.namespaces.len() as u32,
@@ -2074,6 +2085,34 @@ mod tests {
                 kvmesh_common::slot::validate_slot(&whole, 4096, &want).unwrap();
             }
         }
+    }
+
+    /// A quarantined slot (a timed-out fetch UCX may still write) is shown
+    /// as quarantined, not as a slot being written for ever.
+    #[test]
+    fn quarantined_slots_are_counted_apart_from_pending_ones() {
+        let mut st = store(8, "");
+        st.set_coherent();
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let now = Instant::now();
+        let (out, _) = st.allocate_detached(FETCH_SESSION, ns, &[Key(1), Key(2)], 0, false, now).unwrap();
+        let slots: Vec<SlotRef> = out
+            .iter()
+            .map(|o| match o {
+                AllocOutcome::Allocated { slot, .. } => *slot,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        assert!(st.begin_commit(FETCH_SESSION, &slots).unwrap().iter().all(Option::is_some));
+        st.quarantine_core(slots[0]);
+        st.quarantine_core(slots[0]); // stale now: nothing more
+        st.check_invariants().unwrap();
+        let p = &st.stats().pools[0];
+        assert_eq!((p.pending, p.quarantined, p.free), (1, 1, 6), "{p:?}");
+        st.free_core(slots[1]);
+        let p = &st.stats().pools[0];
+        assert_eq!((p.pending, p.quarantined, p.free), (0, 1, 7), "{p:?}");
+        assert_eq!(st.counters.quarantined, 1);
     }
 
     /// Clustered mode, driven the way the coherence driver drives it: puts

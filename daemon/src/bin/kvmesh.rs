@@ -225,19 +225,31 @@ async fn run(args: Args) -> Result<(), Failure> {
                         serde_json::json!({"name": p.name, "device": p.device, "bytes": p.bytes,
                             "slot_payload_bytes": p.slot_payload_bytes, "slots": p.slots, "free": p.free,
                             "valid": p.valid, "pending": p.pending, "pinned": p.pinned, "zombie": p.zombie,
-                            "mlocked": p.mlocked})
+                            "mlocked": p.mlocked, "quarantined": p.quarantined,
+                            "huge_page_bytes": p.huge_page_bytes})
                     })
                     .collect();
                 println!("{}", serde_json::Value::Array(v));
             } else {
                 println!(
-                    "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6}",
-                    "POOL", "DEVICE", "BYTES", "SLOT", "SLOTS", "FREE", "VALID", "PENDING", "PINNED", "ZOMBIE", "USED"
+                    "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6}",
+                    "POOL",
+                    "DEVICE",
+                    "BYTES",
+                    "SLOT",
+                    "SLOTS",
+                    "FREE",
+                    "VALID",
+                    "PENDING",
+                    "PINNED",
+                    "ZOMBIE",
+                    "QUARANT",
+                    "USED"
                 );
                 for p in &s.pools {
                     let used = if p.slots == 0 { 0.0 } else { 100.0 * (p.slots - p.free) as f64 / p.slots as f64 };
                     println!(
-                        "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.1}%",
+                        "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.1}%",
                         p.name,
                         p.device,
                         p.bytes,
@@ -248,6 +260,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                         p.pending,
                         p.pinned,
                         p.zombie,
+                        p.quarantined,
                         used
                     );
                 }
@@ -733,7 +746,7 @@ fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: 
 fn print_stats(s: &kvmesh_client::Stats) {
     for p in &s.pools {
         println!(
-            "pool {} ({}): {} slots of {} B, {} free, {} valid, {} pending, {} pinned, {} zombie{}",
+            "pool {} ({}): {} slots of {} B, {} free, {} valid, {} pending, {} pinned, {} zombie, {} quarantined{}",
             p.name,
             p.device,
             p.slots,
@@ -743,6 +756,7 @@ fn print_stats(s: &kvmesh_client::Stats) {
             p.pending,
             p.pinned,
             p.zombie,
+            p.quarantined,
             if p.mlocked { ", mlocked" } else { "" }
         );
     }
