@@ -108,4 +108,25 @@ mod tests {
             assert!(c.contains_key(*f), "coherence.{f} is missing from the stats JSON");
         }
     }
+
+    /// The same for every field of `PoolStats`.
+    #[test]
+    fn every_pool_field_is_in_the_json() {
+        let proto = include_str!("../../proto/kvmesh/engine/v1/engine.proto");
+        let start = proto.find("message PoolStats {").expect("the message");
+        let body = &proto[start..start + proto[start..].find("\n}").expect("its end")];
+        let fields: Vec<&str> = body
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with("//") && l.ends_with(';') && l.contains(" = "))
+            .filter_map(|l| l.split(" = ").next()?.split_whitespace().last())
+            .collect();
+        assert!(fields.len() >= 13, "{fields:?}");
+        let s = crate::Stats { pools: vec![Default::default()], ..Default::default() };
+        let v: serde_json::Value = serde_json::from_str(&super::stats_json(&s)).unwrap();
+        let p = v["pools"][0].as_object().unwrap();
+        for f in &fields {
+            assert!(p.contains_key(*f), "pools[].{f} is missing from the stats JSON");
+        }
+    }
 }
