@@ -287,7 +287,9 @@ impl prometheus_client::collector::Collector for Snapshot {
             ("pool_quarantined_slots", "Slots reserved until restart after a timed-out transfer.", |p| {
                 p.quarantined as u64
             }),
-            ("pool_huge_page_bytes", "Bytes of the pool mapped with huge pages.", |p| p.huge_page_bytes),
+            ("pool_huge_page_bytes", "Bytes of the pool mapped with huge pages when it was made.", |p| {
+                p.huge_page_bytes
+            }),
         ] {
             let g = ConstGauge::new(0u64);
             let mut me = e.encode_descriptor(name, help, None, g.metric_type())?;

@@ -115,6 +115,8 @@ pub struct Pool {
     /// Of `pending`: slots quarantined (a timed-out transfer may still
     /// write them), reserved until restart.
     quarantined: u32,
+    /// Bytes mapped with huge pages when the pool was made.
+    huge_page_bytes: u64,
 }
 
 impl Pool {
@@ -347,7 +349,7 @@ pub struct PoolStats {
     pub mlocked: bool,
     /// Slots reserved for good after a timed-out transfer.
     pub quarantined: u32,
-    /// Bytes mapped with huge pages.
+    /// Bytes mapped with huge pages when the pool was made.
     pub huge_page_bytes: u64,
 }
 
@@ -574,8 +576,11 @@ impl Store {
                     queue: Queue::None,
                 })
                 .collect();
+            // Read once: /proc/self/smaps walks every page table of the
+            // process (milliseconds for large pools), never under the lock.
+            let huge_page_bytes = memory.huge_page_bytes();
             tracing::info!(pool = %p.name, slots = n, slot_payload_bytes = p.slot_payload_bytes,
-                bytes = stride * n as u64, mlocked = memory.mlocked(), huge_page_bytes = memory.huge_page_bytes(),
+                bytes = stride * n as u64, mlocked = memory.mlocked(), huge_page_bytes,
                 shmem_huge_pages = %kvmesh_ffi_os::shm::shmem_huge_mode(), "pool ready");
             pools.push(Pool {
                 index: i as u32,
@@ -600,6 +605,7 @@ impl Store {
                 pinned: 0,
                 zombie: 0,
                 quarantined: 0,
+                huge_page_bytes,
             });
         }
         // The index never holds more keys than there are slots: sized once,
@@ -1733,7 +1739,7 @@ impl Store {
                     zombie: p.zombie,
                     mlocked: p.memory.mlocked(),
                     quarantined: p.quarantined,
-                    huge_page_bytes: p.memory.huge_page_bytes(),
+                    huge_page_bytes: p.huge_page_bytes,
                 })
                 .collect(),
             namespaces: self.namespaces.len() as u32,

@@ -242,7 +242,9 @@ impl SharedMapping {
     }
 
     /// Bytes of this mapping the kernel maps with huge pages now (what
-    /// operators check after setting `shmem_enabled`).
+    /// operators check after setting `shmem_enabled`). Reads
+    /// `/proc/self/smaps`, which walks every page table of the process:
+    /// milliseconds for large pools, so never on a hot path or under a lock.
     pub fn huge_page_bytes(&self) -> u64 {
         huge_mapped_bytes(self.base_addr())
     }
