@@ -67,7 +67,7 @@ pub use kvmesh_ffi_os::default_socket_path;
 pub mod blocking;
 mod fast;
 mod stats_json;
-pub use stats_json::stats_json;
+pub use stats_json::{pool_json, stats_json};
 
 /// Errors of the client library.
 #[derive(Debug, thiserror::Error)]

@@ -4,18 +4,7 @@
 /// prints, the C ABI's `kvmesh_stats_json` and Python's `Client.stats()`
 /// return): every counter by its proto field name, plus batching factors.
 pub fn stats_json(s: &crate::Stats) -> String {
-    let pools: Vec<serde_json::Value> = s
-        .pools
-        .iter()
-        .map(|p| {
-            serde_json::json!({
-                "name": p.name, "device": p.device, "bytes": p.bytes, "slot_payload_bytes": p.slot_payload_bytes,
-                "slots": p.slots, "free": p.free, "valid": p.valid, "pending": p.pending, "pinned": p.pinned,
-                "zombie": p.zombie, "mlocked": p.mlocked, "quarantined": p.quarantined,
-                "huge_page_bytes": p.huge_page_bytes,
-            })
-        })
-        .collect();
+    let pools: Vec<serde_json::Value> = s.pools.iter().map(pool_json).collect();
     serde_json::json!({
         "pools": pools,
         "namespaces": s.namespaces,
@@ -84,22 +73,37 @@ pub fn stats_json(s: &crate::Stats) -> String {
     .to_string()
 }
 
+/// One pool's figures as a JSON object, every field by its proto name (the
+/// `pools` entries of [`stats_json`], and `kvmesh pools --json`).
+pub fn pool_json(p: &kvmesh_proto::engine::v1::PoolStats) -> serde_json::Value {
+    serde_json::json!({
+        "name": p.name, "device": p.device, "bytes": p.bytes, "slot_payload_bytes": p.slot_payload_bytes,
+        "slots": p.slots, "free": p.free, "valid": p.valid, "pending": p.pending, "pinned": p.pinned,
+        "zombie": p.zombie, "mlocked": p.mlocked, "quarantined": p.quarantined,
+        "huge_page_bytes": p.huge_page_bytes,
+    })
+}
+
 #[cfg(test)]
 mod tests {
+    /// The field names of proto message `name` (comments skipped).
+    fn proto_fields(name: &str) -> Vec<&'static str> {
+        let proto = include_str!("../../proto/kvmesh/engine/v1/engine.proto");
+        let start = proto.find(&format!("message {name} {{")).expect("the message");
+        let body = &proto[start..start + proto[start..].find("\n}").expect("its end")];
+        body.lines()
+            .map(str::trim)
+            .filter(|l| !l.starts_with("//") && l.ends_with(';') && l.contains(" = "))
+            .filter_map(|l| l.split(" = ").next()?.split_whitespace().last())
+            .collect()
+    }
+
     /// Every field of `CoherenceStats` is in the JSON under its proto name
     /// (the histogram buckets aside), so a new counter cannot be left out.
     #[test]
     fn every_coherence_counter_is_in_the_json() {
-        let proto = include_str!("../../proto/kvmesh/engine/v1/engine.proto");
-        let start = proto.find("message CoherenceStats {").expect("the message");
-        let body = &proto[start..start + proto[start..].find("\n}").expect("its end")];
-        let fields: Vec<&str> = body
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.starts_with("//") && l.ends_with(';') && l.contains(" = "))
-            .filter_map(|l| l.split(" = ").next()?.split_whitespace().last())
-            .filter(|f| *f != "inval_to_ack_buckets")
-            .collect();
+        let fields: Vec<&str> =
+            proto_fields("CoherenceStats").into_iter().filter(|f| *f != "inval_to_ack_buckets").collect();
         assert!(fields.len() > 40, "{fields:?}");
         let s = crate::Stats { coherence: Some(Default::default()), ..Default::default() };
         let v: serde_json::Value = serde_json::from_str(&super::stats_json(&s)).unwrap();
@@ -112,15 +116,7 @@ mod tests {
     /// The same for every field of `PoolStats`.
     #[test]
     fn every_pool_field_is_in_the_json() {
-        let proto = include_str!("../../proto/kvmesh/engine/v1/engine.proto");
-        let start = proto.find("message PoolStats {").expect("the message");
-        let body = &proto[start..start + proto[start..].find("\n}").expect("its end")];
-        let fields: Vec<&str> = body
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.starts_with("//") && l.ends_with(';') && l.contains(" = "))
-            .filter_map(|l| l.split(" = ").next()?.split_whitespace().last())
-            .collect();
+        let fields = proto_fields("PoolStats");
         assert!(fields.len() >= 13, "{fields:?}");
         let s = crate::Stats { pools: vec![Default::default()], ..Default::default() };
         let v: serde_json::Value = serde_json::from_str(&super::stats_json(&s)).unwrap();

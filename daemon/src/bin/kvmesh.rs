@@ -218,17 +218,7 @@ async fn run(args: Args) -> Result<(), Failure> {
             let client = connect(args.socket).await?;
             let s = client.stats().await?;
             if json {
-                let v: Vec<serde_json::Value> = s
-                    .pools
-                    .iter()
-                    .map(|p| {
-                        serde_json::json!({"name": p.name, "device": p.device, "bytes": p.bytes,
-                            "slot_payload_bytes": p.slot_payload_bytes, "slots": p.slots, "free": p.free,
-                            "valid": p.valid, "pending": p.pending, "pinned": p.pinned, "zombie": p.zombie,
-                            "mlocked": p.mlocked, "quarantined": p.quarantined,
-                            "huge_page_bytes": p.huge_page_bytes})
-                    })
-                    .collect();
+                let v: Vec<serde_json::Value> = s.pools.iter().map(kvmesh_client::pool_json).collect();
                 println!("{}", serde_json::Value::Array(v));
             } else {
                 println!(

@@ -829,13 +829,15 @@ pub unsafe extern "C" fn kvmesh_events_next(
         if n.is_null() || cap == 0 {
             return Err(Fail::invalid("n is NULL or cap is 0"));
         }
-        let cancelled = || Fail(KVMESH_E_CANCELLED, "the event stream was cancelled".into());
-        let mut st = lock(&e.state, "event stream")?;
-        if e.cancelled.load(std::sync::atomic::Ordering::SeqCst) {
-            // The daemon sees this watcher leave now, not at close.
+        // The daemon sees a cancelled watcher leave now, not at close.
+        let cancelled = |st: &mut EventsState| {
             st.stream = None;
             st.pending.clear();
-            return Err(cancelled());
+            Fail(KVMESH_E_CANCELLED, "the event stream was cancelled".into())
+        };
+        let mut st = lock(&e.state, "event stream")?;
+        if e.cancelled.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(cancelled(&mut st));
         }
         if st.pending.is_empty() {
             let Some(stream) = st.stream.as_mut() else {
@@ -856,9 +858,7 @@ pub unsafe extern "C" fn kvmesh_events_next(
                 }
             })?;
             let Some(got) = got else {
-                st.stream = None;
-                st.pending.clear();
-                return Err(cancelled());
+                return Err(cancelled(&mut st));
             };
             match got {
                 None => {
