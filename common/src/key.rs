@@ -36,7 +36,7 @@ impl Key {
         for t in tokens {
             buf.extend_from_slice(&t.to_le_bytes());
         }
-        Key(xxhash_rust::xxh3::xxh3_128_with_seed(&buf, KEY_SEED))
+        Key(twox_hash::XxHash3_128::oneshot_with_seed(KEY_SEED, &buf))
     }
 
     /// Keys of the full blocks of a token sequence, `block_tokens` tokens
