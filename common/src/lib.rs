@@ -46,7 +46,8 @@ mod tests {
     /// long inputs go through the stripe loop that AVX2 / SSE2 speed up.
     #[test]
     fn checksum_is_xxh3_64_on_every_length() {
-        let bytes = |n: usize| -> Vec<u8> { (0..n).map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1]).collect() };
+        let bytes =
+            |n: usize| -> Vec<u8> { (0..n).map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1]).collect() };
         for (n, want) in [
             (0usize, 0x2d06800538d394c2u64),
             (3, 0xddbabe9a1f4715a1),
