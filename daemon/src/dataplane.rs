@@ -1033,9 +1033,65 @@ fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Resul
         let rk = ep.unpack_rkey(&p.rkey).map_err(|e| format!("pool {}: {e}", p.index))?;
         rkeys.insert(p.index, (rk, p.base, p.bytes));
     }
+    let mapped: Vec<(usize, usize)> = peer
+        .pools
+        .iter()
+        .filter_map(|p| {
+            let (rk, base, bytes) = rkeys.get(&p.index)?;
+            Some((rk.local_address(*base)?, usize::try_from(*bytes).ok()?))
+        })
+        .collect();
+    prefault_peer_pools(peer.id, mapped);
     static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     Ok(PeerConn { rkeys, ep, incarnation: peer.incarnation, serial })
+}
+
+/// Prefault threads running now (one per connect that has mapped pools).
+static PREFAULTS_RUNNING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+/// At most this many at once (a peer that reconnects over and over gets
+/// its pools faulted in by its reads instead).
+const PREFAULTS_MAX: usize = 4;
+
+/// Where a shared-memory transport mapped a peer's pools into this process
+/// (`ranges`: address, bytes), faults their pages in on a thread of its
+/// own: without it every 4 KiB page of a peer's pool takes a page fault on
+/// the data-plane thread the first time a read touches it (~3 µs each on
+/// the 2-core VM: a 256 KiB block read for the first time took ~180 µs
+/// longer than one read before). The mapping may be dropped meanwhile
+/// (the endpoint goes): the advice then fails harmlessly.
+fn prefault_peer_pools(peer: u32, ranges: Vec<(usize, usize)>) {
+    use std::sync::atomic::Ordering::AcqRel;
+    if ranges.is_empty() {
+        return;
+    }
+    if PREFAULTS_RUNNING.fetch_add(1, AcqRel) >= PREFAULTS_MAX {
+        PREFAULTS_RUNNING.fetch_sub(1, AcqRel);
+        tracing::debug!(peer, "peer pools not prefaulted: {PREFAULTS_MAX} prefaults running");
+        return;
+    }
+    let spawned = std::thread::Builder::new().name("kvmesh-prefault".into()).spawn(move || {
+        let t = Instant::now();
+        let bytes: usize = ranges.iter().map(|r| r.1).sum();
+        for (addr, len) in ranges {
+            match kvmesh_ffi_os::shm::populate_read(addr, len) {
+                Ok(true) => {}
+                Ok(false) => {
+                    tracing::debug!(peer, "kernel without MADV_POPULATE_READ: peer pools fault in as they are read");
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(peer, "peer pool not prefaulted (endpoint gone?): {e}");
+                    break;
+                }
+            }
+        }
+        tracing::debug!(peer, mib = bytes >> 20, ms = t.elapsed().as_millis() as u64, "peer pools prefaulted");
+        PREFAULTS_RUNNING.fetch_sub(1, AcqRel);
+    });
+    if spawned.is_err() {
+        PREFAULTS_RUNNING.fetch_sub(1, AcqRel);
+    }
 }
 
 fn start<'w>(

@@ -788,3 +788,64 @@ async fn a_peer_from_before_locate_time_registration_gets_plain_locates() {
     assert_eq!(kb.early_registrations, kb.pending_registrations, "{kb:?}");
     assert!(kb.early_registrations > 0 && kb.early_registrations < 64, "keys homed on both sides: {kb:?}");
 }
+
+/// SysV segments mapped into process `pid`: (segment id, bytes mapped,
+/// bytes resident in its page tables), one per mapping, from
+/// `/proc/<pid>/smaps` (a SysV mapping's inode column is its segment id).
+fn sysv_mappings(pid: u32) -> Vec<(u64, u64, u64)> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap();
+    let mut out = Vec::new();
+    let mut current: Option<(u64, u64)> = None;
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let is_header = fields.first().is_some_and(|f| f.contains('-') && !f.ends_with(':'));
+        if is_header {
+            current = (fields.len() >= 6 && fields[5].starts_with("/SYSV")).then(|| (fields[4].parse().unwrap(), 0));
+        } else if let Some((id, size)) = current.as_mut() {
+            let kb = || fields.get(1).and_then(|v| v.parse::<u64>().ok()).unwrap() * 1024;
+            match fields.first() {
+                Some(&"Size:") => *size = kb(),
+                Some(&"Rss:") => out.push((*id, *size, kb())),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// On shared memory, UCX maps the holder's pools into the reader; their
+/// pages are faulted in once, when the endpoint is made, not one by one on
+/// the data-plane thread as reads first touch them (a 256 KiB block read
+/// for the first time cost ~180 µs more than a re-read).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peers_pools_are_prefaulted_where_shared_memory_maps_them() {
+    let (a, b) = pair("prefault", "sm", &[]);
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let ca = a.client().await;
+    let cb = b.client().await;
+    let (sa, _) = namespaces(&ca).await;
+    let (sb, _) = namespaces(&cb).await;
+    // One read of one 16 KiB block: the endpoint is surely made; by itself
+    // it touches four pages of A's 128 MiB.
+    put_all(&ca, &sa, &[Key(1)]).await;
+    pin_verified(&cb, &sb, &[Key(1)]).await;
+    // A's pools: the segments A maps twice (UCX's view and its own); the
+    // others in A are B's pools and UCX's own small segments.
+    let in_a = sysv_mappings(a.child.id());
+    let mut own: Vec<u64> =
+        in_a.iter().map(|m| m.0).filter(|id| in_a.iter().filter(|m| m.0 == *id).count() >= 2).collect();
+    own.sort_unstable();
+    own.dedup();
+    assert_eq!(own.len(), 2, "A's two pools are UCX-allocated SysV segments: {in_a:?}");
+    let t0 = Instant::now();
+    loop {
+        let in_b: Vec<_> = sysv_mappings(b.child.id()).into_iter().filter(|m| own.contains(&m.0)).collect();
+        assert_eq!(in_b.len(), 2, "UCX maps A's two pools into B: {:?}", sysv_mappings(b.child.id()));
+        if in_b.iter().all(|&(_, size, rss)| rss * 100 >= size * 95) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "A's pools not faulted in in B: {in_b:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

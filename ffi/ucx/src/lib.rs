@@ -783,6 +783,21 @@ pub struct RemoteKey<'w> {
     _ep: PhantomData<&'w Worker>,
 }
 
+impl RemoteKey<'_> {
+    /// Where the peer's byte at `remote_addr` is mapped in this process,
+    /// when a shared-memory transport reaches the peer's memory through a
+    /// mapping of its own (UCX attaches the segment when the key is
+    /// unpacked; `ucp_rkey_ptr`); `None` for memory reached another way
+    /// (cma, tcp, RDMA). The mapping lives as long as this key.
+    pub fn local_address(&self, remote_addr: u64) -> Option<usize> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: `h` is a live key (destroyed only in Drop); the call
+        // only writes the address it finds into `p`.
+        let s = unsafe { sys::ucp_rkey_ptr(self.h, remote_addr, &mut p) };
+        (s == sys::ucs_status_t::UCS_OK && !p.is_null()).then_some(p as usize)
+    }
+}
+
 impl Drop for RemoteKey<'_> {
     fn drop(&mut self) {
         // SAFETY: destroyed once, while its worker is alive (it borrows it).
