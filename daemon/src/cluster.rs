@@ -164,6 +164,13 @@ struct Read {
 /// ([`Cluster::post_reads_now`]); larger batches are posted by their task.
 const POST_NOW_READS_MAX: usize = 64;
 
+/// Reads of one holder (posted where the core asked for them) whose
+/// outcomes are validated and fed to the core on the data-plane thread as
+/// each copy ends, with no task to wake first. Larger batches hand their
+/// outcomes to a task, which hashes the copies on the other core while the
+/// data-plane thread goes on copying.
+const INLINE_DONE_READS_MAX: usize = 4;
+
 /// Counters of the driver (the core counts the protocol).
 #[derive(Default)]
 pub struct ClusterCounters {
@@ -505,7 +512,22 @@ impl Cluster {
             by_holder.entry(r.from).or_default().push(r);
         }
         for (from, reads) in by_holder {
-            let posted = self.post_reads_now(g, from, &reads);
+            let inline = reads.len() <= INLINE_DONE_READS_MAX;
+            let posted = self.post_reads_now(g, from, &reads, inline);
+            if inline && let Some(Wave { refused, posted: None }) = posted {
+                // The posted reads report themselves from the data-plane
+                // thread; what was refused, from a task (the core lock is
+                // held here).
+                if !refused.is_empty() {
+                    let me = Arc::clone(self);
+                    tokio::spawn(async move {
+                        for (i, e) in refused {
+                            me.read_ended(reads[i], Err(e));
+                        }
+                    });
+                }
+                continue;
+            }
             let me = Arc::clone(self);
             // (A task the runtime drops unstarted — it is shutting down —
             // leaves its reads unreported, posted or not: nothing waits
@@ -967,7 +989,7 @@ impl Cluster {
         }
         let conn = self.peers.conn_info(from).await.filter(|(inc, _, _)| Some(*inc) == member_inc);
         let wave = match conn {
-            Some((inc, pools, _)) => self.post_wave(from, inc, &pools, reads, slots),
+            Some((inc, pools, _)) => self.post_wave(from, inc, &pools, reads, slots, None),
             None => Wave { refused: (0..reads.len()).map(|i| (i, TransferError::PeerGone)).collect(), posted: None },
         };
         self.finish_wave(from, reads, base, wave, tx).await
@@ -979,7 +1001,11 @@ impl Cluster {
     /// data plane starts moving (on the data-plane thread, where locate
     /// answers arrive, the reads start on its next turn). `None`: the read
     /// task does it (handshake first, or staging slots to wait for).
-    fn post_reads_now(&self, g: &Inner, from: NodeId, reads: &[Read]) -> Option<Wave> {
+    ///
+    /// `inline`: the posted reads report their outcomes on the data-plane
+    /// thread ([`InlineReads`]); the wave returned then holds only what was
+    /// refused.
+    fn post_reads_now(self: &Arc<Self>, g: &Inner, from: NodeId, reads: &[Read], inline: bool) -> Option<Wave> {
         // Posting holds the core lock: a large batch (whose copies take far
         // longer than a wake-up) is posted by its task.
         if reads.len() > POST_NOW_READS_MAX {
@@ -996,7 +1022,11 @@ impl Cluster {
                 return None;
             }
         }
-        Some(self.post_wave(from, inc, &pools, reads, Vec::new()))
+        let inline = match (inline, tokio::runtime::Handle::try_current()) {
+            (true, Ok(runtime)) => Some((Arc::downgrade(self), runtime)),
+            _ => None,
+        };
+        Some(self.post_wave(from, inc, &pools, reads, Vec::new(), inline))
     }
 
     /// Checks the reads of a wave against the holder's pools (`inc`,
@@ -1009,6 +1039,7 @@ impl Cluster {
         pools: &[pb::PoolDesc],
         reads: &[Read],
         mut slots: Vec<crate::staging::StagingSlot>,
+        inline: Option<(std::sync::Weak<Cluster>, tokio::runtime::Handle)>,
     ) -> Wave {
         let mut refused = Vec::new();
         // Whole slots are copied: the holder's pool must have our layout.
@@ -1115,6 +1146,27 @@ impl Cluster {
         } else {
             Vec::new()
         };
+        if let Some((cluster, runtime)) = inline {
+            let n = index.len();
+            let mut done = InlineReads {
+                cluster,
+                runtime,
+                from,
+                reads: reads.to_vec(),
+                index,
+                geometry,
+                reported: vec![false; n],
+                mode,
+                t_post,
+                moved: 0,
+                validating: Duration::ZERO,
+                failed: false,
+            };
+            // Not taken: `done` is dropped with the command, and reports
+            // its reads as failed from a task.
+            let _ = dp.transfer_inline(mode, from, inc, items, orders, until, Box::new(move |k, o| done.ended(k, o)));
+            return Wave { refused, posted: None };
+        }
         let (_, rx) = dp.transfer_ordered(mode, from, inc, items, orders, until);
         Wave { refused, posted: Some(Posted { rx, index, geometry, mode, t_post }) }
     }
@@ -2208,6 +2260,100 @@ struct Posted {
     mode: Mode,
     /// When it was handed to the data plane.
     t_post: Instant,
+}
+
+/// The posted reads of a small wave, reporting their outcomes on the
+/// data-plane thread (see [`INLINE_DONE_READS_MAX`]): each copy that
+/// arrived is checked where it landed (as [`Cluster::finish_wave`] does)
+/// and fed to the core at once.
+struct InlineReads {
+    /// Weak: the data plane (owned by the cluster) holds this.
+    cluster: std::sync::Weak<Cluster>,
+    /// Entered while feeding the core (it spawns tasks).
+    runtime: tokio::runtime::Handle,
+    from: NodeId,
+    /// The wave's reads.
+    reads: Vec<Read>,
+    /// Per posted read: its index in `reads`.
+    index: Vec<usize>,
+    /// Per posted read: slot stride, payload capacity, where it lands
+    /// (always our pool: waves with staged pools are not inline).
+    geometry: Vec<(u64, u64, Option<Dest>)>,
+    /// Per posted read: reported to the core.
+    reported: Vec<bool>,
+    mode: Mode,
+    t_post: Instant,
+    moved: u64,
+    validating: Duration,
+    failed: bool,
+}
+
+impl InlineReads {
+    fn ended(&mut self, k: usize, outcome: TransferOutcome) {
+        if self.reported.get(k) != Some(&false) {
+            return;
+        }
+        self.reported[k] = true;
+        let Some(c) = self.cluster.upgrade() else { return };
+        let _entered = self.runtime.enter();
+        let i = self.index[k];
+        let result = match outcome {
+            TransferOutcome::Done => {
+                let (stride, cap, dest) = &mut self.geometry[k];
+                let (stride, cap) = (*stride, *cap);
+                self.moved += stride;
+                let d = to_store(self.reads[i].dest);
+                let tv = Instant::now();
+                let r = match dest.take() {
+                    Some(Dest::Pool(mapping)) => match mapping.read(d.slot as u64 * stride, stride) {
+                        Ok(bytes) => Ok(slot_image(&bytes, cap, self.reads[i].expect.key.ns, false)),
+                        Err(_) => Err(TransferError::NoSpace),
+                    },
+                    _ => Err(TransferError::NoSpace),
+                };
+                self.validating += tv.elapsed();
+                r
+            }
+            TransferOutcome::TimedOut => Err(TransferError::Timeout),
+            TransferOutcome::Failed(e) => {
+                tracing::debug!(peer = self.from, "transfer failed: {e}");
+                self.failed = true;
+                Err(TransferError::PeerGone)
+            }
+        };
+        c.read_ended(self.reads[i], result);
+        if self.reported.iter().all(|&r| r) {
+            let m = &c.remote_metrics;
+            m.transfer_batch_seconds.observe(self.t_post.elapsed().as_secs_f64());
+            m.transfer_validate_seconds.observe(self.validating.as_secs_f64());
+            m.transfer_batch_bytes.observe(self.moved as f64);
+            m.bytes_read.inc_by(self.moved);
+            if self.failed && self.mode != Mode::Recv {
+                let from = self.from;
+                self.runtime.spawn(async move { c.peers.reset(from).await });
+            }
+        }
+    }
+}
+
+impl Drop for InlineReads {
+    /// Reads never reported (the data plane stopped, or never took the
+    /// batch) failed; told to the core from a task, since this may run
+    /// under the core lock.
+    fn drop(&mut self) {
+        let left: Vec<Read> =
+            self.reported.iter().zip(&self.index).filter(|(r, _)| !**r).map(|(_, &i)| self.reads[i]).collect();
+        if left.is_empty() {
+            return;
+        }
+        self.reported.iter_mut().for_each(|r| *r = true);
+        let Some(c) = self.cluster.upgrade() else { return };
+        self.runtime.spawn(async move {
+            for r in left {
+                c.read_ended(r, Err(TransferError::PeerGone));
+            }
+        });
+    }
 }
 
 /// Where a read lands.

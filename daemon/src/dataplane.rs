@@ -557,6 +557,7 @@ impl DataPlane {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
+        let reply = Completions::Channel(reply);
         if let Err(e) =
             self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply }))
         {
@@ -565,6 +566,29 @@ impl DataPlane {
             }
         }
         (id, rx)
+    }
+
+    /// As [`DataPlane::transfer_ordered`], but each outcome is handed to
+    /// `done` on the data-plane thread as the read ends (no task to wake:
+    /// for small batches whose outcome handling is short). `done` must not
+    /// block on the data plane; it is dropped on the data-plane thread, or
+    /// here (unfinished) when the batch is not taken: `Err` then.
+    #[allow(clippy::too_many_arguments)]
+    pub fn transfer_inline(
+        &self,
+        mode: Mode,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        orders: Vec<Vec<u8>>,
+        deadline: Instant,
+        done: InlineDone,
+    ) -> Result<u64, String> {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let reply = Completions::Inline(done);
+        let staged = Vec::new();
+        self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply }))?;
+        Ok(id)
     }
 
     /// Cancels what is still in flight of batch `id` (its outcomes follow).
@@ -631,8 +655,28 @@ fn parse_control(mut m: Vec<u8>) -> Option<Control> {
     }
 }
 
+/// What a batch's outcomes are handed to on the data-plane thread itself
+/// (see [`DataPlane::transfer_inline`]): `(item index, outcome)` as each
+/// read ends. Dropped when the batch ends, or unfinished when the thread
+/// stops or never took the batch.
+pub type InlineDone = Box<dyn FnMut(usize, TransferOutcome) + Send>;
+
 /// Where a batch's outcomes go, one `(item index, outcome)` as each read ends.
-type Completions = tokio::sync::mpsc::UnboundedSender<(usize, TransferOutcome)>;
+enum Completions {
+    Channel(tokio::sync::mpsc::UnboundedSender<(usize, TransferOutcome)>),
+    Inline(InlineDone),
+}
+
+impl Completions {
+    fn send(&mut self, i: usize, o: TransferOutcome) {
+        match self {
+            Completions::Channel(tx) => {
+                let _ = tx.send((i, o));
+            }
+            Completions::Inline(f) => f(i, o),
+        }
+    }
+}
 
 struct PeerConn<'w> {
     // Field order matters: remote keys are dropped before the endpoint.
@@ -666,7 +710,7 @@ struct InFlight<'w> {
 
 impl InFlight<'_> {
     fn settle(&mut self, i: usize, o: TransferOutcome) {
-        let _ = self.reply.send((i, o.clone()));
+        self.reply.send(i, o.clone());
         self.outcomes[i] = Some(o);
     }
 }
@@ -760,9 +804,9 @@ fn run(
                             r.cancel();
                         }
                     }
-                    for p in queue.iter().filter(|p| p.id == id) {
+                    for p in queue.iter_mut().filter(|p| p.id == id) {
                         for i in 0..p.items.len() {
-                            let _ = p.reply.send((i, TransferOutcome::Failed("cancelled".into())));
+                            p.reply.send(i, TransferOutcome::Failed("cancelled".into()));
                         }
                     }
                     queue.retain(|p| p.id != id);
@@ -791,11 +835,11 @@ fn run(
                     continue;
                 }
             }
-            let p = queue.remove(i).expect("index within the queue");
+            let mut p = queue.remove(i).expect("index within the queue");
             if p.mode == Mode::Send && Instant::now() >= p.deadline {
                 // Its getter's receives are past their deadline too.
                 for k in 0..p.items.len() {
-                    let _ = p.reply.send((k, TransferOutcome::Failed("send order waited past its deadline".into())));
+                    p.reply.send(k, TransferOutcome::Failed("send order waited past its deadline".into()));
                 }
                 continue;
             }
@@ -857,7 +901,7 @@ fn run(
                             TransferOutcome::Failed(e.to_string())
                         }
                     };
-                    let _ = f.reply.send((i, o.clone()));
+                    f.reply.send(i, o.clone());
                     f.outcomes[i] = Some(o);
                     *slot = None;
                     reqs_in_flight -= 1;
@@ -988,7 +1032,7 @@ fn run(
                                 orders: Vec::new(),
                                 staged: o.staged,
                                 deadline: Instant::now() + server.send_timeout,
-                                reply,
+                                reply: Completions::Channel(reply),
                             });
                         } else {
                             let _ = server.unconnected.send(o);
@@ -1293,6 +1337,70 @@ mod tests {
         let mut got = vec![0u8; 65536];
         gpool.copy_out(3 * 65536, &mut got).unwrap();
         assert_eq!(got, block);
+    }
+
+    /// Outcomes of an inline batch are handed over on the data-plane
+    /// thread itself as each read ends; a batch the thread never finishes
+    /// (it stops) drops its handler unfinished, so the caller can report
+    /// what was left.
+    #[tokio::test]
+    async fn inline_outcomes_arrive_on_the_data_plane_thread() {
+        let (getter, gpool) = plane("dp-inline-getter");
+        let (holder, hpool) = plane("dp-inline-holder");
+        holder.connect(addr(1, &getter)).await.unwrap();
+        getter.connect(addr(2, &holder)).await.unwrap();
+        let block: Vec<u8> = (0..65536u32).map(|i| (i % 241) as u8).collect();
+        hpool.copy_in(65536, &block).unwrap();
+        let check: OrderCheck = Box::new(|bytes: &[u8]| {
+            let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
+            let items = vec![TransferItem {
+                remote_pool: 0,
+                remote_offset: 0,
+                len: 65536,
+                local_pool: 0,
+                local_offset: 65536,
+                tag,
+            }];
+            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
+        });
+        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
+        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
+        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
+        let far = Instant::now() + Duration::from_secs(20);
+        struct Dropped(std::sync::mpsc::Sender<String>);
+        impl Drop for Dropped {
+            fn drop(&mut self) {
+                let _ = self.0.send("dropped".into());
+            }
+        }
+        let handler = |tx: std::sync::mpsc::Sender<String>| -> InlineDone {
+            let guard = Dropped(tx.clone());
+            Box::new(move |i, o| {
+                let _ = &guard;
+                let thread = std::thread::current().name().unwrap_or("").to_string();
+                let _ = tx.send(format!("{i} {o:?} on {thread}"));
+            })
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let order: Vec<u8> = [1u64.to_le_bytes(), 41u64.to_le_bytes()].concat();
+        getter.transfer_inline(Mode::Recv, 2, 1, vec![item(3, 41)], vec![order], far, handler(tx)).unwrap();
+        let got = tokio::task::spawn_blocking(move || {
+            (rx.recv_timeout(Duration::from_secs(10)).unwrap(), rx.recv_timeout(Duration::from_secs(10)).unwrap())
+        })
+        .await
+        .unwrap();
+        assert_eq!(got, ("0 Done on kvmesh-dataplane".to_string(), "dropped".to_string()));
+        let mut bytes = vec![0u8; 65536];
+        gpool.copy_out(3 * 65536, &mut bytes).unwrap();
+        assert_eq!(bytes, block);
+        // A receive nobody sends to (no order): in flight when the thread
+        // stops; its handler is dropped without an outcome.
+        let (tx, rx) = std::sync::mpsc::channel();
+        getter.transfer_inline(Mode::Recv, 2, 1, vec![item(4, 42)], Vec::new(), far, handler(tx)).unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        drop(getter);
+        assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "dropped");
+        assert!(rx.try_recv().is_err(), "no outcome was made up");
     }
 
     fn addr(id: u32, dp: &DataPlane) -> PeerAddr {
