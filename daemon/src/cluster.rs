@@ -1171,6 +1171,15 @@ impl Cluster {
         Wave { refused, posted: Some(Posted { rx, index, geometry, mode, t_post }) }
     }
 
+    /// A batch of reads ended: its time, its hashing time, its bytes.
+    fn read_batch_done(&self, t_post: Instant, validating: Duration, moved: u64) {
+        let m = &self.remote_metrics;
+        m.transfer_batch_seconds.observe(t_post.elapsed().as_secs_f64());
+        m.transfer_validate_seconds.observe(validating.as_secs_f64());
+        m.transfer_batch_bytes.observe(moved as f64);
+        m.bytes_read.inc_by(moved);
+    }
+
     /// Reports what a wave refused at once, then each posted read as it
     /// ends (what arrived, checked where it landed; the core validates it
     /// against the grant). Returns which reads were reported.
@@ -1266,11 +1275,7 @@ impl Cluster {
             report(i, result, &mut reported);
         }
         tracing::trace!(from, reads = index.len(), move_us = t_post.elapsed().as_micros() as u64, "slots read");
-        let m = &self.remote_metrics;
-        m.transfer_batch_seconds.observe(t_post.elapsed().as_secs_f64());
-        m.transfer_validate_seconds.observe(validating.as_secs_f64());
-        m.transfer_batch_bytes.observe(moved as f64);
-        m.bytes_read.inc_by(moved);
+        self.read_batch_done(t_post, validating, moved);
         if failed && mode != Mode::Recv {
             self.peers.reset(from).await;
         }
@@ -2323,11 +2328,7 @@ impl InlineReads {
         };
         c.read_ended(self.reads[i], result);
         if self.reported.iter().all(|&r| r) {
-            let m = &c.remote_metrics;
-            m.transfer_batch_seconds.observe(self.t_post.elapsed().as_secs_f64());
-            m.transfer_validate_seconds.observe(self.validating.as_secs_f64());
-            m.transfer_batch_bytes.observe(self.moved as f64);
-            m.bytes_read.inc_by(self.moved);
+            c.read_batch_done(self.t_post, self.validating, self.moved);
             if self.failed && self.mode != Mode::Recv {
                 let from = self.from;
                 self.runtime.spawn(async move { c.peers.reset(from).await });

@@ -1307,21 +1307,7 @@ mod tests {
         getter.connect(addr(2, &holder)).await.unwrap();
         let block: Vec<u8> = (0..65536u32).map(|i| (i % 239) as u8).collect();
         hpool.copy_in(65536, &block).unwrap();
-        let check: OrderCheck = Box::new(|bytes: &[u8]| {
-            let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
-            let items = vec![TransferItem {
-                remote_pool: 0,
-                remote_offset: 0,
-                len: 65536,
-                local_pool: 0,
-                local_offset: 65536,
-                tag,
-            }];
-            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
-        });
-        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
-        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
-        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
+        serve_slot_1(&holder);
         let far = Instant::now() + Duration::from_secs(20);
         // The holder's own reads: one in flight that nobody answers (no
         // order sent), one queued behind it (over the limit of 1).
@@ -1351,21 +1337,7 @@ mod tests {
         getter.connect(addr(2, &holder)).await.unwrap();
         let block: Vec<u8> = (0..65536u32).map(|i| (i % 241) as u8).collect();
         hpool.copy_in(65536, &block).unwrap();
-        let check: OrderCheck = Box::new(|bytes: &[u8]| {
-            let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
-            let items = vec![TransferItem {
-                remote_pool: 0,
-                remote_offset: 0,
-                len: 65536,
-                local_pool: 0,
-                local_offset: 65536,
-                tag,
-            }];
-            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
-        });
-        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
-        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
-        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
+        serve_slot_1(&holder);
         let far = Instant::now() + Duration::from_secs(20);
         struct Dropped(std::sync::mpsc::Sender<String>);
         impl Drop for Dropped {
@@ -1401,6 +1373,26 @@ mod tests {
         drop(getter);
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "dropped");
         assert!(rx.try_recv().is_err(), "no outcome was made up");
+    }
+
+    /// The holder answers every send order (its test form: node 1's tag in
+    /// bytes 8..16) with its pool's slot 1.
+    fn serve_slot_1(holder: &DataPlane) {
+        let check: OrderCheck = Box::new(|bytes: &[u8]| {
+            let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
+            let items = vec![TransferItem {
+                remote_pool: 0,
+                remote_offset: 0,
+                len: 65536,
+                local_pool: 0,
+                local_offset: 65536,
+                tag,
+            }];
+            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
+        });
+        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
+        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
+        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
     }
 
     fn addr(id: u32, dp: &DataPlane) -> PeerAddr {

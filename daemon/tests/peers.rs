@@ -25,6 +25,13 @@ fn pair_with(tag: &str, transports: &str, env_a: &[(&str, &str)], extra: &str) -
     (a, b)
 }
 
+/// Clients of `a` and `b`, once each sees the other.
+async fn clients(a: &Daemon, b: &Daemon) -> (Client, Client) {
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    (a.client().await, b.client().await)
+}
+
 async fn namespaces(c: &Client) -> (Namespace, Namespace) {
     (c.register_namespace("small", 16384, "l").await.unwrap(), c.register_namespace("big", 65536, "l").await.unwrap())
 }
@@ -49,10 +56,7 @@ async fn pin_verified(c: &Client, ns: &Namespace, keys: &[Key]) {
 
 async fn remote_round_trip(transports: &str) {
     let (a, b) = pair(&format!("rt-{transports}"), transports, &[]);
-    a.wait_peers(1).await;
-    b.wait_peers(1).await;
-    let ca = a.client().await;
-    let cb = b.client().await;
+    let (ca, cb) = clients(&a, &b).await;
     let (sa, ba) = namespaces(&ca).await;
     let (sb, bb) = namespaces(&cb).await;
     let mut rng = rand::rngs::SmallRng::seed_from_u64(7);
@@ -232,10 +236,7 @@ async fn remote_round_trip_over_tcp() {
 async fn reused_slot_is_caught(transports: &str) {
     // A's test hook makes every granted slot look reused before B reads it.
     let (a, b) = pair(&format!("reuse-{transports}"), transports, &[("KVMESH_TEST_HOOK", "corrupt-granted-slots")]);
-    a.wait_peers(1).await;
-    b.wait_peers(1).await;
-    let ca = a.client().await;
-    let cb = b.client().await;
+    let (ca, cb) = clients(&a, &b).await;
     let (sa, _) = namespaces(&ca).await;
     let (sb, _) = namespaces(&cb).await;
     let keys: Vec<Key> = (0..20u128).map(Key).collect();
@@ -263,10 +264,7 @@ async fn killed_peer(transports: &str) {
     // B coordinates membership, so it keeps its lease when A dies (a dead
     // coordinator stops every daemon from serving: see docs/COHERENCE.md).
     let (mut a, b) = pair_with(&format!("kill-{transports}"), transports, &[], "[coherence]\ncoordinator = 2\n");
-    a.wait_peers(1).await;
-    b.wait_peers(1).await;
-    let ca = a.client().await;
-    let cb = b.client().await;
+    let (ca, cb) = clients(&a, &b).await;
     let (_, ba) = namespaces(&ca).await;
     let (_, bb) = namespaces(&cb).await;
     let keys: Vec<Key> = (0..1000u128).map(|i| Key(i + 77)).collect();
@@ -820,10 +818,7 @@ fn sysv_mappings(pid: u32) -> Vec<(u64, u64, u64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_peers_pools_are_prefaulted_where_shared_memory_maps_them() {
     let (a, b) = pair("prefault", "sm", &[]);
-    a.wait_peers(1).await;
-    b.wait_peers(1).await;
-    let ca = a.client().await;
-    let cb = b.client().await;
+    let (ca, cb) = clients(&a, &b).await;
     let (sa, _) = namespaces(&ca).await;
     let (sb, _) = namespaces(&cb).await;
     // One read of one 16 KiB block: the endpoint is surely made; by itself

@@ -396,11 +396,11 @@ pub fn populate_read(addr: usize, len: usize) -> Result<bool, ShmError> {
     if end <= start {
         return Ok(true);
     }
-    // SAFETY: MADV_POPULATE_READ only faults page-table entries in for
-    // the range (read access, contents unchanged); it never unmaps or
-    // writes, and on a range with no mapping it fails with ENOMEM. No
-    // Rust object's validity depends on page-table entries.
-    match unsafe { madvise(ptr, end - start, MmapAdvise::MADV_POPULATE_READ) } {
+    // (MADV_POPULATE_READ never unmaps or writes; a range with no mapping
+    // fails with ENOMEM; no Rust object's validity depends on page tables.)
+    // SAFETY: the advice only faults page-table entries in, read-only.
+    let advised = unsafe { madvise(ptr, end - start, MmapAdvise::MADV_POPULATE_READ) };
+    match advised {
         Ok(()) => Ok(true),
         Err(nix::errno::Errno::EINVAL) => Ok(false),
         Err(errno) => Err(ShmError::Sys { call: "madvise(MADV_POPULATE_READ)", errno }),
