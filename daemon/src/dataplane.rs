@@ -26,9 +26,10 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender, TrySendError, bounded};
+use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError, bounded};
 use kvmesh_ffi_os::{EventFd, SharedMapping};
 use kvmesh_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Transports, Worker};
 use tokio::sync::oneshot;
@@ -190,7 +191,6 @@ enum Cmd {
     Cancel {
         id: u64,
     },
-    Shutdown,
 }
 
 /// Limits of the data plane.
@@ -220,6 +220,9 @@ pub struct DataPlane {
     next_id: std::sync::atomic::AtomicU64,
     tx: Sender<Cmd>,
     wake: Arc<EventFd>,
+    /// Set when the handle is dropped: the thread returns at its next turn
+    /// (a flag, not a command: a full queue cannot lose it).
+    stop: Arc<AtomicBool>,
     worker_address: Vec<u8>,
     pools: Vec<LocalPool>,
     /// Region index of the staging memory, if any (never advertised).
@@ -347,6 +350,8 @@ impl DataPlane {
         let (tx, rx) = bounded::<Cmd>(COMMANDS_MAX);
         let (init_tx, init_rx) = std::sync::mpsc::channel();
         let thread_wake = Arc::clone(&wake);
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread_stop = Arc::clone(&stop);
         let hooks: Arc<Hooks> = Arc::default();
         let thread_hooks = Arc::clone(&hooks);
         let peer_failure = !matches!(transports, Transports::SharedMemory);
@@ -376,7 +381,7 @@ impl DataPlane {
                         return;
                     }
                 }
-                run(&worker, &regions, rx, &thread_wake, limits, peer_failure, &thread_hooks);
+                run(&worker, &regions, rx, &thread_wake, &thread_stop, limits, peer_failure, &thread_hooks);
             })
             .map_err(|e| format!("spawn data plane thread: {e}"))?;
         let worker_address = init_rx.recv().map_err(|_| "data plane thread died".to_string())??;
@@ -384,6 +389,7 @@ impl DataPlane {
             next_id: std::sync::atomic::AtomicU64::new(1),
             tx,
             wake,
+            stop,
             worker_address,
             pools: local,
             staging_region,
@@ -599,10 +605,10 @@ impl DataPlane {
 
 impl Drop for DataPlane {
     fn drop(&mut self) {
-        let _ = self.tx.try_send(Cmd::Shutdown);
+        self.stop.store(true, std::sync::atomic::Ordering::Release);
         self.wake.notify();
         // Not from the thread itself (a closure it runs may hold the last
-        // reference to what owns this): it ends on the shutdown command.
+        // reference to what owns this): it ends at its next turn.
         if let Some(t) = self.thread.take()
             && t.thread().id() != std::thread::current().id()
         {
@@ -727,11 +733,13 @@ struct Pending {
     reply: Completions,
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run(
     worker: &Worker,
     regions: &[Option<Arc<MemoryRegion>>],
     rx: Receiver<Cmd>,
     wake: &EventFd,
+    stop: &AtomicBool,
     limits: Limits,
     peer_failure: bool,
     hooks: &Hooks,
@@ -754,10 +762,12 @@ fn run(
         }
     };
     loop {
+        if stop.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
         // Commands.
         loop {
             match rx.try_recv() {
-                Ok(Cmd::Shutdown) => return,
                 Ok(Cmd::Connect { peer, reply }) => {
                     // Already connected to that incarnation (two handshakes
                     // raced): keep the endpoint, transfers may be using it.
@@ -811,7 +821,10 @@ fn run(
                     }
                     queue.retain(|p| p.id != id);
                 }
-                Err(_) => break,
+                Err(TryRecvError::Empty) => break,
+                // Every handle is gone (only if the thread outlived its
+                // handle's drop): nobody can ask for anything more.
+                Err(TryRecvError::Disconnected) => return,
             }
         }
         // Start queued batches while under the limits (a batch larger than
@@ -1373,6 +1386,48 @@ mod tests {
         drop(getter);
         assert_eq!(rx.recv_timeout(Duration::from_secs(10)).unwrap(), "dropped");
         assert!(rx.try_recv().is_err(), "no outcome was made up");
+    }
+
+    /// Dropping the handle stops the thread even when the command queue
+    /// is full (the stop is a flag, not a command that a full queue
+    /// refuses): here the thread is held in a read's handler while the
+    /// queue fills, then let go as the handle is dropped.
+    #[tokio::test]
+    async fn the_thread_stops_when_its_handle_is_dropped_with_the_queue_full() {
+        let (getter, _gpool) = plane("dp-stop-getter");
+        let (holder, hpool) = plane("dp-stop-holder");
+        holder.connect(addr(1, &getter)).await.unwrap();
+        getter.connect(addr(2, &holder)).await.unwrap();
+        hpool.copy_in(65536, &[7u8; 65536]).unwrap();
+        serve_slot_1(&holder);
+        let (entered_tx, entered_rx) = std::sync::mpsc::channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
+        let hold: InlineDone = Box::new(move |_, _| {
+            let _ = entered_tx.send(());
+            let _ = release_rx.recv_timeout(Duration::from_secs(30));
+        });
+        let far = Instant::now() + Duration::from_secs(20);
+        let order: Vec<u8> = [1u64.to_le_bytes(), 51u64.to_le_bytes()].concat();
+        getter.transfer_inline(Mode::Recv, 2, 1, vec![item(3, 51)], vec![order], far, hold).unwrap();
+        tokio::task::spawn_blocking(move || entered_rx.recv_timeout(Duration::from_secs(10)))
+            .await
+            .unwrap()
+            .expect("the read's handler ran");
+        let mut queued = 0;
+        while getter.send(Cmd::Cancel { id: u64::MAX }).is_ok() {
+            queued += 1;
+        }
+        assert_eq!(queued, COMMANDS_MAX, "the queue filled while the thread was held");
+        let (dropped_tx, dropped_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(getter);
+            let _ = dropped_tx.send(());
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        release_tx.send(()).unwrap();
+        let stopped =
+            tokio::task::spawn_blocking(move || dropped_rx.recv_timeout(Duration::from_secs(10))).await.unwrap();
+        assert!(stopped.is_ok(), "dropping the handle did not stop the data-plane thread (join still waiting)");
     }
 
     /// The holder answers every send order (its test form: node 1's tag in
