@@ -898,12 +898,34 @@ impl Cluster {
     /// One read ended: quarantine on timeout, then tell the core; the last
     /// read in flight flushes what the reads produced.
     fn read_ended(self: &Arc<Self>, r: Read, result: Result<SlotImage, TransferError>) {
+        let mut g = self.inner.lock();
+        self.read_ended_locked(&mut g, r, result);
+        drop(g);
+        self.timer.notify_one();
+    }
+
+    /// [`Cluster::read_ended`] if the core is free at this instant; else
+    /// the read is handed back (to a caller that must not wait: the
+    /// data-plane thread, which would stop moving bytes meanwhile).
+    fn try_read_ended(
+        self: &Arc<Self>,
+        r: Read,
+        result: Result<SlotImage, TransferError>,
+    ) -> Option<(Read, Result<SlotImage, TransferError>)> {
+        let Some(mut g) = self.inner.try_lock() else { return Some((r, result)) };
+        self.read_ended_locked(&mut g, r, result);
+        drop(g);
+        self.timer.notify_one();
+        None
+    }
+
+    fn read_ended_locked(self: &Arc<Self>, g: &mut Inner, r: Read, result: Result<SlotImage, TransferError>) {
         let (dest, result) = match result {
             Ok(image) => (Some(r.dest), Ok(image)),
             Err(TransferError::Timeout) => {
                 // UCX may still write the slot: never reuse it.
                 self.counters.transfer_timeouts.fetch_add(1, Ordering::Relaxed);
-                self.inner.lock().fetching.remove(&r.dest);
+                g.fetching.remove(&r.dest);
                 self.store.lock().quarantine_core(to_store(r.dest));
                 (None, Err(TransferError::Timeout))
             }
@@ -913,19 +935,15 @@ impl Cluster {
             }
         };
         let last = self.reads_in_flight.fetch_sub(1, Ordering::SeqCst) == 1;
-        {
-            let mut g = self.inner.lock();
-            if let Some(w) = g.waiters.get_mut(&r.op) {
-                w.read_done = Some(Instant::now());
-            }
-            self.feed_locked(&mut g, Event::TransferDone { op: r.op, dest, result });
-            // The last read of a burst ended: its registrations and grant
-            // releases leave now, together.
-            if last && self.cfg.flush_when_idle {
-                self.flush_locked(&mut g);
-            }
+        if let Some(w) = g.waiters.get_mut(&r.op) {
+            w.read_done = Some(Instant::now());
         }
-        self.timer.notify_one();
+        self.feed_locked(g, Event::TransferDone { op: r.op, dest, result });
+        // The last read of a burst ended: its registrations and grant
+        // releases leave now, together.
+        if last && self.cfg.flush_when_idle {
+            self.flush_locked(g);
+        }
     }
 
     /// Moves the holder's whole slots into the reserved local slots, and
@@ -1219,10 +1237,7 @@ impl Cluster {
                     let ns = reads[i].expect.key.ns;
                     let tv = Instant::now();
                     let r = match dest.take() {
-                        Some(Dest::Pool(mapping)) => match mapping.read(d.slot as u64 * stride, stride) {
-                            Ok(bytes) => Ok(slot_image(&bytes, cap, ns, false)),
-                            Err(_) => Err(TransferError::NoSpace),
-                        },
+                        Some(Dest::Pool(mapping)) => landed_in_pool(&mapping, d.slot, stride, cap, ns),
                         Some(Dest::Staged { slot, memory }) => {
                             // Checked where it arrived (header, trailer and
                             // the CPU form of the pool's checksum, against
@@ -2310,10 +2325,9 @@ impl InlineReads {
                 let d = to_store(self.reads[i].dest);
                 let tv = Instant::now();
                 let r = match dest.take() {
-                    Some(Dest::Pool(mapping)) => match mapping.read(d.slot as u64 * stride, stride) {
-                        Ok(bytes) => Ok(slot_image(&bytes, cap, self.reads[i].expect.key.ns, false)),
-                        Err(_) => Err(TransferError::NoSpace),
-                    },
+                    Some(Dest::Pool(mapping)) => {
+                        landed_in_pool(&mapping, d.slot, stride, cap, self.reads[i].expect.key.ns)
+                    }
                     _ => Err(TransferError::NoSpace),
                 };
                 self.validating += tv.elapsed();
@@ -2326,8 +2340,16 @@ impl InlineReads {
                 Err(TransferError::PeerGone)
             }
         };
-        c.read_ended(self.reads[i], result);
+        // Never wait for the core here: while a runtime thread holds it
+        // (posting a batch, a flush), UCX would make no progress. Busy:
+        // a task tells it.
+        if let Some((r, result)) = c.try_read_ended(self.reads[i], result) {
+            let c = Arc::clone(&c);
+            self.runtime.spawn(async move { c.read_ended(r, result) });
+        }
         if self.reported.iter().all(|&r| r) {
+            let move_us = self.t_post.elapsed().as_micros() as u64;
+            tracing::trace!(from = self.from, reads = self.index.len(), move_us, "slots read (inline)");
             c.read_batch_done(self.t_post, self.validating, self.moved);
             if self.failed && self.mode != Mode::Recv {
                 let from = self.from;
@@ -2349,10 +2371,12 @@ impl Drop for InlineReads {
         }
         self.reported.iter_mut().for_each(|r| *r = true);
         let Some(c) = self.cluster.upgrade() else { return };
+        let (t_post, validating, moved) = (self.t_post, self.validating, self.moved);
         self.runtime.spawn(async move {
             for r in left {
                 c.read_ended(r, Err(TransferError::PeerGone));
             }
+            c.read_batch_done(t_post, validating, moved);
         });
     }
 }
@@ -2364,6 +2388,21 @@ enum Dest {
     /// Into a staging slot, then copied into the pool's slot (a pool UCX
     /// cannot reach: GPU memory).
     Staged { slot: crate::staging::StagingSlot, memory: crate::memory::PoolMemory },
+}
+
+/// What arrived in our pool's slot `slot` (`stride` bytes): its image,
+/// or `NoSpace` where the mapping cannot be read there.
+fn landed_in_pool(
+    mapping: &Arc<kvmesh_ffi_os::SharedMapping>,
+    slot: u32,
+    stride: u64,
+    cap: u64,
+    fingerprint: u64,
+) -> Result<SlotImage, TransferError> {
+    match mapping.read(slot as u64 * stride, stride) {
+        Ok(bytes) => Ok(slot_image(&bytes, cap, fingerprint, false)),
+        Err(_) => Err(TransferError::NoSpace),
+    }
 }
 
 /// What a slot's bytes say (header, trailer, payload checksum: xxh3-64, or
