@@ -43,7 +43,7 @@ use kvmesh_coherence::{
 use kvmesh_common::Key;
 use kvmesh_common::slot::{HEADER_BYTES, SlotMeta as LayoutMeta, SlotState, TRAILER_BYTES, trailer_offset};
 use kvmesh_proto::peer::v1 as pb;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tonic::Status;
 
@@ -898,10 +898,7 @@ impl Cluster {
     /// One read ended: quarantine on timeout, then tell the core; the last
     /// read in flight flushes what the reads produced.
     fn read_ended(self: &Arc<Self>, r: Read, result: Result<SlotImage, TransferError>) {
-        let mut g = self.inner.lock();
-        self.read_ended_locked(&mut g, r, result);
-        drop(g);
-        self.timer.notify_one();
+        self.read_ended_under(self.inner.lock(), r, result);
     }
 
     /// [`Cluster::read_ended`] if the core is free at this instant; else
@@ -912,14 +909,17 @@ impl Cluster {
         r: Read,
         result: Result<SlotImage, TransferError>,
     ) -> Option<(Read, Result<SlotImage, TransferError>)> {
-        let Some(mut g) = self.inner.try_lock() else { return Some((r, result)) };
-        self.read_ended_locked(&mut g, r, result);
-        drop(g);
-        self.timer.notify_one();
+        let Some(g) = self.inner.try_lock() else { return Some((r, result)) };
+        self.read_ended_under(g, r, result);
         None
     }
 
-    fn read_ended_locked(self: &Arc<Self>, g: &mut Inner, r: Read, result: Result<SlotImage, TransferError>) {
+    fn read_ended_under(
+        self: &Arc<Self>,
+        mut g: MutexGuard<'_, Inner>,
+        r: Read,
+        result: Result<SlotImage, TransferError>,
+    ) {
         let (dest, result) = match result {
             Ok(image) => (Some(r.dest), Ok(image)),
             Err(TransferError::Timeout) => {
@@ -938,12 +938,14 @@ impl Cluster {
         if let Some(w) = g.waiters.get_mut(&r.op) {
             w.read_done = Some(Instant::now());
         }
-        self.feed_locked(g, Event::TransferDone { op: r.op, dest, result });
+        self.feed_locked(&mut g, Event::TransferDone { op: r.op, dest, result });
         // The last read of a burst ended: its registrations and grant
         // releases leave now, together.
         if last && self.cfg.flush_when_idle {
-            self.flush_locked(g);
+            self.flush_locked(&mut g);
         }
+        drop(g);
+        self.timer.notify_one();
     }
 
     /// Moves the holder's whole slots into the reserved local slots, and

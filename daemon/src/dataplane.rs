@@ -220,9 +220,6 @@ pub struct DataPlane {
     next_id: std::sync::atomic::AtomicU64,
     tx: Sender<Cmd>,
     wake: Arc<EventFd>,
-    /// Set when the handle is dropped: the thread returns at its next turn
-    /// (a flag, not a command: a full queue cannot lose it).
-    stop: Arc<AtomicBool>,
     worker_address: Vec<u8>,
     pools: Vec<LocalPool>,
     /// Region index of the staging memory, if any (never advertised).
@@ -252,6 +249,9 @@ struct Hooks {
     /// Times the thread slept on the event fd with reads in flight (after
     /// [`SPIN_IDLE`] without progress).
     sleeps_in_flight: std::sync::atomic::AtomicU64,
+    /// Set when the handle is dropped: the thread returns at its next turn
+    /// (a flag, not a command: a full queue cannot lose it).
+    stop: AtomicBool,
 }
 
 /// What senders of coherence messages need to know of an endpoint.
@@ -353,8 +353,6 @@ impl DataPlane {
         let (tx, rx) = bounded::<Cmd>(COMMANDS_MAX);
         let (init_tx, init_rx) = std::sync::mpsc::channel();
         let thread_wake = Arc::clone(&wake);
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread_stop = Arc::clone(&stop);
         let hooks: Arc<Hooks> = Arc::default();
         let thread_hooks = Arc::clone(&hooks);
         let peer_failure = !matches!(transports, Transports::SharedMemory);
@@ -384,7 +382,7 @@ impl DataPlane {
                         return;
                     }
                 }
-                run(&worker, &regions, rx, &thread_wake, &thread_stop, limits, peer_failure, &thread_hooks);
+                run(&worker, &regions, rx, &thread_wake, limits, peer_failure, &thread_hooks);
             })
             .map_err(|e| format!("spawn data plane thread: {e}"))?;
         let worker_address = init_rx.recv().map_err(|_| "data plane thread died".to_string())??;
@@ -392,7 +390,6 @@ impl DataPlane {
             next_id: std::sync::atomic::AtomicU64::new(1),
             tx,
             wake,
-            stop,
             worker_address,
             pools: local,
             staging_region,
@@ -608,7 +605,7 @@ impl DataPlane {
 
 impl Drop for DataPlane {
     fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::Release);
+        self.hooks.stop.store(true, std::sync::atomic::Ordering::Release);
         self.wake.notify();
         // Not from the thread itself (a closure it runs may hold the last
         // reference to what owns this): it ends at its next turn.
@@ -736,13 +733,11 @@ struct Pending {
     reply: Completions,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run(
     worker: &Worker,
     regions: &[Option<Arc<MemoryRegion>>],
     rx: Receiver<Cmd>,
     wake: &EventFd,
-    stop: &AtomicBool,
     limits: Limits,
     peer_failure: bool,
     hooks: &Hooks,
@@ -769,7 +764,7 @@ fn run(
     // on the worker's event fd.
     let mut active_at = Instant::now();
     loop {
-        if stop.load(std::sync::atomic::Ordering::Acquire) {
+        if hooks.stop.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
         // Commands.
@@ -840,6 +835,8 @@ fn run(
         // limits would otherwise each wait for the other's sends.
         // (Our own batches start in order: one that does not fit holds
         // back those behind it, but never a send queued behind it.)
+        // UCX made progress, or a batch started, this turn.
+        let mut busy = false;
         let mut i = 0;
         let mut blocked = false;
         while i < queue.len() {
@@ -863,21 +860,20 @@ fn run(
                 }
                 continue;
             }
-            active_at = Instant::now();
+            busy = true;
             let f = start(worker, &peers, regions, p, bytes);
             reqs_in_flight += f.reqs.iter().filter(|r| r.is_some()).count();
             bytes_in_flight += f.bytes;
             inflight.push(f);
         }
-        let mut progressed = false;
         while worker.progress() > 0 {
-            progressed = true;
-        }
-        if progressed {
-            active_at = Instant::now();
+            busy = true;
         }
         // Completions and deadlines.
         let now = Instant::now();
+        if busy {
+            active_at = now;
+        }
         let mut failed_peers = Vec::new();
         let mut i = 0;
         while i < control_sends.len() {
@@ -1082,7 +1078,7 @@ fn run(
         // no progress, sleep on the event fd (it wakes on the next
         // fragment; the 1 ms timeout below checks deadlines) and leave the
         // core to whoever must run for the transfer to go on.
-        let spinning = reqs_in_flight > 0 && active_at.elapsed() < SPIN_IDLE;
+        let spinning = reqs_in_flight > 0 && now.saturating_duration_since(active_at) < SPIN_IDLE;
         if !rx.is_empty() || !queue.is_empty() || spinning || worker.am_pending() {
             continue;
         }
@@ -1346,11 +1342,7 @@ mod tests {
             Transports::Tcp,
             Limits { inflight_requests_max: 1, inflight_bytes_max: 64 << 20 },
         );
-        holder.connect(addr(1, &getter)).await.unwrap();
-        getter.connect(addr(2, &holder)).await.unwrap();
-        let block: Vec<u8> = (0..65536u32).map(|i| (i % 239) as u8).collect();
-        hpool.copy_in(65536, &block).unwrap();
-        serve_slot_1(&holder);
+        let block = serving_slot_1(&getter, &holder, &hpool, 239).await;
         let far = Instant::now() + Duration::from_secs(20);
         // The holder's own reads: one in flight that nobody answers (no
         // order sent), one queued behind it (over the limit of 1).
@@ -1376,11 +1368,7 @@ mod tests {
     async fn inline_outcomes_arrive_on_the_data_plane_thread() {
         let (getter, gpool) = plane("dp-inline-getter");
         let (holder, hpool) = plane("dp-inline-holder");
-        holder.connect(addr(1, &getter)).await.unwrap();
-        getter.connect(addr(2, &holder)).await.unwrap();
-        let block: Vec<u8> = (0..65536u32).map(|i| (i % 241) as u8).collect();
-        hpool.copy_in(65536, &block).unwrap();
-        serve_slot_1(&holder);
+        let block = serving_slot_1(&getter, &holder, &hpool, 241).await;
         let far = Instant::now() + Duration::from_secs(20);
         struct Dropped(std::sync::mpsc::Sender<String>);
         impl Drop for Dropped {
@@ -1426,10 +1414,7 @@ mod tests {
     async fn the_thread_stops_when_its_handle_is_dropped_with_the_queue_full() {
         let (getter, _gpool) = plane("dp-stop-getter");
         let (holder, hpool) = plane("dp-stop-holder");
-        holder.connect(addr(1, &getter)).await.unwrap();
-        getter.connect(addr(2, &holder)).await.unwrap();
-        hpool.copy_in(65536, &[7u8; 65536]).unwrap();
-        serve_slot_1(&holder);
+        serving_slot_1(&getter, &holder, &hpool, 7).await;
         let (entered_tx, entered_rx) = std::sync::mpsc::channel();
         let (release_tx, release_rx) = std::sync::mpsc::channel::<()>();
         let hold: InlineDone = Box::new(move |_, _| {
@@ -1468,11 +1453,7 @@ mod tests {
     async fn a_read_without_progress_lets_the_thread_sleep() {
         let (getter, gpool) = plane("dp-sleep-getter");
         let (holder, hpool) = plane("dp-sleep-holder");
-        holder.connect(addr(1, &getter)).await.unwrap();
-        getter.connect(addr(2, &holder)).await.unwrap();
-        let block: Vec<u8> = (0..65536u32).map(|i| (i % 233) as u8).collect();
-        hpool.copy_in(65536, &block).unwrap();
-        serve_slot_1(&holder);
+        let block = serving_slot_1(&getter, &holder, &hpool, 233).await;
         let far = Instant::now() + Duration::from_secs(20);
         // Receives posted, no order sent yet: nothing moves.
         let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(5, 61)], Vec::new(), far);
@@ -1491,9 +1472,20 @@ mod tests {
         assert_eq!(got, block);
     }
 
-    /// The holder answers every send order (its test form: node 1's tag in
-    /// bytes 8..16) with its pool's slot 1.
-    fn serve_slot_1(holder: &DataPlane) {
+    /// Connects getter (node 1) and holder (node 2) both ways, puts a
+    /// 64 KiB pattern (bytes `i % modulus`, returned) in the holder's slot 1
+    /// and has it answer every send order (its test form: node 1's tag in
+    /// bytes 8..16) with that slot.
+    async fn serving_slot_1(
+        getter: &DataPlane,
+        holder: &DataPlane,
+        hpool: &Arc<SharedMapping>,
+        modulus: u32,
+    ) -> Vec<u8> {
+        holder.connect(addr(1, getter)).await.unwrap();
+        getter.connect(addr(2, holder)).await.unwrap();
+        let block: Vec<u8> = (0..65536u32).map(|i| (i % modulus) as u8).collect();
+        hpool.copy_in(65536, &block).unwrap();
         let check: OrderCheck = Box::new(|bytes: &[u8]| {
             let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
             let items = vec![TransferItem {
@@ -1509,6 +1501,7 @@ mod tests {
         let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
         let (staging, _) = tokio::sync::mpsc::unbounded_channel();
         holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
+        block
     }
 
     fn addr(id: u32, dp: &DataPlane) -> PeerAddr {
