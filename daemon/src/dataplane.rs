@@ -763,6 +763,7 @@ fn run(
     // flight the thread polls until SPIN_IDLE has passed since, then sleeps
     // on the worker's event fd.
     let mut active_at = Instant::now();
+    let _serving = crate::inline::serve_here();
     loop {
         if hooks.stop.load(std::sync::atomic::Ordering::Acquire) {
             return;
@@ -1072,6 +1073,10 @@ fn run(
             );
             dropped_orders = worker.am_dropped();
         }
+        // Engine calls woken on this thread this turn (a read validated, a
+        // coherence answer handled) continue here, holding no lock: their
+        // answers go out without waking a runtime worker (inline.rs).
+        crate::inline::run_woken();
         // While reads are in flight, keep progressing: emulated gets move a
         // fragment per round trip, and sleeping between fragments would
         // cost a wakeup each. But not without bound: after SPIN_IDLE with

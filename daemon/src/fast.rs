@@ -319,10 +319,15 @@ fn read_calls<G: Send + Sync + 'static>(
         // Run it here; a call that has to wait finishes on the runtime.
         let mut cx = Context::from_waker(std::task::Waker::noop());
         match call.as_mut().poll(&mut cx) {
-            Poll::Ready(r) => writer.write(answer(&ctx.metrics, label, id, r, started))?,
+            Poll::Ready(r) => {
+                ctx.metrics.count_fast_answer("connection");
+                writer.write(answer(&ctx.metrics, label, id, r, started))?
+            }
             Poll::Pending => {
                 let (w, m, g) = (Arc::clone(writer), Arc::clone(&ctx.metrics), Arc::clone(guard));
-                ctx.rt.spawn(async move {
+                // Continued by the thread that wakes it: mostly the
+                // data-plane thread, which writes the answer itself.
+                crate::inline::spawn(&ctx.rt, async move {
                     let r = call.await;
                     let failed = |w: &Writer, e: io::Error| {
                         tracing::warn!("fast path: answer not written ({e}); connection closed, its pins released");
@@ -331,6 +336,7 @@ fn read_calls<G: Send + Sync + 'static>(
                     // Written from here when the socket takes it at once;
                     // waiting for a client slow to read is not for a
                     // runtime worker.
+                    m.count_fast_answer(if crate::inline::serving() { "data_plane" } else { "other" });
                     match w.offer(answer(&m, label, id, r, started)) {
                         Ok(Offered::Sent | Offered::Queued) => drop(g),
                         Ok(Offered::Flush) => {

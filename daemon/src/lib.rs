@@ -14,6 +14,7 @@ pub mod dataplane;
 pub mod error;
 pub mod etcd;
 pub mod fast;
+pub mod inline;
 pub mod memory;
 pub mod metrics;
 pub mod peers;

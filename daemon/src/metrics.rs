@@ -15,7 +15,7 @@ use http_body_util::Full;
 use hyper::body::Bytes;
 use kvmesh_proto::engine::v1 as pb;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
-use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -26,6 +26,12 @@ use prometheus_client::registry::Registry;
 struct CallLabels {
     method: &'static str,
     result: &'static str,
+}
+
+/// Labels of a fast-path answer: the thread that wrote it.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AnswerLabels {
+    thread: &'static str,
 }
 
 fn call_histogram() -> Histogram {
@@ -186,13 +192,19 @@ impl EncodeMetric for Shared {
 #[derive(Debug)]
 pub struct Metrics {
     engine_calls: Family<CallLabels, Histogram, fn() -> Histogram>,
+    fast_answers: Family<AnswerLabels, Counter>,
     lease_left: Option<Arc<AtomicHistogram>>,
     remote: Option<Arc<RemoteMetrics>>,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
-        Metrics { engine_calls: Family::new_with_constructor(call_histogram), lease_left: None, remote: None }
+        Metrics {
+            engine_calls: Family::new_with_constructor(call_histogram),
+            fast_answers: Family::default(),
+            lease_left: None,
+            remote: None,
+        }
     }
 }
 
@@ -213,6 +225,14 @@ impl Metrics {
     pub fn observe_call(&self, method: &'static str, ok: bool, started: Instant) {
         let labels = CallLabels { method, result: if ok { "ok" } else { "error" } };
         self.engine_calls.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
+    }
+
+    /// Counts one fast-path answer by the thread that wrote it:
+    /// `connection` (the call did not wait), `data_plane` (continued where
+    /// its last step ended, daemon/src/inline.rs), `other` (a runtime
+    /// worker; or the connection's thread, the wait over by its re-poll).
+    pub fn count_fast_answer(&self, thread: &'static str) {
+        self.fast_answers.get_or_create(&AnswerLabels { thread }).inc();
     }
 }
 
@@ -471,6 +491,11 @@ impl prometheus_client::collector::Collector for Snapshot {
 pub fn render(stats: pb::StatsResponse, metrics: &Metrics) -> String {
     let mut reg = Registry::with_prefix("kvmesh");
     reg.register("engine_call_seconds", "Engine gRPC call latency by method and result", metrics.engine_calls.clone());
+    reg.register(
+        "fast_answers",
+        "Fast-path answers by the thread that wrote them (connection: at once; data_plane: where the call's last step ended; other)",
+        metrics.fast_answers.clone(),
+    );
     if let Some(h) = &metrics.lease_left {
         reg.register(
             "lease_remaining_at_unpin_seconds",

@@ -238,3 +238,51 @@ async fn a_remote_fetch_shows_in_the_get_and_transfer_histograms() {
     assert_eq!(sample(&text, "kvmesh_peer_in_view{peer=\"1\"}"), 1.0);
     common::promtool_check_metrics(&text);
 }
+
+/// A remote fetch over shared memory ends on the data-plane thread (the
+/// read validated there): the engine's fast-path answer is written from
+/// there too, not from a runtime worker woken for it (daemon/src/inline.rs).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fetch_that_ends_on_the_data_plane_is_answered_from_there() {
+    use common::peer_config;
+    let ports = [free_port(), free_port()];
+    let mport = free_port();
+    let pools = pool("p", "8MiB", "64KiB");
+    let a = Daemon::start("metrics-inline-1", &peer_config(1, &ports, "sm", &pools));
+    let b = Daemon::start(
+        "metrics-inline-2",
+        &(peer_config(2, &ports, "sm", &pools) + &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n")),
+    );
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    assert!(cb.fast_path(), "the test needs the fast path");
+    let ns_a = ca.register_namespace("m", 65536, "x").await.unwrap();
+    let ns_b = cb.register_namespace("m", 65536, "x").await.unwrap();
+    let keys: Vec<Key> = (1..=8u128).map(|i| Key(0xfa50 + i)).collect();
+    for (i, &k) in keys.iter().enumerate() {
+        let data = vec![i as u8; 65536];
+        assert_eq!(ca.put(&ns_a, &[(k, &data[..])]).await.unwrap().stored, 1);
+    }
+    // One at a time: each pin's last step is its own read's end.
+    for (i, &k) in keys.iter().enumerate() {
+        let got = cb.pin(&ns_b, &[k]).await.unwrap();
+        let blk = got[0].as_ref().unwrap_or_else(|| panic!("{k} not fetched"));
+        assert!(blk.iter().all(|&x| x == i as u8), "bytes of {k}");
+    }
+    // And local hits, answered at once.
+    assert!(cb.pin(&ns_b, &keys).await.unwrap().iter().all(|b| b.is_some()));
+    let (_, _, text) = tokio::task::spawn_blocking(move || get(mport, "/metrics", "*/*")).await.unwrap();
+    assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"fetched\"}"), 8.0, "{text}");
+    // (A label never counted has no sample.)
+    let on = |t: &str| {
+        let name = format!("kvmesh_fast_answers_total{{thread=\"{t}\"}}");
+        if text.contains(&name) { sample(&text, &name) } else { 0.0 }
+    };
+    // A read whose report found the core busy goes through a task (rare
+    // here, never all of them).
+    assert!(on("data_plane") >= 4.0, "{text}");
+    assert_eq!(on("data_plane") + on("other"), 8.0, "{text}");
+    assert!(on("connection") >= 1.0, "{text}");
+    common::promtool_check_metrics(&text);
+}
