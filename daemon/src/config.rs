@@ -247,6 +247,12 @@ pub struct PeerConfig {
     /// Most bytes in flight.
     #[serde(deserialize_with = "de_bytes")]
     pub inflight_bytes_max: u64,
+    /// How long the data-plane thread keeps polling UCX, with reads in
+    /// flight, after the last progress before it sleeps on the worker's
+    /// event fd (µs; 0: never polls while waiting). Longer is lower
+    /// latency where the thread has a core of its own, and takes that
+    /// core from the transfer's other threads where it has not.
+    pub poll_idle_us: u64,
     /// Host staging slots through which blocks of GPU pools move between
     /// daemons (each the size of the largest GPU slot; docs/GPU.md): at
     /// most this many such blocks in flight, sent or received, at once.
@@ -296,6 +302,7 @@ impl Default for PeerConfig {
             grant_lease_ms: 5_000,
             inflight_requests_max: 4096,
             inflight_bytes_max: 1 << 30,
+            poll_idle_us: crate::dataplane::POLL_IDLE_DEFAULT_US,
             staging_slots: 64,
             control: "auto".into(),
             tls: PeerTlsConfig::default(),
@@ -565,6 +572,10 @@ pub const POOL_SLOTS_MAX: u64 = 1 << 24;
 /// Longest deadline of one operation (`*_timeout_ms` but the drain's): 10 minutes.
 pub const TIMEOUT_MS_MAX: u64 = 600_000;
 
+/// Longest `peer.poll_idle_us`: 100 ms (beyond it the thread would poll
+/// through whole transfers, as it did before the bound).
+pub const POLL_IDLE_US_MAX: u64 = 100_000;
+
 /// Longest lease or interval a daemon adds to its clocks: one day.
 pub const LEASE_MS_MAX: u64 = 86_400_000;
 
@@ -744,6 +755,7 @@ impl Config {
                 ("grant_lease_ms", self.peer.grant_lease_ms, LEASE_MS_MAX),
                 ("inflight_requests_max", self.peer.inflight_requests_max as u64, 1 << 20),
                 ("inflight_bytes_max", self.peer.inflight_bytes_max, 1 << 40),
+                ("poll_idle_us", self.peer.poll_idle_us, POLL_IDLE_US_MAX),
                 ("staging_slots", self.peer.staging_slots as u64, 1 << 16),
             ],
         )?;
@@ -1100,6 +1112,7 @@ mod tests {
             ("peer", "transfer_timeout_ms", TIMEOUT_MS_MAX),
             ("peer", "inflight_requests_max", 1 << 20),
             ("peer", "inflight_bytes_max", 1 << 40),
+            ("peer", "poll_idle_us", POLL_IDLE_US_MAX),
             ("peer", "staging_slots", 1 << 16),
             ("coherence", "capacity", 1 << 20),
             ("coherence", "flush_delay_us", 1_000_000),

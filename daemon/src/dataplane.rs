@@ -200,6 +200,10 @@ pub struct Limits {
     pub inflight_requests_max: usize,
     /// Most bytes in flight.
     pub inflight_bytes_max: u64,
+    /// With reads in flight, how long the thread polls after UCX last
+    /// made progress before it sleeps on the worker's event fd
+    /// (`peer.poll_idle_us`).
+    pub poll_idle: Duration,
 }
 
 /// Our pools as peers must see them.
@@ -247,7 +251,7 @@ struct Hooks {
     control_sent: std::sync::atomic::AtomicU64,
     control_received: std::sync::atomic::AtomicU64,
     /// Times the thread slept on the event fd with reads in flight (after
-    /// [`SPIN_IDLE`] without progress).
+    /// [`Limits::poll_idle`] without progress).
     sleeps_in_flight: std::sync::atomic::AtomicU64,
     /// Set when the handle is dropped: the thread returns at its next turn
     /// (a flag, not a command: a full queue cannot lose it).
@@ -760,7 +764,7 @@ fn run(
         }
     };
     // When UCX last made progress (or a batch started): with reads in
-    // flight the thread polls until SPIN_IDLE has passed since, then sleeps
+    // flight the thread polls until `limits.poll_idle` has passed since, then sleeps
     // on the worker's event fd.
     let mut active_at = Instant::now();
     let _serving = crate::inline::serve_here();
@@ -1079,11 +1083,11 @@ fn run(
         crate::inline::run_woken();
         // While reads are in flight, keep progressing: emulated gets move a
         // fragment per round trip, and sleeping between fragments would
-        // cost a wakeup each. But not without bound: after SPIN_IDLE with
+        // cost a wakeup each. But not without bound: after `poll_idle` with
         // no progress, sleep on the event fd (it wakes on the next
         // fragment; the 1 ms timeout below checks deadlines) and leave the
         // core to whoever must run for the transfer to go on.
-        let spinning = reqs_in_flight > 0 && now.saturating_duration_since(active_at) < SPIN_IDLE;
+        let spinning = reqs_in_flight > 0 && now.saturating_duration_since(active_at) < limits.poll_idle;
         if !rx.is_empty() || !queue.is_empty() || spinning || worker.am_pending() {
             continue;
         }
@@ -1096,7 +1100,7 @@ fn run(
         }
         let timeout_ms: u16 =
             if inflight.is_empty() && zombies.is_empty() && control_sends.is_empty() { 100 } else { 1 };
-        // (with reads in flight only after SPIN_IDLE without progress;
+        // (with reads in flight only after `poll_idle` without progress;
         // zombies are polled each ms)
         if reqs_in_flight > 0 {
             hooks.sleeps_in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -1302,13 +1306,14 @@ fn start<'w>(
     f
 }
 
-/// How long the thread keeps polling UCX, with reads in flight, after the
-/// last progress before it sleeps on the worker's event fd. Polling
-/// without bound made a thread that shares its core (the holder's
-/// data-plane thread, runtime workers, the engine) wait for the
-/// scheduler's next turn: lone tcp gets had a p99 of ~10 ms for a p50 of
-/// ~0.5 ms (docs/DATAPLANE.md, "Polling bounded in time").
-const SPIN_IDLE: Duration = Duration::from_micros(100);
+/// The default of `peer.poll_idle_us` ([`Limits::poll_idle`]): how long
+/// the thread keeps polling UCX, with reads in flight, after the last
+/// progress before it sleeps on the worker's event fd. Polling without
+/// bound made a thread that shares its core (the holder's data-plane
+/// thread, runtime workers, the engine) wait for the scheduler's next
+/// turn: lone tcp gets had a p99 of ~10 ms for a p50 of ~0.5 ms
+/// (docs/DATAPLANE.md, "Polling bounded in time").
+pub const POLL_IDLE_DEFAULT_US: u64 = 100;
 
 /// How long to wait for a peer's handshake or query answer.
 pub const CONTROL_TIMEOUT: Duration = Duration::from_secs(2);
@@ -1327,7 +1332,15 @@ mod tests {
     }
 
     fn plane_on(name: &str, t: Transports) -> (DataPlane, Arc<SharedMapping>) {
-        plane_with(name, t, Limits { inflight_requests_max: 64, inflight_bytes_max: 64 << 20 })
+        plane_with(name, t, limits(64))
+    }
+
+    fn limits(inflight_requests_max: usize) -> Limits {
+        Limits {
+            inflight_requests_max,
+            inflight_bytes_max: 64 << 20,
+            poll_idle: Duration::from_micros(POLL_IDLE_DEFAULT_US),
+        }
     }
 
     fn plane_with(name: &str, t: Transports, limits: Limits) -> (DataPlane, Arc<SharedMapping>) {
@@ -1342,11 +1355,7 @@ mod tests {
     #[tokio::test]
     async fn send_orders_do_not_wait_behind_our_own_queued_reads() {
         let (getter, gpool) = plane("dp-q-getter");
-        let (holder, hpool) = plane_with(
-            "dp-q-holder",
-            Transports::Tcp,
-            Limits { inflight_requests_max: 1, inflight_bytes_max: 64 << 20 },
-        );
+        let (holder, hpool) = plane_with("dp-q-holder", Transports::Tcp, limits(1));
         let block = serving_slot_1(&getter, &holder, &hpool, 239).await;
         let far = Instant::now() + Duration::from_secs(20);
         // The holder's own reads: one in flight that nobody answers (no
@@ -1451,21 +1460,46 @@ mod tests {
     }
 
     /// A read in flight that makes no progress (nobody sends what it
-    /// receives) does not keep the thread polling: after SPIN_IDLE it
+    /// receives) does not keep the thread polling: after `poll_idle` it
     /// sleeps on the event fd (woken each ms for deadlines), leaving the
     /// core to others, and the read still ends when its bytes come.
+    ///
+    /// And `peer.poll_idle_us` is what bounds it: a getter told to poll for
+    /// an hour never sleeps meanwhile.
     #[tokio::test]
     async fn a_read_without_progress_lets_the_thread_sleep() {
-        let (getter, gpool) = plane("dp-sleep-getter");
-        let (holder, hpool) = plane("dp-sleep-holder");
-        let block = serving_slot_1(&getter, &holder, &hpool, 233).await;
+        for (poll_idle, sleeps) in
+            [(Duration::from_micros(POLL_IDLE_DEFAULT_US), true), (Duration::from_secs(3600), false)]
+        {
+            let name = format!("dp-sleep-{}", poll_idle.as_micros());
+            let (getter, gpool) =
+                plane_with(&format!("{name}-getter"), Transports::Tcp, Limits { poll_idle, ..limits(64) });
+            let (holder, hpool) = plane(&format!("{name}-holder"));
+            read_after_a_pause(&getter, &gpool, &holder, &hpool, sleeps).await;
+        }
+    }
+
+    /// A receive posted with no order for 300 ms (the thread sleeps, or
+    /// not, as `sleeps` says), then the order: the read still ends.
+    async fn read_after_a_pause(
+        getter: &DataPlane,
+        gpool: &Arc<SharedMapping>,
+        holder: &DataPlane,
+        hpool: &Arc<SharedMapping>,
+        sleeps: bool,
+    ) {
+        let block = serving_slot_1(getter, holder, hpool, 233).await;
         let far = Instant::now() + Duration::from_secs(20);
         // Receives posted, no order sent yet: nothing moves.
         let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(5, 61)], Vec::new(), far);
         let before = getter.hooks.sleeps_in_flight.load(std::sync::atomic::Ordering::Relaxed);
         tokio::time::sleep(Duration::from_millis(300)).await;
         let slept = getter.hooks.sleeps_in_flight.load(std::sync::atomic::Ordering::Relaxed) - before;
-        assert!(slept >= 10, "the thread slept {slept} times in 300 ms with a read in flight and no progress");
+        if sleeps {
+            assert!(slept >= 10, "the thread slept {slept} times in 300 ms with a read in flight and no progress");
+        } else {
+            assert_eq!(slept, 0, "the thread slept while told to poll");
+        }
         // The order goes now (a second batch carrying it): the first
         // read's receive gets the bytes.
         let order: Vec<u8> = [1u64.to_le_bytes(), 61u64.to_le_bytes()].concat();

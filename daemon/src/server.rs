@@ -742,6 +742,7 @@ pub async fn run_with(
         let limits = crate::dataplane::Limits {
             inflight_requests_max: peer_cfg.inflight_requests_max as usize,
             inflight_bytes_max: peer_cfg.inflight_bytes_max,
+            poll_idle: std::time::Duration::from_micros(peer_cfg.poll_idle_us),
         };
         let (staging, staging_region) = match staging {
             Some((s, mr)) => (Some(s), Some(mr)),
