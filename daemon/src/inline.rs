@@ -22,6 +22,8 @@
 //!   a client slow to read is flushed from a blocking-pool thread).
 //! - A task is never lost: queued tasks left when a serving thread stops
 //!   go to the runtime.
+//! - A task that panics ends there (logged), as a tokio task would: the
+//!   thread that polled it goes on.
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -95,7 +97,7 @@ pub fn spawn<F>(rt: &Handle, fut: F)
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let fut = InRuntime { rt: rt.clone(), fut: Box::pin(fut) };
+    let fut = InRuntime { rt: rt.clone(), fut: Some(Box::pin(fut)) };
     let runtime = rt.clone();
     let schedule = move |r: Runnable| {
         let queued = WOKEN.with(|w| match w.borrow_mut().as_mut() {
@@ -116,17 +118,32 @@ where
     runnable.run();
 }
 
-/// A future polled inside the runtime's context, whatever thread polls it.
+/// A future polled inside the runtime's context, whatever thread polls
+/// it; one that panics is over (`None`), its panic stopped here.
 struct InRuntime {
     rt: Handle,
-    fut: Pin<Box<dyn Future<Output = ()> + Send>>,
+    fut: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
 }
 
 impl Future for InRuntime {
     type Output = ();
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
-        let _entered = self.rt.enter();
-        self.fut.as_mut().poll(cx)
+        let this = &mut *self;
+        let _entered = this.rt.enter();
+        let Some(fut) = this.fut.as_mut() else { return Poll::Ready(()) };
+        // (Unwind safety: after a panic the future is dropped, never
+        // polled again; what it shared is the daemon's, built to survive
+        // a task's panic as under tokio.)
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
+            Ok(p) => p,
+            Err(_) => {
+                tracing::error!(
+                    "an engine call's task panicked; its answer is lost (the engine's call fails when its connection does)"
+                );
+                this.fut = None;
+                Poll::Ready(())
+            }
+        }
     }
 }
 
@@ -175,6 +192,33 @@ mod tests {
         .join()
         .unwrap();
         assert_ne!(done_rx.await.unwrap(), waker);
+    }
+
+    /// A task that panics on a serving thread ends there; the thread
+    /// goes on serving the next.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_task_that_panics_does_not_take_the_serving_thread_with_it() {
+        let rt = Handle::current();
+        let (tx1, rx1) = tokio::sync::oneshot::channel::<()>();
+        let (tx2, rx2) = tokio::sync::oneshot::channel::<()>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        spawn(&rt, async move {
+            let _ = rx1.await;
+            panic!("a task's bug");
+        });
+        spawn(&rt, async move {
+            let _ = rx2.await;
+            let _ = done_tx.send(());
+        });
+        std::thread::spawn(move || {
+            let _s = serve_here();
+            tx1.send(()).unwrap();
+            tx2.send(()).unwrap();
+            assert_eq!(run_woken(), 2);
+        })
+        .join()
+        .expect("the serving thread survives");
+        done_rx.recv().unwrap();
     }
 
     /// Tasks still queued when a serving thread stops serving are not
