@@ -64,6 +64,10 @@ pub enum TestHook {
     /// would (`takes_locate_registration` false): peers send it plain
     /// locates.
     PredateLocateRegistration,
+    /// Reads reported on the data-plane thread always find the core busy
+    /// (`Cluster::try_read_ended`): the fallback through a task, which a
+    /// quiet test otherwise rarely takes.
+    InlineReportsFindCoreBusy,
 }
 
 /// The peer side of a daemon.
@@ -107,6 +111,9 @@ impl Peers {
             }
             Some(TestHook::PredateLocateRegistration) => {
                 tracing::warn!("TEST HOOK ACTIVE: handshakes say this daemon takes no locate-time registration")
+            }
+            Some(TestHook::InlineReportsFindCoreBusy) => {
+                tracing::warn!("TEST HOOK ACTIVE: reads reported on the data-plane thread always find the core busy")
             }
             None => {}
         }
@@ -731,6 +738,7 @@ pub fn test_hook() -> Option<TestHook> {
         Ok("corrupt-granted-slots") => Some(TestHook::CorruptGrantedSlots),
         Ok("stage-host-pools") => Some(TestHook::StageHostPools),
         Ok("predate-locate-registration") => Some(TestHook::PredateLocateRegistration),
+        Ok("inline-reports-find-core-busy") => Some(TestHook::InlineReportsFindCoreBusy),
         _ => None,
     })
 }
