@@ -755,10 +755,11 @@ impl Config {
                 ("grant_lease_ms", self.peer.grant_lease_ms, LEASE_MS_MAX),
                 ("inflight_requests_max", self.peer.inflight_requests_max as u64, 1 << 20),
                 ("inflight_bytes_max", self.peer.inflight_bytes_max, 1 << 40),
-                ("poll_idle_us", self.peer.poll_idle_us, POLL_IDLE_US_MAX),
                 ("staging_slots", self.peer.staging_slots as u64, 1 << 16),
             ],
         )?;
+        // (0 is a value here: never poll while waiting.)
+        check_max("peer", "poll_idle_us", self.peer.poll_idle_us, POLL_IDLE_US_MAX)?;
         if self.peer.staging_slots < 2 {
             return Err("peer.staging_slots: at least 2 (half serve reads, half sends)".into());
         }
@@ -1159,6 +1160,9 @@ mod tests {
             Config::parse(&config(section, field, max), "t.toml")
                 .unwrap_or_else(|e| panic!("{section}.{field} = {max} (its bound) refused: {e}"));
         }
+        // A bound whose 0 means something: never poll while waiting.
+        let c = Config::parse(&config("peer", "poll_idle_us", 0), "t.toml").expect("peer.poll_idle_us = 0 is taken");
+        assert_eq!(c.peer.poll_idle_us, 0);
         // Leases and intervals: the bound is a day; their cross-field rules
         // (a grant outlives a read, keepalives a third of the lease) must
         // not overflow on the way to refusing.

@@ -1088,7 +1088,7 @@ fn run(
         // fragment; the 1 ms timeout below checks deadlines) and leave the
         // core to whoever must run for the transfer to go on.
         let spinning = reqs_in_flight > 0 && now.saturating_duration_since(active_at) < limits.poll_idle;
-        if !rx.is_empty() || !queue.is_empty() || spinning || worker.am_pending() {
+        if !rx.is_empty() || !queue.is_empty() || spinning || worker.am_pending() || crate::inline::has_woken() {
             continue;
         }
         match worker.arm() {

@@ -316,7 +316,8 @@ fn read_calls<G: Send + Sync + 'static>(
         };
         let call = call(ctx.service.clone(), session, id, method, body);
         let mut call = Box::pin(call);
-        // Run it here; a call that has to wait finishes on the runtime.
+        // Run it here; a call that has to wait goes on where it is woken
+        // (inline.rs).
         let mut cx = Context::from_waker(std::task::Waker::noop());
         match call.as_mut().poll(&mut cx) {
             Poll::Ready(r) => {

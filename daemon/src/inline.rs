@@ -22,8 +22,15 @@
 //!   a client slow to read is flushed from a blocking-pool thread).
 //! - A task is never lost: queued tasks left when a serving thread stops
 //!   go to the runtime.
-//! - A task that panics ends there (logged), as a tokio task would: the
-//!   thread that polled it goes on.
+//! - A served task may take the store's lock (a pin's answer, a session
+//!   released): while another thread holds it, the serving thread makes
+//!   no UCX progress — as when it feeds the core a read or a coherence
+//!   message. No holder of that lock waits for the data-plane thread.
+//! - One batch of woken tasks per [`run_woken`] call: a task that wakes
+//!   itself on every poll cannot keep the serving thread from its own
+//!   work (its owner calls again before it sleeps, see [`has_woken`]).
+//! - A panic in a task is a panic of the daemon: `kvmeshd` aborts on any
+//!   panic (main.rs), wherever it happens.
 
 use std::cell::RefCell;
 use std::future::Future;
@@ -47,13 +54,14 @@ pub fn serve_here() -> Serving {
             *w = Some(Vec::new());
         }
     });
-    Serving(())
+    Serving(std::marker::PhantomData)
 }
 
 /// See [`serve_here`]. Dropping it hands the tasks still queued to the
 /// runtime (through their schedule function, now that the thread no
 /// longer serves).
-pub struct Serving(());
+/// (Not `Send`: it is the marked thread's own.)
+pub struct Serving(std::marker::PhantomData<*const ()>);
 
 impl Drop for Serving {
     fn drop(&mut self) {
@@ -64,20 +72,15 @@ impl Drop for Serving {
     }
 }
 
-/// Polls the tasks woken on this thread since the last call, and those
-/// they wake, until none is left. Returns how many polls ran.
+/// Polls the tasks woken on this thread since the last call (those they
+/// wake wait for the next call: see [`has_woken`]). Returns how many ran.
 pub fn run_woken() -> usize {
-    let mut ran = 0;
-    loop {
-        let batch = WOKEN.with(|w| w.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default());
-        if batch.is_empty() {
-            return ran;
-        }
-        for r in batch {
-            r.run();
-            ran += 1;
-        }
+    let batch = WOKEN.with(|w| w.borrow_mut().as_mut().map(std::mem::take).unwrap_or_default());
+    let ran = batch.len();
+    for r in batch {
+        r.run();
     }
+    ran
 }
 
 /// Whether this thread serves the tasks woken on it.
@@ -97,17 +100,18 @@ pub fn spawn<F>(rt: &Handle, fut: F)
 where
     F: Future<Output = ()> + Send + 'static,
 {
-    let fut = InRuntime { rt: rt.clone(), fut: Some(Box::pin(fut)) };
+    let fut = InRuntime { rt: rt.clone(), fut: Box::pin(fut) };
     let runtime = rt.clone();
     let schedule = move |r: Runnable| {
-        let queued = WOKEN.with(|w| match w.borrow_mut().as_mut() {
-            Some(v) => {
-                v.push(r);
-                None
+        // (A thread whose thread-locals are being torn down serves no
+        // more: the runtime takes the task.)
+        let mut left = Some(r);
+        let _ = WOKEN.try_with(|w| {
+            if let Some(v) = w.borrow_mut().as_mut() {
+                v.extend(left.take());
             }
-            None => Some(r),
         });
-        if let Some(r) = queued {
+        if let Some(r) = left {
             runtime.spawn(async move {
                 r.run();
             });
@@ -118,11 +122,10 @@ where
     runnable.run();
 }
 
-/// A future polled inside the runtime's context, whatever thread polls
-/// it; one that panics is over (`None`), its panic stopped here.
+/// A future polled inside the runtime's context, whatever thread polls it.
 struct InRuntime {
     rt: Handle,
-    fut: Option<Pin<Box<dyn Future<Output = ()> + Send>>>,
+    fut: Pin<Box<dyn Future<Output = ()> + Send>>,
 }
 
 impl Future for InRuntime {
@@ -130,20 +133,7 @@ impl Future for InRuntime {
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
         let this = &mut *self;
         let _entered = this.rt.enter();
-        let Some(fut) = this.fut.as_mut() else { return Poll::Ready(()) };
-        // (Unwind safety: after a panic the future is dropped, never
-        // polled again; what it shared is the daemon's, built to survive
-        // a task's panic as under tokio.)
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| fut.as_mut().poll(cx))) {
-            Ok(p) => p,
-            Err(_) => {
-                tracing::error!(
-                    "an engine call's task panicked; its answer is lost (the engine's call fails when its connection does)"
-                );
-                this.fut = None;
-                Poll::Ready(())
-            }
-        }
+        this.fut.as_mut().poll(cx)
     }
 }
 
@@ -162,6 +152,9 @@ mod tests {
         let (done_tx, done_rx) = std::sync::mpsc::channel();
         spawn(&rt, async move {
             let _ = rx.await;
+            // Polled on the serving thread, outside the runtime: its
+            // context is there (a timer needs it).
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(1), async {}).await;
             let _ = done_tx.send(std::thread::current().id());
         });
         let serving = std::thread::spawn(move || {
@@ -192,33 +185,6 @@ mod tests {
         .join()
         .unwrap();
         assert_ne!(done_rx.await.unwrap(), waker);
-    }
-
-    /// A task that panics on a serving thread ends there; the thread
-    /// goes on serving the next.
-    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
-    async fn a_task_that_panics_does_not_take_the_serving_thread_with_it() {
-        let rt = Handle::current();
-        let (tx1, rx1) = tokio::sync::oneshot::channel::<()>();
-        let (tx2, rx2) = tokio::sync::oneshot::channel::<()>();
-        let (done_tx, done_rx) = std::sync::mpsc::channel();
-        spawn(&rt, async move {
-            let _ = rx1.await;
-            panic!("a task's bug");
-        });
-        spawn(&rt, async move {
-            let _ = rx2.await;
-            let _ = done_tx.send(());
-        });
-        std::thread::spawn(move || {
-            let _s = serve_here();
-            tx1.send(()).unwrap();
-            tx2.send(()).unwrap();
-            assert_eq!(run_woken(), 2);
-        })
-        .join()
-        .expect("the serving thread survives");
-        done_rx.recv().unwrap();
     }
 
     /// Tasks still queued when a serving thread stops serving are not
