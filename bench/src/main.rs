@@ -42,6 +42,11 @@ struct Args {
     /// compare them.
     #[arg(long, global = true, default_value_t = true, action = clap::ArgAction::Set)]
     register_at_locate: bool,
+    /// `peer.poll_idle_us` of the daemons the bench starts (how long a
+    /// data-plane thread with reads in flight polls after its last
+    /// progress; unset: the daemon's default), to compare values.
+    #[arg(long, global = true)]
+    poll_idle_us: Option<u64>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -51,6 +56,9 @@ static PEER_CONTROL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 /// `--register-at-locate`.
 static REGISTER_AT_LOCATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
+/// `--poll-idle-us`.
+static POLL_IDLE_US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
 /// `extra` (the tail of a daemon config) with `coherence.register_at_locate`
 /// as `--register-at-locate` asks.
@@ -63,9 +71,14 @@ pub(crate) fn with_register_at_locate(extra: &str) -> String {
     }
 }
 
-/// The `[peer]` line that sets `peer.control` as `--peer-control` asks.
+/// The `[peer]` lines that set `peer.control` as `--peer-control` asks
+/// (and `peer.poll_idle_us` when `--poll-idle-us` is given).
 pub(crate) fn peer_control_line() -> String {
-    format!("control = \"{}\"\n", PEER_CONTROL.get().map_or("auto", |s| s.as_str()))
+    let mut s = format!("control = \"{}\"\n", PEER_CONTROL.get().map_or("auto", |s| s.as_str()));
+    if let Some(us) = POLL_IDLE_US.get() {
+        s.push_str(&format!("poll_idle_us = {us}\n"));
+    }
+    s
 }
 
 /// Arrival process of `load`.
@@ -385,6 +398,9 @@ fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let _ = PEER_CONTROL.set(args.peer_control.clone());
     let _ = REGISTER_AT_LOCATE.set(args.register_at_locate);
+    if let Some(us) = args.poll_idle_us {
+        let _ = POLL_IDLE_US.set(us);
+    }
     // As the daemon does, before any thread starts, where tcp may be used:
     // the raw UCX loops and the daemons (children inherit it) run with the
     // same UCX settings.
