@@ -645,11 +645,19 @@ enum PoolHandle {
 fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, PoolHandle)>), String> {
     use std::io::Write;
     let mut s = std::os::unix::net::UnixStream::connect(path).map_err(|e| format!("connect: {e}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    const WAIT: Duration = Duration::from_secs(10);
+    s.set_read_timeout(Some(WAIT)).map_err(|e| e.to_string())?;
     s.write_all(FD_HANDSHAKE_MAGIC).map_err(|e| format!("send: {e}"))?;
     let mut buf = [0u8; 1024];
-    let (n, fds) = kvmesh_ffi_os::fdpass::recv_fds(s.as_fd(), &mut buf, kvmesh_common::handshake::POOLS_MAX)
-        .map_err(|e| format!("receive pool fds: {e}"))?;
+    let (n, fds) = kvmesh_ffi_os::fdpass::recv_fds(s.as_fd(), &mut buf, kvmesh_common::handshake::POOLS_MAX).map_err(
+        |e| match e.kind() {
+            // (What a read timeout reads as.)
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut => {
+                format!("the daemon sent no pool table within {} s (overloaded or wedged?)", WAIT.as_secs())
+            }
+            _ => format!("receive pool fds: {e}"),
+        },
+    )?;
     let (instance, table) = kvmesh_common::handshake::decode(&buf[..n], fds.len())?;
     let mut fds = fds.into_iter();
     Ok((
@@ -722,7 +730,10 @@ impl Client {
         if !path.exists() {
             return Err(ClientError::Connect {
                 path,
-                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no socket (is kvmeshd running?)"),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    "no socket (is kvmeshd running? it creates the socket once it is ready to answer)",
+                ),
             });
         }
         let hs_path = path.clone();

@@ -78,9 +78,17 @@ fn private_dir(dir: &Path) -> anyhow::Result<()> {
 /// Claims `path` for this daemon and binds it with `mode` (0600, or 0666
 /// when other uids are allowed and checked per connection). A path held by
 /// a live daemon is an error; a stale socket file is removed. The socket
-/// appears at `path` with its final mode: it is bound in a private (0700)
-/// directory beside it, given its mode there, then renamed into place.
-pub fn bind_socket(path: &Path, default_location: bool, mode: u32) -> anyhow::Result<(UnixListener, SocketClaim)> {
+/// is bound in a private (0700) directory beside `path` and given its mode
+/// there; it appears at `path` (renamed into place, with its final mode)
+/// only at [`Unpublished::publish`], once the daemon answers connections:
+/// a client that reaches the socket is never left waiting for a daemon
+/// still starting (large pools take seconds to allocate; the client's
+/// handshake waits 10 s at most), it finds no socket and can retry.
+pub fn bind_socket(
+    path: &Path,
+    default_location: bool,
+    mode: u32,
+) -> anyhow::Result<(UnixListener, SocketClaim, Unpublished)> {
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if default_location {
         private_dir(dir)?;
@@ -125,15 +133,34 @@ pub fn bind_socket(path: &Path, default_location: bool, mode: u32) -> anyhow::Re
         .create(&private)
         .with_context(|| format!("cannot create {}", private.display()))?;
     let staged = private.join("s");
-    let bound = (|| {
-        let l = UnixListener::bind(&staged).with_context(|| format!("cannot bind {}", staged.display()))?;
-        std::fs::set_permissions(&staged, std::fs::Permissions::from_mode(mode))?;
-        std::fs::rename(&staged, path).with_context(|| format!("cannot move the socket to {}", path.display()))?;
-        Ok::<_, anyhow::Error>(l)
-    })();
-    let _ = std::fs::remove_file(&staged);
-    let _ = std::fs::remove_dir(&private);
-    Ok((bound?, SocketClaim { path: path.to_path_buf(), _lock: lock }))
+    let unpublished = Unpublished { staged, private, path: path.to_path_buf() };
+    let l = UnixListener::bind(&unpublished.staged)
+        .with_context(|| format!("cannot bind {}", unpublished.staged.display()))?;
+    std::fs::set_permissions(&unpublished.staged, std::fs::Permissions::from_mode(mode))?;
+    Ok((l, SocketClaim { path: path.to_path_buf(), _lock: lock }, unpublished))
+}
+
+/// A socket bound (see [`bind_socket`]) but not yet at its path. Dropped
+/// unpublished (start-up failed), its private directory goes.
+pub struct Unpublished {
+    staged: PathBuf,
+    private: PathBuf,
+    path: PathBuf,
+}
+
+impl Unpublished {
+    /// Moves the socket to its path: clients can connect from now on.
+    pub fn publish(self) -> anyhow::Result<()> {
+        std::fs::rename(&self.staged, &self.path)
+            .with_context(|| format!("cannot move the socket to {}", self.path.display()))
+    }
+}
+
+impl Drop for Unpublished {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.staged);
+        let _ = std::fs::remove_dir(&self.private);
+    }
 }
 
 /// Releases a session's pins and allocations when its connection closes.
@@ -601,7 +628,7 @@ pub async fn run_with(
     } else {
         None
     };
-    let (listener, claim) = bind_socket(&path, default_location, mode)?;
+    let (listener, claim, unpublished) = bind_socket(&path, default_location, mode)?;
     // The metrics port, bound before anything starts: a port in use is a
     // start-up error that names the field.
     let metrics_listener = match cfg.metrics.addr().map_err(anyhow::Error::msg)? {
@@ -779,7 +806,17 @@ pub async fn run_with(
     let accept_fast = Arc::clone(&fast);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
 
-    // Accept loop.
+    // Accept loop; the socket appears at its path now (not while pools
+    // were being set up: see `bind_socket`).
+    if let Some(ms) = std::env::var("KVMESH_TEST_HOOK")
+        .ok()
+        .and_then(|h| h.strip_prefix("delay-start-ms:").and_then(|v| v.parse::<u64>().ok()))
+    {
+        // Test-only: a set-up that takes long (huge pools, a slow host).
+        tracing::warn!("TEST HOOK ACTIVE: set-up held {ms} ms before the socket appears");
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    unpublished.publish()?;
     let accept_store = Arc::clone(&store);
     let mut stop_accept = stop_rx.clone();
     let accept = tokio::spawn(async move {

@@ -72,3 +72,53 @@ fn the_socket_is_private_and_other_uids_are_refused_unless_allowed() {
         assert!(d.log().contains("engine connection refused: uid 65533"), "{}", d.log());
     }
 }
+
+/// The socket appears only once the daemon answers on it: a client that
+/// finds it is answered at once, never left waiting while the daemon sets
+/// up (a test hook holds the set-up 3 s; before, the socket was there from
+/// the first moment and a handshake waited out the set-up — 10 s of it
+/// failed the client).
+#[test]
+fn the_socket_appears_only_once_the_daemon_answers() {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let dir = common::TempDir::new("late-socket");
+    let socket = dir.0.join("kvmeshd.sock");
+    let cfg = format!(
+        "[server]\nsocket = {:?}\n[metrics]\nlisten = \"\"\n{}",
+        socket.display().to_string(),
+        pool("p", "4MiB", "4KiB")
+    );
+    std::fs::write(dir.0.join("kvmeshd.toml"), cfg).unwrap();
+    let log = std::fs::File::create(dir.0.join("kvmeshd.log")).unwrap();
+    let t0 = Instant::now();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvmeshd"))
+        .arg("--config")
+        .arg(dir.0.join("kvmeshd.toml"))
+        .env("KVMESH_TEST_HOOK", "delay-start-ms:3000")
+        .stdout(std::process::Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let read_log = || std::fs::read_to_string(dir.0.join("kvmeshd.log")).unwrap_or_default();
+    while !socket.exists() {
+        assert!(child.try_wait().unwrap().is_none(), "kvmeshd exited; log:\n{}", read_log());
+        assert!(t0.elapsed() < Duration::from_secs(30), "no socket after 30 s; log:\n{}", read_log());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let appeared = t0.elapsed();
+    assert!(
+        appeared >= Duration::from_millis(2500),
+        "the socket appeared {appeared:?} after the start, during the set-up"
+    );
+    let t1 = Instant::now();
+    let mut s = std::os::unix::net::UnixStream::connect(&socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(kvmesh_common::handshake::FD_HANDSHAKE_MAGIC).unwrap();
+    let mut b = [0u8; 1];
+    assert!(s.read(&mut b).unwrap() > 0, "no answer to the fd handshake");
+    let waited = t1.elapsed();
+    assert!(waited < Duration::from_secs(2), "the handshake waited {waited:?} on a socket that had appeared");
+    let _ = child.kill();
+    let _ = child.wait();
+}
