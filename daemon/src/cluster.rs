@@ -243,8 +243,7 @@ enum HeldFrame {
 }
 
 fn held_frame_hook() -> Option<Mutex<HeldFrame>> {
-    let hook = std::env::var("KVMESH_TEST_HOOK").ok()?;
-    let ms = hook.strip_prefix("hold-first-registration-ms:")?.parse::<u64>().ok()?;
+    let ms = crate::peers::test_hook_ms("hold-first-registration-ms")?;
     tracing::warn!("TEST HOOK ACTIVE: the first registration batch is sent {ms} ms late");
     Some(Mutex::new(HeldFrame::Armed(Duration::from_millis(ms))))
 }

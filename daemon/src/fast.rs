@@ -26,7 +26,7 @@ use parking_lot::Mutex;
 use prost::Message;
 use tonic::Status;
 
-use crate::metrics::Metrics;
+use crate::metrics::{FastAnswer, Metrics};
 use crate::service::{ConnInfo, EngineService};
 
 /// Fast-path connections served at once at most (a thread each).
@@ -321,7 +321,7 @@ fn read_calls<G: Send + Sync + 'static>(
         let mut cx = Context::from_waker(std::task::Waker::noop());
         match call.as_mut().poll(&mut cx) {
             Poll::Ready(r) => {
-                ctx.metrics.count_fast_answer("connection");
+                ctx.metrics.count_fast_answer(FastAnswer::Connection);
                 writer.write(answer(&ctx.metrics, label, id, r, started))?
             }
             Poll::Pending => {
@@ -337,7 +337,11 @@ fn read_calls<G: Send + Sync + 'static>(
                     // Written from here when the socket takes it at once;
                     // waiting for a client slow to read is not for a
                     // runtime worker.
-                    m.count_fast_answer(if crate::inline::serving() { "data_plane" } else { "other" });
+                    m.count_fast_answer(if crate::inline::serving() {
+                        FastAnswer::DataPlane
+                    } else {
+                        FastAnswer::Other
+                    });
                     match w.offer(answer(&m, label, id, r, started)) {
                         Ok(Offered::Sent | Offered::Queued) => drop(g),
                         Ok(Offered::Flush) => {

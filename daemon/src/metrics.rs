@@ -28,6 +28,22 @@ struct CallLabels {
     result: &'static str,
 }
 
+/// The thread that wrote a fast-path answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FastAnswer {
+    /// The connection's own thread: the call did not wait.
+    Connection = 0,
+    /// The data-plane thread, where the call's last step ended
+    /// (daemon/src/inline.rs).
+    DataPlane = 1,
+    /// A runtime worker; or the connection's thread, the wait over by its
+    /// re-poll.
+    Other = 2,
+}
+
+/// `thread` label of each [`FastAnswer`], in its order.
+const FAST_ANSWER_THREADS: [&str; 3] = ["connection", "data_plane", "other"];
+
 /// Labels of a fast-path answer: the thread that wrote it.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct AnswerLabels {
@@ -193,15 +209,22 @@ impl EncodeMetric for Shared {
 pub struct Metrics {
     engine_calls: Family<CallLabels, Histogram, fn() -> Histogram>,
     fast_answers: Family<AnswerLabels, Counter>,
+    /// Its three series, made once (no family lookup per answer):
+    /// connection, data_plane, other.
+    fast_answered: [Counter; 3],
     lease_left: Option<Arc<AtomicHistogram>>,
     remote: Option<Arc<RemoteMetrics>>,
 }
 
 impl Default for Metrics {
     fn default() -> Self {
+        let fast_answers: Family<AnswerLabels, Counter> = Family::default();
+        let fast_answered =
+            FAST_ANSWER_THREADS.map(|thread| fast_answers.get_or_create(&AnswerLabels { thread }).clone());
         Metrics {
             engine_calls: Family::new_with_constructor(call_histogram),
-            fast_answers: Family::default(),
+            fast_answers,
+            fast_answered,
             lease_left: None,
             remote: None,
         }
@@ -227,12 +250,9 @@ impl Metrics {
         self.engine_calls.get_or_create(&labels).observe(started.elapsed().as_secs_f64());
     }
 
-    /// Counts one fast-path answer by the thread that wrote it:
-    /// `connection` (the call did not wait), `data_plane` (continued where
-    /// its last step ended, daemon/src/inline.rs), `other` (a runtime
-    /// worker; or the connection's thread, the wait over by its re-poll).
-    pub fn count_fast_answer(&self, thread: &'static str) {
-        self.fast_answers.get_or_create(&AnswerLabels { thread }).inc();
+    /// Counts one fast-path answer by the thread that wrote it.
+    pub fn count_fast_answer(&self, thread: FastAnswer) {
+        self.fast_answered[thread as usize].inc();
     }
 }
 

@@ -731,6 +731,12 @@ fn order_of(st: &Store, r: &pb::SendRequest, refuse_all: bool, staging: Option<&
     SendOrder { node: r.node_id, incarnation: r.incarnation, items, staged: Vec::new(), jobs }
 }
 
+/// The N of a test hook `KVMESH_TEST_HOOK=<name>:N` (a duration in ms)
+/// when this process has that one.
+pub fn test_hook_ms(name: &str) -> Option<u64> {
+    std::env::var("KVMESH_TEST_HOOK").ok()?.strip_prefix(name)?.strip_prefix(':')?.parse().ok()
+}
+
 /// The test hook of this process (`KVMESH_TEST_HOOK`), read once.
 pub fn test_hook() -> Option<TestHook> {
     static HOOK: std::sync::OnceLock<Option<TestHook>> = std::sync::OnceLock::new();

@@ -425,8 +425,7 @@ fn watchdog(
 /// Test-only (`KVMESH_TEST_HOOK=wedge-store-after-ms:N`): after N ms, take
 /// the store lock and never release it, as a deadlock would.
 fn wedge_hook(store: &Arc<Mutex<Store>>) {
-    let Ok(hook) = std::env::var("KVMESH_TEST_HOOK") else { return };
-    let Some(ms) = hook.strip_prefix("wedge-store-after-ms:").and_then(|v| v.parse::<u64>().ok()) else { return };
+    let Some(ms) = crate::peers::test_hook_ms("wedge-store-after-ms") else { return };
     tracing::warn!("TEST HOOK ACTIVE: the store lock will be held forever after {ms} ms");
     let store = Arc::clone(store);
     std::thread::spawn(move || {
@@ -808,10 +807,7 @@ pub async fn run_with(
 
     // Accept loop; the socket appears at its path now (not while pools
     // were being set up: see `bind_socket`).
-    if let Some(ms) = std::env::var("KVMESH_TEST_HOOK")
-        .ok()
-        .and_then(|h| h.strip_prefix("delay-start-ms:").and_then(|v| v.parse::<u64>().ok()))
-    {
+    if let Some(ms) = crate::peers::test_hook_ms("delay-start-ms") {
         // Test-only: a set-up that takes long (huge pools, a slow host).
         tracing::warn!("TEST HOOK ACTIVE: set-up held {ms} ms before the socket appears");
         tokio::time::sleep(Duration::from_millis(ms)).await;
