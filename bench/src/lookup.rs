@@ -137,14 +137,17 @@ pub(crate) async fn lookup(
         println!(
             "{n} daemons, {fill} blocks each, {batch} keys per lookup ({:.0}% on other daemons): cluster-wide p50 {:.0} us \
              p99 {:.0} us; local-only p50 {:.0} us p99 {:.0} us; p99 ratio {ratio_p99:.2} (p50 {ratio_p50:.2}), {} samples each; \
-             {} lookups counted by the asker, 0 fetches",
+             {} lookups counted by the asker, 0 fetches; its coherence messages over UCX: {} sent, {} of them \
+             without waking its data-plane thread",
             100.0 * (n - 1) as f64 / n as f64,
             q(&hc, 0.5),
             q(&hc, 0.99),
             q(&hl, 0.5),
             q(&hl, 0.99),
             hc.len(),
-            co.lookups
+            co.lookups,
+            co.control_am_sent,
+            co.control_am_direct
         );
     }
     println!(
@@ -154,6 +157,7 @@ pub(crate) async fn lookup(
             "cluster_p50_us": q(&hc, 0.5), "cluster_p99_us": q(&hc, 0.99),
             "local_p50_us": q(&hl, 0.5), "local_p99_us": q(&hl, 0.99),
             "ratio_p99": ratio_p99, "ratio_p50": ratio_p50,
+            "asker_control_am_sent": co.control_am_sent, "asker_control_am_direct": co.control_am_direct,
         })
     );
     drop(procs);

@@ -2131,6 +2131,7 @@ impl Cluster {
             lookups_incomplete: m.lookups_incomplete,
             lookup_questions_answered: m.lookup_questions_answered,
             control_am_sent: control.sent,
+            control_am_direct: control.direct,
             control_am_received: control.received,
             control_am_drops: control.drops,
             staged_reads: staging.map_or(0, |s| s.staged_reads.load(Ordering::Relaxed)),

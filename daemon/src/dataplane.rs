@@ -31,7 +31,9 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError, bounded};
 use kvmesh_ffi_os::{EventFd, SharedMapping};
-use kvmesh_ucx::{Context, Endpoint, MemoryRegion, RemoteKey, Request, Transports, Worker};
+use kvmesh_ucx::{
+    AmSender, AmSent, Context, Endpoint, MemoryRegion, PendingSend, RemoteKey, Request, Transports, Worker,
+};
 use tokio::sync::oneshot;
 
 use crate::staging::StagingSlot;
@@ -187,6 +189,12 @@ enum Cmd {
         peer: u32,
         msg: Vec<u8>,
         pending: Arc<std::sync::atomic::AtomicUsize>,
+        /// Counts it until it is handed to UCX.
+        queued: Arc<std::sync::atomic::AtomicUsize>,
+        /// The endpoint it was taken for: sent only on that one (a message
+        /// queued for an endpoint since replaced would go out behind
+        /// later ones sent directly on the new one).
+        serial: u64,
     },
     Cancel {
         id: u64,
@@ -250,9 +258,18 @@ struct Hooks {
     /// active messages.
     control_sent: std::sync::atomic::AtomicU64,
     control_received: std::sync::atomic::AtomicU64,
+    /// Of `control_sent`, sent from the caller's thread.
+    control_direct: std::sync::atomic::AtomicU64,
     /// Times the thread slept on the event fd with reads in flight (after
     /// [`Limits::poll_idle`] without progress).
     sleeps_in_flight: std::sync::atomic::AtomicU64,
+    /// The thread sleeps (in `poll`, holding no UCX lock): a coherence
+    /// message is sent from the caller's thread instead of waking it.
+    asleep: AtomicBool,
+    /// Coherence messages sent from other threads that UCX has not
+    /// finished, for the thread to complete (at most
+    /// `CONTROL_PENDING_MAX` per peer: they count as pending).
+    adopt: parking_lot::Mutex<Vec<Adoption>>,
     /// Set when the handle is dropped: the thread returns at its next turn
     /// (a flag, not a command: a full queue cannot lose it).
     stop: AtomicBool,
@@ -264,6 +281,24 @@ struct ControlPeer {
     /// The peer takes coherence messages.
     control: bool,
     /// Messages to it not yet sent.
+    pending: Arc<std::sync::atomic::AtomicUsize>,
+    /// Sends on the endpoint from the caller's thread (a multi-threaded
+    /// worker); `None`: through the thread's queue.
+    sender: Option<AmSender>,
+    /// Messages to it in the thread's queue (not yet handed to UCX): while
+    /// any are, later ones queue behind them (their order is kept).
+    queued: Arc<std::sync::atomic::AtomicUsize>,
+    /// The endpoint's serial.
+    serial: u64,
+}
+
+/// A coherence message another thread sent on endpoint `serial` to `peer`
+/// that UCX has not finished: the data-plane thread completes it as one it
+/// sent itself.
+struct Adoption {
+    peer: u32,
+    serial: u64,
+    send: PendingSend,
     pending: Arc<std::sync::atomic::AtomicUsize>,
 }
 
@@ -304,6 +339,9 @@ pub type ControlSink = Box<dyn Fn(Vec<Control>) + Send + Sync>;
 pub struct ControlCounters {
     /// Sent as active messages.
     pub sent: u64,
+    /// Of those, sent from the caller's thread while the data-plane thread
+    /// slept.
+    pub direct: u64,
     /// Received (handed to the driver).
     pub received: u64,
     /// Dropped (no endpoint, a send failed or stuck, malformed).
@@ -363,11 +401,21 @@ impl DataPlane {
         let thread = std::thread::Builder::new()
             .name("kvmesh-dataplane".into())
             .spawn(move || {
-                let worker = match Worker::new(&ctx) {
+                // Multi-threaded, so the thread that flushes a coherence
+                // batch sends it itself (no wake-up of this thread); where
+                // UCX cannot, single-threaded and every send goes through
+                // this thread's queue.
+                let worker = match Worker::new_shared(&ctx) {
                     Ok(w) => w,
                     Err(e) => {
-                        let _ = init_tx.send(Err(e.to_string()));
-                        return;
+                        tracing::warn!("data plane: {e}; coherence messages are sent from the data-plane thread");
+                        match Worker::new(&ctx) {
+                            Ok(w) => w,
+                            Err(e) => {
+                                let _ = init_tx.send(Err(e.to_string()));
+                                return;
+                            }
+                        }
                     }
                 };
                 if let Err(e) = worker
@@ -456,9 +504,18 @@ impl DataPlane {
     /// Queues a coherence message for `peer` if the thread has an endpoint
     /// to that `incarnation`, the peer takes such messages and not too
     /// many wait to be sent to it.
+    ///
+    /// With a multi-threaded worker, while the thread sleeps and nothing
+    /// for that peer waits in its queue, the message leaves from the
+    /// calling thread at once (no wake-up; callers send in order, so
+    /// messages keep it); one UCX has not finished goes to the thread,
+    /// which completes it under the same deadline as its own sends. While
+    /// the thread runs it sends (it holds the worker's lock for long
+    /// stretches of progress: a sender would wait for it; queued, the
+    /// message costs no wake-up).
     fn take_control(&self, peer: u32, incarnation: u64, msg: impl FnOnce() -> Vec<u8>) -> bool {
-        use std::sync::atomic::Ordering::AcqRel;
-        let pending = {
+        use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
+        let (pending, sender, serial, queued) = {
             let connected = self.hooks.connected.read();
             let Some(c) = connected.get(&peer).filter(|c| c.incarnation == incarnation && c.control) else {
                 return false;
@@ -467,11 +524,39 @@ impl DataPlane {
                 c.pending.fetch_sub(1, AcqRel);
                 return false;
             }
-            Arc::clone(&c.pending)
+            let direct = self.hooks.asleep.load(Acquire) && c.queued.load(Acquire) == 0;
+            (Arc::clone(&c.pending), c.sender.clone().filter(|_| direct), c.serial, Arc::clone(&c.queued))
         };
-        let taken = self.send(Cmd::Control { peer, msg: msg(), pending: Arc::clone(&pending) }).is_ok();
+        if let Some(sender) = sender {
+            return match sender.send(AM_CONTROL, msg()) {
+                Ok(AmSent::Done) => {
+                    self.hooks.control_sent.fetch_add(1, Relaxed);
+                    self.hooks.control_direct.fetch_add(1, Relaxed);
+                    pending.fetch_sub(1, AcqRel);
+                    true
+                }
+                Ok(AmSent::InFlight(send)) => {
+                    self.hooks.control_sent.fetch_add(1, Relaxed);
+                    self.hooks.control_direct.fetch_add(1, Relaxed);
+                    self.hooks.adopt.lock().push(Adoption { peer, serial, send, pending });
+                    self.wake.notify();
+                    true
+                }
+                Err(e) => {
+                    // The endpoint closed or broke: the caller sends it
+                    // the other way.
+                    tracing::debug!(peer, "coherence message not sent: {e}");
+                    pending.fetch_sub(1, AcqRel);
+                    false
+                }
+            };
+        }
+        queued.fetch_add(1, AcqRel);
+        let cmd = Cmd::Control { peer, msg: msg(), pending: Arc::clone(&pending), queued: Arc::clone(&queued), serial };
+        let taken = self.send(cmd).is_ok();
         if !taken {
             pending.fetch_sub(1, AcqRel);
+            queued.fetch_sub(1, AcqRel);
         }
         taken
     }
@@ -481,6 +566,7 @@ impl DataPlane {
         use std::sync::atomic::Ordering::Relaxed;
         ControlCounters {
             sent: self.hooks.control_sent.load(Relaxed),
+            direct: self.hooks.control_direct.load(Relaxed),
             received: self.hooks.control_received.load(Relaxed),
             drops: self.hooks.control_drops.load(Relaxed),
         }
@@ -786,20 +872,28 @@ fn run(
                     hooks.connected.write().remove(&peer.id);
                     let r = connect(worker, &peer, peer_failure).map(|conn| {
                         let d = conn.ep.describe();
-                        peers.insert(peer.id, conn);
                         let c = ControlPeer {
                             incarnation: peer.incarnation,
                             control: peer.control,
                             pending: Arc::default(),
+                            sender: conn.ep.am_sender(),
+                            queued: Arc::default(),
+                            serial: conn.serial,
                         };
+                        peers.insert(peer.id, conn);
                         hooks.connected.write().insert(peer.id, c);
                         d
                     });
                     let _ = reply.send(r);
                 }
                 Ok(Cmd::Transfer(p)) => queue.push_back(p),
-                Ok(Cmd::Control { peer, msg, pending }) => {
-                    let sent = peers.get(&peer).map(|c| (c.serial, c.ep.am_send(AM_CONTROL, msg)));
+                Ok(Cmd::Control { peer, msg, pending, queued, serial }) => {
+                    let sent = peers
+                        .get(&peer)
+                        .filter(|c| c.serial == serial)
+                        .map(|c| (c.serial, c.ep.am_send(AM_CONTROL, msg)));
+                    // Handed to UCX (or dropped): later messages may go direct.
+                    queued.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
                     match sent {
                         Some((serial, Ok(req))) => {
                             hooks.control_sent.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -832,6 +926,22 @@ fn run(
                 // Every handle is gone (only if the thread outlived its
                 // handle's drop): nobody can ask for anything more.
                 Err(TryRecvError::Disconnected) => return,
+            }
+        }
+        // Sends other threads started that UCX has not finished.
+        let adoptions = std::mem::take(&mut *hooks.adopt.lock());
+        for Adoption { peer, serial, send, pending } in adoptions {
+            match worker.adopt(send) {
+                Ok(req) => {
+                    let deadline = Instant::now() + CONTROL_TIMEOUT;
+                    control_sends.push(ControlSend { peer, serial, req, deadline, pending });
+                }
+                Err(_) => {
+                    // (Never: every send comes from this worker's endpoints.)
+                    tracing::debug!(peer, "coherence message of another worker not completed");
+                    hooks.control_drops.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    pending.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                }
             }
         }
         // Start queued batches while under the limits (a batch larger than
@@ -1105,7 +1215,9 @@ fn run(
         if reqs_in_flight > 0 {
             hooks.sleeps_in_flight.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+        hooks.asleep.store(true, std::sync::atomic::Ordering::Release);
         let _ = kvmesh_ffi_os::with_raw_fd(efd, |fd| kvmesh_ffi_os::poll_readable(&[fd, wake.fd()], timeout_ms));
+        hooks.asleep.store(false, std::sync::atomic::Ordering::Release);
         wake.drain();
     }
 }
@@ -1726,6 +1838,11 @@ mod tests {
             let (sent, received) = (a.control_counters().sent, b.control_counters().received);
             assert_eq!((sent, received), (220, 220), "{t:?}");
             assert_eq!(b.control_counters().drops, 0);
+            // Sent one at a time while this side's data-plane thread slept
+            // between them, most left from this thread (none did before
+            // multi-threaded workers).
+            let direct = a.control_counters().direct;
+            assert!(direct >= 110, "{t:?}: only {direct} of 220 sent without waking the data-plane thread");
         }
     }
 }

@@ -463,6 +463,11 @@ impl prometheus_client::collector::Collector for Snapshot {
                     c.control_am_sent,
                 ),
                 (
+                    "coherence_control_am_direct",
+                    "Of the coherence messages sent as UCX active messages, those sent by the thread that produced them while the data-plane thread slept (no wake-up).",
+                    c.control_am_direct,
+                ),
+                (
                     "coherence_control_am_received",
                     "Coherence messages received as UCX active messages.",
                     c.control_am_received,

@@ -191,6 +191,22 @@ impl Context {
             unsafe { sys::ucp_config_release(config) };
             return Err(e);
         }
+        // A multi-threaded worker's lock ([`Worker::new_shared`]): a mutex,
+        // not UCX's default spinlock. A thread spinning for a lock whose
+        // holder the scheduler took off the core (threads outnumber
+        // cores) waited milliseconds: a 2-core VM's cluster-wide lookup
+        // P99 went from ~0.5 to 0.7–3.3 ms with the spinlock, 0.45–0.49
+        // with the mutex (docs/DATAPLANE.md). `UCX_USE_MT_MUTEX` set by
+        // hand wins (ucp_config_read has read it).
+        if std::env::var_os("UCX_USE_MT_MUTEX").is_none() {
+            // SAFETY: as for TLS above: a live config, two static C strings.
+            let modified = unsafe { sys::ucp_config_modify(config, c"USE_MT_MUTEX".as_ptr(), c"y".as_ptr()) };
+            if let Err(e) = check("ucp_config_modify(USE_MT_MUTEX)", modified) {
+                // SAFETY: config is released exactly once.
+                unsafe { sys::ucp_config_release(config) };
+                return Err(e);
+            }
+        }
         let params = sys::ucp_params_t {
             field_mask: (sys::ucp_params_field::UCP_PARAM_FIELD_FEATURES
                 | sys::ucp_params_field::UCP_PARAM_FIELD_MT_WORKERS_SHARED)
@@ -425,16 +441,37 @@ pub struct Worker {
     /// destroyed).
     #[allow(clippy::vec_box)]
     handlers: std::cell::RefCell<Vec<Box<AmHandler>>>,
+    /// Created in UCX's multi-threaded mode ([`Worker::new_shared`]): its
+    /// endpoints hand out [`AmSender`]s.
+    shared: bool,
+    /// Unique in the process (a worker's address may be reused after it
+    /// is destroyed): what [`Worker::adopt`] compares.
+    id: u64,
+    /// The shared handles of its endpoints, nulled before the worker is
+    /// destroyed (an endpoint leaked rather than dropped never nulls its
+    /// own).
+    shared_eps: std::cell::RefCell<Vec<std::sync::Weak<SharedEp>>>,
     _not_send: PhantomData<*const ()>,
 }
 
 /// Active messages received and not yet taken (with their ids), and the
 /// inbox's limit.
+///
+/// Locked, not a `RefCell`: UCX runs the handler inside the call that
+/// delivers a message, which for an endpoint to the worker's own address
+/// (the `self` transport) is the send itself, on whichever thread sent
+/// it ([`AmSender`]).
 struct AmInbox {
-    msgs: std::cell::RefCell<std::collections::VecDeque<(u16, Vec<u8>)>>,
+    msgs: std::sync::Mutex<std::collections::VecDeque<(u16, Vec<u8>)>>,
     /// Messages refused (too long, rendezvous, inbox full).
-    dropped: std::cell::Cell<u64>,
-    max_msgs: std::cell::Cell<usize>,
+    dropped: std::sync::atomic::AtomicU64,
+    max_msgs: std::sync::atomic::AtomicUsize,
+}
+
+impl AmInbox {
+    fn msgs(&self) -> std::sync::MutexGuard<'_, std::collections::VecDeque<(u16, Vec<u8>)>> {
+        self.msgs.lock().unwrap_or_else(|e| e.into_inner())
+    }
 }
 
 /// What UCX passes the handler of one id.
@@ -468,10 +505,11 @@ unsafe extern "C" fn am_recv(
     // SAFETY: UCX passes a valid parameter struct for the callback's span.
     let attr = unsafe { (*param).recv_attr };
     let rndv = attr & sys::ucp_am_recv_attr_t_UCP_AM_RECV_ATTR_FLAG_RNDV as u64 != 0;
-    let full = inbox.msgs.borrow().len() >= inbox.max_msgs.get();
+    let mut msgs = inbox.msgs();
+    let full = msgs.len() >= inbox.max_msgs.load(std::sync::atomic::Ordering::Relaxed);
     if rndv || length > handler.max_len || full {
         // Returning OK drops the message (a rendezvous descriptor too).
-        inbox.dropped.set(inbox.dropped.get() + 1);
+        inbox.dropped.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         return sys::ucs_status_t::UCS_OK;
     }
     let bytes = if length == 0 {
@@ -481,27 +519,87 @@ unsafe extern "C" fn am_recv(
         // received bytes valid until the callback returns.
         unsafe { std::slice::from_raw_parts(data as *const u8, length) }.to_vec()
     };
-    inbox.msgs.borrow_mut().push_back((handler.id, bytes));
+    msgs.push_back((handler.id, bytes));
     sys::ucs_status_t::UCS_OK
 }
 
 impl Worker {
     /// Creates a single-threaded worker.
     pub fn new(ctx: &Arc<Context>) -> Result<Worker, UcxError> {
+        Worker::create(ctx, false)
+    }
+
+    /// Creates a worker in UCX's multi-threaded mode: still driven by one
+    /// thread (progress, requests, receives: `Worker` stays `!Send`), but
+    /// its endpoints' [`AmSender`]s send active messages from any thread.
+    /// Fails where UCX was built without thread support (it would hand
+    /// back a single-threaded worker).
+    pub fn new_shared(ctx: &Arc<Context>) -> Result<Worker, UcxError> {
+        let w = Worker::create(ctx, true)?;
+        let mut attr = sys::ucp_worker_attr_t {
+            field_mask: sys::ucp_worker_attr_field::UCP_WORKER_ATTR_FIELD_THREAD_MODE.0 as u64,
+            ..Default::default()
+        };
+        // SAFETY: the worker is alive; attr is an out-struct whose mask asks
+        // for the thread mode only.
+        check("ucp_worker_query", unsafe { sys::ucp_worker_query(w.h, &mut attr) })?;
+        if attr.thread_mode != sys::ucs_thread_mode_t_UCS_THREAD_MODE_MULTI {
+            return Err(UcxError {
+                call: "ucp_worker_create",
+                code: sys::ucs_status_t::UCS_ERR_UNSUPPORTED.0,
+                message: "UCX gave no multi-threaded worker (built without --enable-mt?)".into(),
+            });
+        }
+        Ok(w)
+    }
+
+    fn create(ctx: &Arc<Context>, shared: bool) -> Result<Worker, UcxError> {
         let params = sys::ucp_worker_params_t {
             field_mask: sys::ucp_worker_params_field::UCP_WORKER_PARAM_FIELD_THREAD_MODE.0 as u64,
-            thread_mode: sys::ucs_thread_mode_t_UCS_THREAD_MODE_SINGLE,
+            thread_mode: if shared {
+                sys::ucs_thread_mode_t_UCS_THREAD_MODE_MULTI
+            } else {
+                sys::ucs_thread_mode_t_UCS_THREAD_MODE_SINGLE
+            },
             ..Default::default()
         };
         let mut h: sys::ucp_worker_h = ptr::null_mut();
         // SAFETY: params is valid; h is an out-pointer.
         check("ucp_worker_create", unsafe { sys::ucp_worker_create(ctx.h, &params, &mut h) })?;
-        let inbox = Box::new(AmInbox {
-            msgs: Default::default(),
-            dropped: Default::default(),
-            max_msgs: std::cell::Cell::new(0),
-        });
-        Ok(Worker { ctx: Arc::clone(ctx), h, inbox, handlers: Default::default(), _not_send: PhantomData })
+        let inbox =
+            Box::new(AmInbox { msgs: Default::default(), dropped: Default::default(), max_msgs: Default::default() });
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Ok(Worker {
+            ctx: Arc::clone(ctx),
+            h,
+            inbox,
+            handlers: Default::default(),
+            shared,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            shared_eps: Default::default(),
+            _not_send: PhantomData,
+        })
+    }
+
+    /// Takes over a send another thread started on one of this worker's
+    /// endpoints ([`AmSender::send`]): the request is then polled, and
+    /// completes, here. A send of another worker is handed back.
+    pub fn adopt(&self, mut p: PendingSend) -> Result<Request<'_>, PendingSend> {
+        if p.worker != self.id {
+            return Err(p);
+        }
+        let buf = p.buf.take();
+        // Never an error: `AmSender::send` returns errors itself.
+        Ok(Request {
+            ptr: p.ptr,
+            done: None,
+            call: "ucp_am_send_nbx",
+            worker: self,
+            _region: None,
+            _buf: buf,
+            tag_recv: false,
+            received: None,
+        })
     }
 
     /// Accepts active messages with `id` of at most `max_len` bytes sent
@@ -509,7 +607,7 @@ impl Worker {
     /// id, the last value set) wait to be taken. Others are dropped and
     /// counted ([`Worker::am_dropped`]).
     pub fn accept_am(&self, id: u16, max_len: usize, max_msgs: usize) -> Result<(), UcxError> {
-        self.inbox.max_msgs.set(max_msgs);
+        self.inbox.max_msgs.store(max_msgs, std::sync::atomic::Ordering::Relaxed);
         let handler = Box::new(AmHandler { inbox: &*self.inbox, id, max_len });
         let param = sys::ucp_am_handler_param_t {
             field_mask: (sys::ucp_am_handler_param_field_UCP_AM_HANDLER_PARAM_FIELD_ID
@@ -531,18 +629,18 @@ impl Worker {
 
     /// Whether active messages wait to be taken.
     pub fn am_pending(&self) -> bool {
-        !self.inbox.msgs.borrow().is_empty()
+        !self.inbox.msgs().is_empty()
     }
 
     /// Takes the active messages received so far, oldest first, with
     /// their ids.
     pub fn take_am(&self) -> Vec<(u16, Vec<u8>)> {
-        self.inbox.msgs.borrow_mut().drain(..).collect()
+        self.inbox.msgs().drain(..).collect()
     }
 
     /// Active messages dropped so far (too long, not eager, inbox full).
     pub fn am_dropped(&self) -> u64 {
-        self.inbox.dropped.get()
+        self.inbox.dropped.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The worker's address, for peers to connect to.
@@ -638,12 +736,22 @@ impl Worker {
         // SAFETY: `remote` (bounded, zero-padded by `padded`) outlives the
         // call, which only reads it; `h` is an out-pointer.
         check("ucp_ep_create", unsafe { sys::ucp_ep_create(self.h, &params, &mut h) })?;
-        Ok(Endpoint { worker: self, h, peer_failure })
+        let shared = self.shared.then(|| {
+            let ep = Arc::new(SharedEp { h: std::sync::RwLock::new(EpHandle(h)), worker: self.id });
+            let mut eps = self.shared_eps.borrow_mut();
+            eps.retain(|w| w.strong_count() > 0);
+            eps.push(Arc::downgrade(&ep));
+            ep
+        });
+        Ok(Endpoint { worker: self, h, peer_failure, shared })
     }
 }
 
 impl Drop for Worker {
     fn drop(&mut self) {
+        for ep in self.shared_eps.get_mut().drain(..).filter_map(|w| w.upgrade()) {
+            ep.close();
+        }
         // SAFETY: endpoints and requests borrow the worker, so none is alive.
         unsafe { sys::ucp_worker_destroy(self.h) };
         let _ = &self.ctx;
@@ -655,6 +763,120 @@ pub struct Endpoint<'w> {
     worker: &'w Worker,
     h: sys::ucp_ep_h,
     peer_failure: bool,
+    /// The handle [`AmSender`]s use (a multi-threaded worker's endpoints
+    /// only); nulled under its write lock before the endpoint closes.
+    shared: Option<Arc<SharedEp>>,
+}
+
+/// A `ucp_ep_h` that [`AmSender`]s of other threads read.
+struct EpHandle(sys::ucp_ep_h);
+
+struct SharedEp {
+    /// Null once the endpoint began closing (or its worker, being
+    /// destroyed).
+    h: std::sync::RwLock<EpHandle>,
+    /// Its worker's [`Worker::id`].
+    worker: u64,
+}
+
+impl SharedEp {
+    fn close(&self) {
+        self.h.write().unwrap_or_else(|e| e.into_inner()).0 = ptr::null_mut();
+    }
+}
+
+// SAFETY: the endpoint handle belongs to a worker created in UCX's
+// multi-threaded mode, whose calls UCX serialises with the worker's lock;
+// it is used only under the read lock and only while not null, and both
+// `Endpoint::drop` (before closing it) and `Worker::drop` (before
+// destroying the worker, for endpoints leaked instead of dropped) null it
+// under the write lock, so no thread uses a closed endpoint.
+unsafe impl Send for SharedEp {}
+// SAFETY: as for Send: every use of the handle is under the lock above.
+unsafe impl Sync for SharedEp {}
+
+/// Sends active messages on one endpoint of a multi-threaded worker from
+/// any thread ([`Endpoint::am_sender`]): the message leaves at once, no
+/// wake-up of the worker's thread. Once the endpoint closes, sends fail
+/// with `UCS_ERR_NOT_CONNECTED`.
+#[derive(Clone)]
+pub struct AmSender {
+    ep: Arc<SharedEp>,
+}
+
+/// What [`AmSender::send`] did.
+#[must_use]
+pub enum AmSent {
+    /// UCX took the bytes at once: nothing to wait for.
+    Done,
+    /// In flight: hand it to the worker's thread ([`Worker::adopt`]),
+    /// whose progress completes it.
+    InFlight(PendingSend),
+}
+
+/// A send started by [`AmSender::send`] and not finished. Dropped without
+/// [`Worker::adopt`], its request and bytes are leaked (UCX may still read
+/// the bytes, and the request is freed only on the worker's thread).
+#[must_use = "a send UCX has not finished: hand it to its worker (Worker::adopt)"]
+pub struct PendingSend {
+    ptr: *mut c_void,
+    buf: Option<Box<[u8]>>,
+    /// Its worker's [`Worker::id`].
+    worker: u64,
+}
+
+// SAFETY: the pointers are only carried to the worker's own thread, which
+// alone polls and frees the request ([`Worker::adopt`]); on any other
+// thread the value is only moved or leaked.
+unsafe impl Send for PendingSend {}
+
+impl Drop for PendingSend {
+    fn drop(&mut self) {
+        if let Some(b) = self.buf.take() {
+            // Not adopted: UCX may still read the bytes; never freed.
+            std::mem::forget(b);
+        }
+    }
+}
+
+impl AmSender {
+    /// Sends `data` as active message `id`, eagerly (as
+    /// [`Endpoint::am_send`]), from the calling thread.
+    pub fn send(&self, id: u16, data: Vec<u8>) -> Result<AmSent, UcxError> {
+        let h = self.ep.h.read().unwrap_or_else(|e| e.into_inner());
+        if h.0.is_null() {
+            return Err(UcxError {
+                call: "ucp_am_send_nbx",
+                code: sys::ucs_status_t::UCS_ERR_NOT_CONNECTED.0,
+                message: "endpoint closed".into(),
+            });
+        }
+        let param = sys::ucp_request_param_t {
+            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
+            flags: sys::ucp_send_am_flags_UCP_AM_SEND_FLAG_EAGER,
+            ..empty_param()
+        };
+        let buf = data.into_boxed_slice();
+        // SAFETY: the endpoint is open (not null under the read lock held
+        // across the call) on a multi-threaded worker, which serialises the
+        // call with its own thread's; buf stays alive until the request
+        // completes (freed below only when UCX returned no request).
+        let p = unsafe {
+            sys::ucp_am_send_nbx(h.0, id as u32, ptr::null(), 0, buf.as_ptr() as *const c_void, buf.len(), &param)
+        };
+        drop(h);
+        if p.is_null() {
+            return Ok(AmSent::Done);
+        }
+        if sys::ucs_ptr_is_err(p) {
+            return Err(UcxError {
+                call: "ucp_am_send_nbx",
+                code: sys::ucs_ptr_status(p).0,
+                message: status_string(sys::ucs_ptr_status(p)),
+            });
+        }
+        Ok(AmSent::InFlight(PendingSend { ptr: p, buf: Some(buf), worker: self.ep.worker }))
+    }
 }
 
 impl<'w> Endpoint<'w> {
@@ -731,6 +953,13 @@ impl<'w> Endpoint<'w> {
         Ok(r)
     }
 
+    /// A handle that sends active messages on this endpoint from any
+    /// thread; `None` unless the worker is multi-threaded
+    /// ([`Worker::new_shared`]).
+    pub fn am_sender(&self) -> Option<AmSender> {
+        self.shared.as_ref().map(|ep| AmSender { ep: Arc::clone(ep) })
+    }
+
     /// What UCX chose for this endpoint (transports, lanes), as text.
     pub fn describe(&self) -> String {
         let mut buf: *mut libc::c_char = ptr::null_mut();
@@ -756,6 +985,10 @@ impl<'w> Endpoint<'w> {
 
 impl Drop for Endpoint<'_> {
     fn drop(&mut self) {
+        if let Some(shared) = &self.shared {
+            // No sender of another thread is inside a call on it from here on.
+            shared.close();
+        }
         // A forced close needs peer failure handling on both sides; without
         // it, close by flushing (bounded below).
         let param = sys::ucp_request_param_t {
@@ -955,6 +1188,113 @@ mod tests {
             assert!(ep.get(&dst_mr, (1 << 20) - 4, 18, src_mr.base(), &rkey).is_err());
             drop(rkey);
             drop(ep);
+        }
+    }
+
+    /// A multi-threaded worker's endpoint sends active messages from
+    /// another thread; a send UCX did not finish is completed where the
+    /// worker runs; once the endpoint closes, senders are refused, not
+    /// handed a closed endpoint. A single-threaded worker gives no sender.
+    #[test]
+    fn am_sender_sends_from_another_thread_until_the_endpoint_closes() {
+        for t in [Transports::SharedMemory, Transports::Tcp] {
+            let ctx = Context::new(&t).unwrap();
+            let (a, b) = (Worker::new_shared(&ctx).unwrap(), Worker::new(&ctx).unwrap());
+            b.accept_am(9, 1 << 16, 1024).unwrap();
+            let ep = a.connect(&b.address().unwrap(), t == Transports::Tcp).unwrap();
+            assert!(b.connect(&a.address().unwrap(), t == Transports::Tcp).unwrap().am_sender().is_none());
+            let sender = ep.am_sender().expect("a shared worker's endpoint has a sender");
+            let msgs: Vec<Vec<u8>> =
+                (0..64u32).map(|i| (0..(i * 97) % 4000).map(|j| (i + j) as u8).collect()).collect();
+            let pending: Vec<PendingSend> = std::thread::scope(|s| {
+                s.spawn(|| {
+                    msgs.iter()
+                        .filter_map(|m| match sender.send(9, m.clone()).unwrap() {
+                            AmSent::Done => None,
+                            AmSent::InFlight(p) => Some(p),
+                        })
+                        .collect()
+                })
+                .join()
+                .unwrap()
+            });
+            let mut reqs: Vec<Request<'_>> = pending.into_iter().map(|p| a.adopt(p).ok().unwrap()).collect();
+            let mut got = Vec::new();
+            let mut spins = 0u64;
+            while got.len() < msgs.len() || reqs.iter_mut().any(|r| r.poll().is_none()) {
+                a.progress();
+                b.progress();
+                got.extend(b.take_am());
+                spins += 1;
+                assert!(spins < 10_000_000, "{t:?}: {} of {} messages arrived", got.len(), msgs.len());
+            }
+            for r in &mut reqs {
+                r.poll().unwrap().unwrap();
+            }
+            let want: Vec<(u16, Vec<u8>)> = msgs.iter().map(|m| (9, m.clone())).collect();
+            assert_eq!(got, want, "{t:?}: messages lost or out of order");
+            // Another worker's send is refused.
+            let other = Worker::new_shared(&ctx).unwrap();
+            let ep2 = other.connect(&b.address().unwrap(), t == Transports::Tcp).unwrap();
+            let s2 = ep2.am_sender().unwrap();
+            if let AmSent::InFlight(p) = s2.send(9, vec![1; 8]).unwrap() {
+                let p = a.adopt(p).err().expect("a send of another worker adopted");
+                let mut r = other.adopt(p).ok().expect("its own worker adopts it");
+                let mut spins = 0u64;
+                while r.poll().is_none() {
+                    other.progress();
+                    b.progress();
+                    spins += 1;
+                    assert!(spins < 10_000_000, "{t:?}: the adopted send never completed");
+                }
+            }
+            drop(ep);
+            let e = sender.send(9, b"late".to_vec()).err().expect("a send on a closed endpoint");
+            assert_eq!(e.code, sys::ucs_status_t::UCS_ERR_NOT_CONNECTED.0, "{t:?}: {e}");
+            drop(ep2);
+        }
+    }
+
+    /// A message to the worker's own address is delivered inside the send
+    /// (UCX's `self` transport), on the sending thread: the inbox takes it
+    /// there. An endpoint leaked instead of dropped is closed to its
+    /// senders when its worker goes.
+    #[test]
+    fn am_sender_to_its_own_worker_and_past_a_leaked_endpoint() {
+        for t in [Transports::SharedMemory, Transports::Tcp] {
+            let ctx = Context::new(&t).unwrap();
+            let a = Worker::new_shared(&ctx).unwrap();
+            a.accept_am(3, 1 << 12, 1024).unwrap();
+            let ep = a.connect(&a.address().unwrap(), t == Transports::Tcp).unwrap();
+            let sender = ep.am_sender().unwrap();
+            let pending: Vec<PendingSend> = std::thread::scope(|s| {
+                s.spawn(|| {
+                    (0..16u8)
+                        .filter_map(|i| match sender.send(3, vec![i; 100]).unwrap() {
+                            AmSent::Done => None,
+                            AmSent::InFlight(p) => Some(p),
+                        })
+                        .collect()
+                })
+                .join()
+                .unwrap()
+            });
+            let mut reqs: Vec<Request<'_>> = pending.into_iter().map(|p| a.adopt(p).ok().unwrap()).collect();
+            let mut got = Vec::new();
+            let mut spins = 0u64;
+            while got.len() < 16 || reqs.iter_mut().any(|r| r.poll().is_none()) {
+                a.progress();
+                got.extend(a.take_am());
+                spins += 1;
+                assert!(spins < 10_000_000, "{t:?}: {} of 16 messages to itself arrived", got.len());
+            }
+            let want: Vec<(u16, Vec<u8>)> = (0..16u8).map(|i| (3, vec![i; 100])).collect();
+            assert_eq!(got, want, "{t:?}");
+            drop(reqs);
+            std::mem::forget(ep);
+            drop(a);
+            let e = sender.send(3, b"after the worker".to_vec()).err().expect("a send past its worker");
+            assert_eq!(e.code, sys::ucs_status_t::UCS_ERR_NOT_CONNECTED.0, "{t:?}: {e}");
         }
     }
 
