@@ -839,6 +839,30 @@ impl Drop for PendingSend {
     }
 }
 
+/// Starts an eager active-message send of `data` (no header) as `id` on
+/// `ep`: UCX's status pointer, and the bytes, which must stay alive (heap
+/// memory: moving the box does not move them) until a returned request
+/// completes.
+///
+/// # Safety
+/// `ep` is an open endpoint, and its worker may be called on this thread
+/// (its own thread, or any thread for a multi-threaded worker).
+unsafe fn am_send_eager(ep: sys::ucp_ep_h, id: u16, data: Vec<u8>) -> (sys::ucs_status_ptr_t, Box<[u8]>) {
+    let param = sys::ucp_request_param_t {
+        op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
+        flags: sys::ucp_send_am_flags_UCP_AM_SEND_FLAG_EAGER,
+        ..empty_param()
+    };
+    let buf = data.into_boxed_slice();
+    // SAFETY: the caller vouches for `ep`; `buf` (returned to the caller,
+    // who keeps it until completion) holds the bytes UCX reads; `param`
+    // lives for the call.
+    let p = unsafe {
+        sys::ucp_am_send_nbx(ep, id as u32, ptr::null(), 0, buf.as_ptr() as *const c_void, buf.len(), &param)
+    };
+    (p, buf)
+}
+
 impl AmSender {
     /// Sends `data` as active message `id`, eagerly (as
     /// [`Endpoint::am_send`]), from the calling thread.
@@ -851,19 +875,11 @@ impl AmSender {
                 message: "endpoint closed".into(),
             });
         }
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
-            flags: sys::ucp_send_am_flags_UCP_AM_SEND_FLAG_EAGER,
-            ..empty_param()
-        };
-        let buf = data.into_boxed_slice();
         // SAFETY: the endpoint is open (not null under the read lock held
         // across the call) on a multi-threaded worker, which serialises the
-        // call with its own thread's; buf stays alive until the request
-        // completes (freed below only when UCX returned no request).
-        let p = unsafe {
-            sys::ucp_am_send_nbx(h.0, id as u32, ptr::null(), 0, buf.as_ptr() as *const c_void, buf.len(), &param)
-        };
+        // call with its own thread's; buf is freed below only when UCX
+        // returned no request.
+        let (p, buf) = unsafe { am_send_eager(h.0, id, data) };
         drop(h);
         if p.is_null() {
             return Ok(AmSent::Done);
@@ -937,17 +953,10 @@ impl<'w> Endpoint<'w> {
     /// Sends `data` as active message `id`, eagerly (no rendezvous: the
     /// receiver's handler gets the bytes in its callback).
     pub fn am_send(&self, id: u16, data: Vec<u8>) -> Result<Request<'w>, UcxError> {
-        let param = sys::ucp_request_param_t {
-            op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
-            flags: sys::ucp_send_am_flags_UCP_AM_SEND_FLAG_EAGER,
-            ..empty_param()
-        };
-        let buf = data.into_boxed_slice();
-        // SAFETY: buf is owned by the returned Request until it completes
-        // (heap memory: moving the box does not move the bytes); no header.
-        let p = unsafe {
-            sys::ucp_am_send_nbx(self.h, id as u32, ptr::null(), 0, buf.as_ptr() as *const c_void, buf.len(), &param)
-        };
+        // SAFETY: the endpoint is open (closed only in Drop) and used on its
+        // worker's thread (it borrows the !Send worker); buf is owned by
+        // the returned Request until it completes.
+        let (p, buf) = unsafe { am_send_eager(self.h, id, data) };
         let mut r = Request::from_status_ptr("ucp_am_send_nbx", p, self.worker, None)?;
         r._buf = Some(buf);
         Ok(r)
@@ -1191,6 +1200,24 @@ mod tests {
         }
     }
 
+    /// Sends `msgs` as `id` from a thread of its own; what UCX did not
+    /// finish is adopted by `w` (the sender's worker).
+    fn send_from_another_thread<'w>(w: &'w Worker, sender: &AmSender, id: u16, msgs: &[Vec<u8>]) -> Vec<Request<'w>> {
+        let pending: Vec<PendingSend> = std::thread::scope(|s| {
+            s.spawn(|| {
+                msgs.iter()
+                    .filter_map(|m| match sender.send(id, m.clone()).unwrap() {
+                        AmSent::Done => None,
+                        AmSent::InFlight(p) => Some(p),
+                    })
+                    .collect()
+            })
+            .join()
+            .unwrap()
+        });
+        pending.into_iter().map(|p| w.adopt(p).ok().expect("its own worker adopts a send")).collect()
+    }
+
     /// A multi-threaded worker's endpoint sends active messages from
     /// another thread; a send UCX did not finish is completed where the
     /// worker runs; once the endpoint closes, senders are refused, not
@@ -1206,19 +1233,7 @@ mod tests {
             let sender = ep.am_sender().expect("a shared worker's endpoint has a sender");
             let msgs: Vec<Vec<u8>> =
                 (0..64u32).map(|i| (0..(i * 97) % 4000).map(|j| (i + j) as u8).collect()).collect();
-            let pending: Vec<PendingSend> = std::thread::scope(|s| {
-                s.spawn(|| {
-                    msgs.iter()
-                        .filter_map(|m| match sender.send(9, m.clone()).unwrap() {
-                            AmSent::Done => None,
-                            AmSent::InFlight(p) => Some(p),
-                        })
-                        .collect()
-                })
-                .join()
-                .unwrap()
-            });
-            let mut reqs: Vec<Request<'_>> = pending.into_iter().map(|p| a.adopt(p).ok().unwrap()).collect();
+            let mut reqs = send_from_another_thread(&a, &sender, 9, &msgs);
             let mut got = Vec::new();
             let mut spins = 0u64;
             while got.len() < msgs.len() || reqs.iter_mut().any(|r| r.poll().is_none()) {
@@ -1267,19 +1282,8 @@ mod tests {
             a.accept_am(3, 1 << 12, 1024).unwrap();
             let ep = a.connect(&a.address().unwrap(), t == Transports::Tcp).unwrap();
             let sender = ep.am_sender().unwrap();
-            let pending: Vec<PendingSend> = std::thread::scope(|s| {
-                s.spawn(|| {
-                    (0..16u8)
-                        .filter_map(|i| match sender.send(3, vec![i; 100]).unwrap() {
-                            AmSent::Done => None,
-                            AmSent::InFlight(p) => Some(p),
-                        })
-                        .collect()
-                })
-                .join()
-                .unwrap()
-            });
-            let mut reqs: Vec<Request<'_>> = pending.into_iter().map(|p| a.adopt(p).ok().unwrap()).collect();
+            let msgs: Vec<Vec<u8>> = (0..16u8).map(|i| vec![i; 100]).collect();
+            let mut reqs = send_from_another_thread(&a, &sender, 3, &msgs);
             let mut got = Vec::new();
             let mut spins = 0u64;
             while got.len() < 16 || reqs.iter_mut().any(|r| r.poll().is_none()) {
@@ -1288,7 +1292,7 @@ mod tests {
                 spins += 1;
                 assert!(spins < 10_000_000, "{t:?}: {} of 16 messages to itself arrived", got.len());
             }
-            let want: Vec<(u16, Vec<u8>)> = (0..16u8).map(|i| (3, vec![i; 100])).collect();
+            let want: Vec<(u16, Vec<u8>)> = msgs.iter().map(|m| (3, m.clone())).collect();
             assert_eq!(got, want, "{t:?}");
             drop(reqs);
             std::mem::forget(ep);
