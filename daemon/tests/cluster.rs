@@ -369,8 +369,10 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)], tls: bool) -> Verdi
     if lapses > 0 {
         eprintln!("{transports}: {lapses} membership lease lapses during the run: misses of acknowledged keys allowed");
     }
+    let mut direct = 0;
     for (i, n) in nodes.iter().enumerate() {
         let k = n.client().await.stats().await.unwrap().coherence.unwrap();
+        direct += k.control_am_direct;
         // Without TLS the protocol travels as UCX active messages; with it,
         // only on the authenticated streams.
         if tls {
@@ -379,16 +381,20 @@ async fn run_cluster(transports: &str, env: &[(&str, &str)], tls: bool) -> Verdi
             assert!(k.control_am_sent > 0 && k.control_am_received > 0, "node {}: no UCX control: {k:?}", i + 1);
         }
         eprintln!(
-            "{transports}: node {}: batches sent {} (as UCX messages {}, dropped {}), received {} (UCX {}), queue drops {}",
+            "{transports}: node {}: batches sent {} (as UCX messages {}, {} of them direct, dropped {}), received {} (UCX {}), queue drops {}",
             i + 1,
             k.batches_sent,
             k.control_am_sent,
+            k.control_am_direct,
             k.control_am_drops,
             k.batches_received,
             k.control_am_received,
             k.peer_queue_drops
         );
     }
+    // Without TLS some messages left from the thread that made them,
+    // without waking a data-plane thread (multi-threaded UCX workers).
+    assert_eq!(direct > 0, !tls, "{transports}: {direct} coherence messages sent direct (TLS {tls})");
     for (i, n) in nodes.iter().enumerate() {
         let (c, m, _) = connect_ns(&n.socket).await.unwrap();
         for chunk in mutable.chunks(16) {
