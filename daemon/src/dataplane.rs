@@ -270,6 +270,9 @@ struct Hooks {
     /// finished, for the thread to complete (at most
     /// `CONTROL_PENDING_MAX` per peer: they count as pending).
     adopt: parking_lot::Mutex<Vec<Adoption>>,
+    /// Set after a push to `adopt`: the thread looks at the list only then
+    /// (no lock per turn of its polling loop).
+    adopt_waiting: AtomicBool,
     /// Set when the handle is dropped: the thread returns at its next turn
     /// (a flag, not a command: a full queue cannot lose it).
     stop: AtomicBool,
@@ -525,7 +528,7 @@ impl DataPlane {
                 return false;
             }
             let direct = self.hooks.asleep.load(Acquire) && c.queued.load(Acquire) == 0;
-            (Arc::clone(&c.pending), c.sender.clone().filter(|_| direct), c.serial, Arc::clone(&c.queued))
+            (Arc::clone(&c.pending), direct.then(|| c.sender.clone()).flatten(), c.serial, Arc::clone(&c.queued))
         };
         if let Some(sender) = sender {
             return match sender.send(AM_CONTROL, msg()) {
@@ -539,6 +542,7 @@ impl DataPlane {
                     self.hooks.control_sent.fetch_add(1, Relaxed);
                     self.hooks.control_direct.fetch_add(1, Relaxed);
                     self.hooks.adopt.lock().push(Adoption { peer, serial, send, pending });
+                    self.hooks.adopt_waiting.store(true, std::sync::atomic::Ordering::Release);
                     self.wake.notify();
                     true
                 }
@@ -929,7 +933,11 @@ fn run(
             }
         }
         // Sends other threads started that UCX has not finished.
-        let adoptions = std::mem::take(&mut *hooks.adopt.lock());
+        let adoptions = if hooks.adopt_waiting.swap(false, std::sync::atomic::Ordering::Acquire) {
+            std::mem::take(&mut *hooks.adopt.lock())
+        } else {
+            Vec::new()
+        };
         for Adoption { peer, serial, send, pending } in adoptions {
             match worker.adopt(send) {
                 Ok(req) => {

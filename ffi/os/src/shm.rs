@@ -122,10 +122,10 @@ enum Backing {
     SysV(i32),
 }
 
-// SAFETY: the mapping is plain memory valid for the life of the value; every
-// reference into it is handed out through the claim table (which is behind a
-// mutex), so sharing the handle between threads cannot create aliased
-// mutable references.
+// The mapping is plain memory valid for the life of the value; every
+// reference into it is handed out through the claim table (behind a mutex).
+// SAFETY: claims are exclusive, so moving the handle between threads cannot
+// create aliased mutable references.
 unsafe impl Send for SharedMapping {}
 // SAFETY: as for Send: all access goes through `&self` methods that lock the
 // claim table or copy through raw pointers to claimed ranges.

@@ -45,6 +45,12 @@ impl UcxError {
     }
 }
 
+/// The error a status pointer carries (`ucs_ptr_is_err(p)`).
+fn ptr_error(call: &'static str, p: sys::ucs_status_ptr_t) -> UcxError {
+    let s = sys::ucs_ptr_status(p);
+    UcxError { call, code: s.0, message: status_string(s) }
+}
+
 fn status_string(s: sys::ucs_status_t) -> String {
     // SAFETY: ucs_status_string returns a pointer to a static NUL-terminated
     // string for every status value.
@@ -785,12 +791,12 @@ impl SharedEp {
     }
 }
 
-// SAFETY: the endpoint handle belongs to a worker created in UCX's
-// multi-threaded mode, whose calls UCX serialises with the worker's lock;
-// it is used only under the read lock and only while not null, and both
-// `Endpoint::drop` (before closing it) and `Worker::drop` (before
-// destroying the worker, for endpoints leaked instead of dropped) null it
-// under the write lock, so no thread uses a closed endpoint.
+// The endpoint handle belongs to a worker in UCX's multi-threaded mode,
+// whose calls UCX serialises with the worker's lock; `Endpoint::drop`
+// (before closing it) and `Worker::drop` (before destroying the worker, for
+// endpoints leaked instead of dropped) null it under the write lock.
+// SAFETY: the handle is used only under the read lock while not null, so no
+// thread uses a closed endpoint.
 unsafe impl Send for SharedEp {}
 // SAFETY: as for Send: every use of the handle is under the lock above.
 unsafe impl Sync for SharedEp {}
@@ -875,21 +881,16 @@ impl AmSender {
                 message: "endpoint closed".into(),
             });
         }
-        // SAFETY: the endpoint is open (not null under the read lock held
-        // across the call) on a multi-threaded worker, which serialises the
-        // call with its own thread's; buf is freed below only when UCX
-        // returned no request.
+        // (buf is freed below only when UCX returned no request.)
+        // SAFETY: the endpoint is open (not null, read lock held across the
+        // call) on a multi-threaded worker, which serialises the call.
         let (p, buf) = unsafe { am_send_eager(h.0, id, data) };
         drop(h);
         if p.is_null() {
             return Ok(AmSent::Done);
         }
         if sys::ucs_ptr_is_err(p) {
-            return Err(UcxError {
-                call: "ucp_am_send_nbx",
-                code: sys::ucs_ptr_status(p).0,
-                message: status_string(sys::ucs_ptr_status(p)),
-            });
+            return Err(ptr_error("ucp_am_send_nbx", p));
         }
         Ok(AmSent::InFlight(PendingSend { ptr: p, buf: Some(buf), worker: self.ep.worker }))
     }
@@ -1081,11 +1082,7 @@ impl<'w> Request<'w> {
             });
         }
         if sys::ucs_ptr_is_err(p) {
-            return Err(UcxError {
-                call,
-                code: sys::ucs_ptr_status(p).0,
-                message: status_string(sys::ucs_ptr_status(p)),
-            });
+            return Err(ptr_error(call, p));
         }
         Ok(Request { ptr: p, done: None, call, worker, _region: region, _buf: None, tag_recv: false, received: None })
     }
