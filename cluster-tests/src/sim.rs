@@ -68,6 +68,9 @@ pub struct SimConfig {
     /// timeouts later (resent on a new stream after a reconnect while the
     /// old stream also got through).
     pub late_duplicate_per_mille: u32,
+    /// Every other lookup reads the homes' lookup tables one-sided
+    /// (`Node::lookup_tables`) instead of asking them.
+    pub one_sided_lookups: bool,
 }
 
 impl Default for SimConfig {
@@ -85,6 +88,7 @@ impl Default for SimConfig {
             long_delay_per_mille: 4,
             stuck_link_per_mille: 1,
             late_duplicate_per_mille: 10,
+            one_sided_lookups: true,
         }
     }
 }
@@ -188,6 +192,10 @@ pub struct RunStats {
     pub lookups: u64,
     /// Keys those lookups reported present (on another node than the asker).
     pub lookup_remote_hits: u64,
+    /// Of `lookups`, those that read the homes' tables one-sided.
+    pub lookups_one_sided: u64,
+    /// Keys those reported present on another node than the asker.
+    pub lookup_one_sided_remote_hits: u64,
 }
 
 /// Small fast deterministic RNG (xorshift64*).
@@ -720,6 +728,35 @@ impl World {
         let local = self.local_now(n);
         let Some(core) = self.nodes[n as usize].core.as_mut() else { return };
         let actions = core.handle(local, ev);
+        self.after_drive(n, actions);
+    }
+
+    /// A lookup of node `n` answered from the homes' lookup tables, read
+    /// one-sided at this instant: a home's table is readable while the
+    /// home is up, paused or not (a stopped process's memory stays
+    /// mapped), and unreadable while it is down or either side is cut off.
+    fn drive_lookup_tables(&mut self, n: NodeId, op: OpId, keys: Vec<BlockKey>) {
+        let local = self.local_now(n);
+        let Some(mut core) = self.nodes[n as usize].core.take() else { return };
+        let asker_cut = self.nodes[n as usize].isolated_until > self.now;
+        let nodes = &self.nodes;
+        let now = self.now;
+        let mut read = |h: NodeId, k: &BlockKey| {
+            let sn = nodes.get(h as usize)?;
+            if asker_cut || sn.isolated_until > now {
+                return None;
+            }
+            let c = sn.core.as_ref()?;
+            Some((c.table_header(), c.table_entry(k)))
+        };
+        let actions = core.lookup_tables(local, op, keys, &mut read);
+        self.nodes[n as usize].core = Some(core);
+        self.after_drive(n, actions);
+    }
+
+    /// The checks and actions that follow feeding node `n` an event.
+    fn after_drive(&mut self, n: NodeId, actions: Vec<Action>) {
+        let core = self.nodes[n as usize].core.as_mut().expect("driven");
         self.drives += 1;
         if self.drives.is_multiple_of(self.cfg.check_every)
             && let Err(e) = core.check_incremental()
@@ -1039,6 +1076,8 @@ impl World {
             keys.iter().map(|k| k.key).collect::<Vec<_>>()
         ));
         self.stats.lookups += 1;
+        let one_sided = self.cfg.one_sided_lookups && op.is_multiple_of(2);
+        self.stats.lookups_one_sided += u64::from(one_sided);
         if found.len() != keys.len() {
             self.pending_fail.get_or_insert_with(|| {
                 ("LOOKUP", format!("node {n}: {} answers for {} keys", found.len(), keys.len()))
@@ -1049,6 +1088,7 @@ impl World {
             let Some((h, v)) = f else { continue };
             if h != n {
                 self.stats.lookup_remote_hits += 1;
+                self.stats.lookup_one_sided_remote_hits += u64::from(one_sided);
             }
             let fail = if !self.assigned_at.contains_key(&(*key, v)) {
                 Some(format!("node {n} reported {:?} at node {h} v{v:#x}, a version no home assigned", { key.key }))
@@ -1083,7 +1123,13 @@ impl World {
             (0..len).map(|_| BlockKey { ns: 7, key: self.rng.below(self.cfg.keys as u64) as u128 }).collect();
         self.ops.insert((n, inc, op), OpInfo::Lookup);
         self.lookups.insert((n, inc, op), (keys.clone(), self.now));
-        self.drive(n, Event::ClientLookup { op, keys });
+        // Every other lookup reads the homes' tables one-sided (chosen by
+        // the op number: no draw from the RNG).
+        if self.cfg.one_sided_lookups && op.is_multiple_of(2) {
+            self.drive_lookup_tables(n, op, keys);
+        } else {
+            self.drive(n, Event::ClientLookup { op, keys });
+        }
     }
 
     fn client_op(&mut self) {

@@ -65,6 +65,10 @@ struct Args {
     /// timeouts later.
     #[arg(long, default_value_t = 10)]
     late_duplicate_per_mille: u32,
+    /// Answer every lookup by asking the homes (no lookups read from the
+    /// homes' tables one-sided).
+    #[arg(long)]
+    no_one_sided_lookups: bool,
     /// Print every event of every seed (use with --seeds 1).
     #[arg(long)]
     verbose: bool,
@@ -115,12 +119,14 @@ fn main() -> std::process::ExitCode {
         long_delay_per_mille: a.long_delay_per_mille,
         stuck_link_per_mille: a.stuck_link_per_mille,
         late_duplicate_per_mille: a.late_duplicate_per_mille,
+        one_sided_lookups: !a.no_one_sided_lookups,
     };
     let t0 = Instant::now();
     let (mut events, mut hits, mut stored, mut invalidated, mut vfail, mut crashes, mut epochs) = (0, 0, 0, 0, 0, 0, 0);
     let mut locate_grants = 0u64;
     let mut early = 0u64;
     let (mut lookups, mut lookup_remote_hits) = (0u64, 0u64);
+    let (mut one_sided, mut one_sided_remote_hits) = (0u64, 0u64);
     let mut drains = 0u64;
     let mut prefilled = 0u64;
     let mut violations = 0u64;
@@ -143,6 +149,8 @@ fn main() -> std::process::ExitCode {
                 early += s.early_registrations;
                 lookups += s.lookups;
                 lookup_remote_hits += s.lookup_remote_hits;
+                one_sided += s.lookups_one_sided;
+                one_sided_remote_hits += s.lookup_one_sided_remote_hits;
                 crashes += s.crashes;
                 drains += s.drains;
                 epochs += s.epochs;
@@ -168,7 +176,7 @@ fn main() -> std::process::ExitCode {
     eprintln!(
         "{seeds_run} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
          {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {early} fetched copies Valid on their locate-time registration, {lookups} lookups ({lookup_remote_hits} keys found on \
-         other nodes), {crashes} crashes, \
+         other nodes; {one_sided} of them read the homes' tables one-sided, finding {one_sided_remote_hits}), {crashes} crashes, \
          {drains} drains, {epochs} epochs",
         events as f64 / secs
     );

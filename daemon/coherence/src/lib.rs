@@ -34,7 +34,7 @@ pub use metrics::{
     quantile_of_buckets,
 };
 pub use msg::{Batch, GrantResult, LocateResult, Msg, PublishResult, Registration};
-pub use node::{DirView, Node, Trace};
+pub use node::{DirView, Node, TABLE_SOURCES_MAX, TableEntry, TableHeader, TableRead, Trace};
 
 /// Identifies a node (daemon) in the cluster.
 pub type NodeId = u32;

@@ -131,6 +131,9 @@ pub struct Metrics {
     pub lookups_incomplete: u64,
     /// Home: lookup questions answered (one per asker per lookup).
     pub lookup_questions_answered: u64,
+    /// Of `lookups`, those answered from the homes' lookup tables, read
+    /// one-sided ([`crate::Node::lookup_tables`]).
+    pub lookups_one_sided: u64,
 }
 
 impl Metrics {

@@ -357,6 +357,41 @@ pub struct DirView {
     pub changing: bool,
 }
 
+/// Most holders a lookup-table entry names besides the home.
+pub const TABLE_SOURCES_MAX: usize = 4;
+
+/// The header of a home's lookup table: whose table it is and under which
+/// view it was written. Askers believe entries only under a header that
+/// matches their own view ([`Node::lookup_tables`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableHeader {
+    /// The home.
+    pub node: NodeId,
+    /// Its incarnation.
+    pub incarnation: u64,
+    /// The epoch of its view.
+    pub epoch: u64,
+    /// Its directory is rebuilt for that view.
+    pub ready: bool,
+}
+
+/// Reads home `h`'s lookup table for a key, one-sided: its header and
+/// its entry for the key as read at one moment (`None`: unreadable).
+pub type TableRead<'a> = dyn FnMut(NodeId, &BlockKey) -> Option<(TableHeader, Option<TableEntry>)> + 'a;
+
+/// A home's lookup-table entry for one key ([`Node::table_entry`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TableEntry {
+    /// Current version.
+    pub version: u64,
+    /// The home holds a Valid copy of it.
+    pub home_copy: bool,
+    /// Other registered (not pending) holders, the first `len`.
+    pub sources: [NodeId; TABLE_SOURCES_MAX],
+    /// How many of `sources` are set.
+    pub len: u8,
+}
+
 /// One node's coherence state.
 pub struct Node {
     id: NodeId,
@@ -1028,6 +1063,116 @@ impl Node {
             return Some((self.id, e.version));
         }
         e.holders.sources().find(|&h| h != asker && h != self.id).map(|h| (h, e.version))
+    }
+
+    /// What this node's lookup table says now (see [`TableHeader`]).
+    pub fn table_header(&self) -> TableHeader {
+        TableHeader { node: self.id, incarnation: self.incarnation, epoch: self.view.epoch, ready: self.ready }
+    }
+
+    /// What this node's lookup table holds for `key` now: the directory's
+    /// answer to a lookup ([`Node::lookup_at_home`] without the asker and
+    /// without this node's lease check, which askers make on their side).
+    /// `None`: nothing to report (not its home, directory not rebuilt, no
+    /// entry, a change waiting for acks, or no Valid source).
+    pub fn table_entry(&self, key: &BlockKey) -> Option<TableEntry> {
+        if !self.ready || !self.is_home(key) {
+            return None;
+        }
+        let e = self.dir.get(key)?;
+        if e.change.is_some() {
+            return None;
+        }
+        let home_copy = e.holders.contains(self.id) && self.copies.get(key).is_some_and(|c| c.version == e.version);
+        let mut sources = [0; TABLE_SOURCES_MAX];
+        let mut len = 0;
+        for h in e.holders.sources().filter(|&h| h != self.id).take(TABLE_SOURCES_MAX) {
+            sources[len] = h;
+            len += 1;
+        }
+        (home_copy || len > 0).then_some(TableEntry { version: e.version, home_copy, sources, len: len as u8 })
+    }
+
+    /// A cluster-wide lookup answered from the homes' lookup tables, read
+    /// one-sided by `read` (the header of home `h`'s table and its entry
+    /// for the key, as read at one moment during this call; `None`: the
+    /// table cannot be read), instead of a `LookupReq` to each home. The
+    /// answer is `Action::LookupDone` (or `ClientDone` with an error), as
+    /// for `Event::ClientLookup`. A table is believed only where its
+    /// header names the home this node's view has for the key, of the
+    /// incarnation in that view, with the same epoch and a rebuilt
+    /// directory; keys of any other are not answered (`complete: false`).
+    /// The home's lease is not checked by the home: this node must be
+    /// serving, which under M1 means no later view serves anywhere yet
+    /// (docs/COHERENCE.md, "Lookups read one-sided").
+    pub fn lookup_tables(&mut self, now: Time, op: OpId, keys: Vec<BlockKey>, read: &mut TableRead<'_>) -> Vec<Action> {
+        self.now = self.now.max(now);
+        if !self.copies.is_empty() && !self.serving() {
+            self.metrics.lease_lapses += 1;
+            self.metrics.copies_dropped_lapsed += self.copies.len() as u64;
+            self.drop_all_copies();
+        }
+        if self.admit(op) {
+            self.metrics.lookups += 1;
+            let me = self.id;
+            let epoch = self.view.epoch;
+            let mut found = vec![None; keys.len()];
+            let mut complete = true;
+            let mut refused = 0;
+            for (i, k) in keys.iter().enumerate() {
+                if let Some(c) = self.copies.get(k) {
+                    found[i] = Some((me, c.version));
+                    continue;
+                }
+                if self.cfg.bug == Some(Bug::LookupCountsPendingPut) && self.writes.contains_key(k) {
+                    found[i] = Some((me, 0));
+                    continue;
+                }
+                let h = match self.view.home_of(k) {
+                    Some(h) if h == me => {
+                        found[i] = self.lookup_at_home(me, k);
+                        continue;
+                    }
+                    Some(h) => h,
+                    None => continue,
+                };
+                let inc = self.view.member(h).map(|m| m.incarnation);
+                let entry = match read(h, k) {
+                    Some((hd, entry))
+                        if hd.node == h && Some(hd.incarnation) == inc && hd.epoch == epoch && hd.ready =>
+                    {
+                        entry
+                    }
+                    _ => {
+                        complete = false;
+                        continue;
+                    }
+                };
+                let Some(e) = entry else { continue };
+                let holder = if e.home_copy {
+                    Some(h)
+                } else {
+                    e.sources[..usize::from(e.len).min(TABLE_SOURCES_MAX)].iter().copied().find(|&s| s != me && s != h)
+                };
+                let Some(holder) = holder else { continue };
+                // H1, as for a home's answer: a holder in the view, not
+                // this node, a version of this epoch or an earlier one.
+                if e.version == 0 || self.view.member(holder).is_none() || e.version >> 32 > epoch {
+                    refused += 1;
+                    continue;
+                }
+                found[i] = Some((holder, e.version));
+            }
+            self.metrics.peer_refusals += refused;
+            self.metrics.lookups_one_sided += 1;
+            if !complete {
+                self.metrics.lookups_incomplete += 1;
+            }
+            self.actions.push(Action::LookupDone { op, found, complete });
+        }
+        self.drain_inbox();
+        self.flush(false);
+        std::mem::take(&mut self.actions)
     }
 
     fn on_lookup_resp(&mut self, from: NodeId, op: OpId, answers: Vec<(u64, NodeId)>) {

@@ -5,7 +5,8 @@
 use std::collections::{BTreeMap, VecDeque};
 
 use kvmesh_coherence::{
-    Action, Batch, BlockKey, Config, Event, Member, Msg, Node, NodeId, Outcome, SlotImage, SlotMeta, SlotRef, View,
+    Action, Batch, BlockKey, Config, Event, Member, Msg, Node, NodeId, Outcome, SlotImage, SlotMeta, SlotRef,
+    TableHeader, View,
 };
 
 struct Net {
@@ -703,6 +704,92 @@ fn a_lookup_reports_where_blocks_are_without_moving_them() {
     net.settle();
     let nodes: Vec<Option<NodeId>> = net.lookups[&(2, 53)].iter().map(|f| f.map(|(n, _)| n)).collect();
     assert_eq!(nodes, vec![Some(0), None, Some(0), None, None]);
+}
+
+impl Net {
+    /// A lookup of node `n` answered from the homes' tables, read at this
+    /// moment; `header` rewrites what each table's header says.
+    fn lookup_tables(
+        &mut self,
+        n: NodeId,
+        op: u64,
+        keys: Vec<BlockKey>,
+        header: impl Fn(TableHeader) -> TableHeader,
+    ) -> (Vec<Option<(NodeId, u64)>>, bool) {
+        let (before, rest) = self.nodes.split_at_mut(n as usize);
+        let (asker, after) = rest.split_first_mut().expect("node n exists");
+        let mut read = |h: NodeId, k: &BlockKey| {
+            let home = if h < n { &before[h as usize] } else { &after[(h - n - 1) as usize] };
+            Some((header(home.table_header()), home.table_entry(k)))
+        };
+        let acts = asker.lookup_tables(self.now, op, keys, &mut read);
+        assert!(!acts.iter().any(|a| matches!(a, Action::Send { .. })), "nothing sent");
+        let mut out = None;
+        for a in acts {
+            if let Action::LookupDone { op: o, found, complete } = a {
+                assert_eq!(o, op);
+                out = Some((found, complete));
+            }
+        }
+        out.expect("the lookup ended at once")
+    }
+}
+
+/// A lookup that reads the homes' tables one-sided reports what asking
+/// the homes reports, sends nothing, moves nothing; a table whose header
+/// is not of the home the asker's view names (another epoch, another
+/// incarnation) is not believed: those keys are unanswered, not absent.
+#[test]
+fn a_lookup_from_the_homes_tables_answers_as_the_homes_do() {
+    let mut net = Net::new(3, Config::default());
+    let ks: Vec<BlockKey> =
+        (0..3).map(|h| (100..).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(h)).unwrap()).collect();
+    for (i, &k) in ks.iter().enumerate() {
+        net.put(0, 10 + i as u64, k, 7);
+    }
+    // Node 1 also holds ks[2] (homed at 2): a registered source beside node 0.
+    net.drive(1, Event::ClientGet { op: 20, key: ks[2] });
+    net.settle();
+    net.serve_reads(false);
+    net.settle();
+    assert!(net.nodes[1].copy_of(&ks[2]).is_some(), "node 1 fetched ks[2]");
+    let ask = vec![ks[0], ks[1], ks[2], key(9), ks[1]];
+    net.drive(2, Event::ClientLookup { op: 50, keys: ask.clone() });
+    net.settle();
+    let copies_before: Vec<usize> = net.nodes.iter().map(|n| n.copy_count()).collect();
+    let (found, complete) = net.lookup_tables(2, 51, ask.clone(), |h| h);
+    assert!(complete);
+    assert_eq!(found, net.lookups[&(2, 50)], "as the homes answered");
+    assert_eq!(found.iter().filter(|f| f.is_some()).count(), 4);
+    assert_eq!(net.nodes.iter().map(|n| n.copy_count()).collect::<Vec<_>>(), copies_before, "nothing copied");
+    assert!(net.reads.is_empty(), "nothing read");
+    // A node that holds the key itself reports its own copy.
+    let (found, _) = net.lookup_tables(1, 52, vec![ks[2]], |h| h);
+    assert_eq!(found[0].map(|f| f.0), Some(1));
+    // Another epoch, another incarnation, a directory not rebuilt: not believed.
+    for bad in [
+        (|h: TableHeader| TableHeader { epoch: h.epoch + 1, ..h }) as fn(TableHeader) -> TableHeader,
+        |h| TableHeader { incarnation: h.incarnation + 1, ..h },
+        |h| TableHeader { ready: false, ..h },
+        |h| TableHeader { node: h.node + 1, ..h },
+    ] {
+        let (found, complete) = net.lookup_tables(2, 53, vec![ks[0], ks[1]], bad);
+        assert!(!complete, "a table of another view is not an answer");
+        assert_eq!(found, vec![None, None]);
+    }
+    // Keys homed at the asker answer from its own directory, whatever
+    // the others' tables say.
+    let (found, complete) = net.lookup_tables(2, 54, vec![ks[2]], |h| TableHeader { epoch: 0, ..h });
+    assert!(complete);
+    assert!(found[0].is_some());
+    // Invalidated: no longer reported.
+    net.drive(1, Event::ClientInvalidate { op: 55, key: ks[1] });
+    net.settle();
+    let (found, _) = net.lookup_tables(2, 56, ask, |h| h);
+    let nodes: Vec<Option<NodeId>> = found.iter().map(|f| f.map(|(n, _)| n)).collect();
+    assert_eq!(nodes[..2], [Some(0), None]);
+    assert!(nodes[2].is_some(), "ks[2] is still held");
+    assert_eq!(nodes[3..], [None, None]);
 }
 
 /// Found by the simulator (LOOKUP, seed 401): a part of an announce
