@@ -19,8 +19,8 @@ use kvmesh_coherence::membership::{
     static_membership,
 };
 use kvmesh_coherence::{
-    Action, Batch, BlockKey, Bug, Config, Event, Node, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef, Trace,
-    TransferError, View,
+    Action, Batch, BlockKey, Bug, Config, Event, Node, NodeId, OpId, Outcome, SlotImage, SlotMeta, SlotRef, TableEntry,
+    Trace, TransferError, View,
 };
 
 /// The node that runs the membership coordinator (the daemon's default:
@@ -287,6 +287,9 @@ struct SimNode {
     /// order, when it resumes.
     paused_until: u64,
     down_until: u64,
+    /// The node's lookup table as its driver keeps it: the changes the
+    /// core hands out after each event, applied (gone with the process).
+    table: HashMap<BlockKey, TableEntry>,
 }
 
 #[derive(Debug)]
@@ -538,7 +541,7 @@ impl World {
     /// A world for `seed`.
     pub fn new(seed: u64, cfg: SimConfig) -> World {
         let mut rng = Rng::new(seed);
-        let mut core_cfg = Config { bug: cfg.bug, trace: true, ..Config::default() };
+        let mut core_cfg = Config { bug: cfg.bug, trace: true, lookup_table: true, ..Config::default() };
         // One seed in four runs with short operation deadlines, so that
         // aborted changes (and their late messages) are common.
         if rng.below(4) == 0 {
@@ -591,6 +594,7 @@ impl World {
                 isolated_until: 0,
                 paused_until: 0,
                 down_until: 0,
+                table: HashMap::new(),
             })
             .collect();
         let mut w = World {
@@ -685,6 +689,7 @@ impl World {
             cfg.register_at_locate = h >> 63 == 0;
         }
         sn.core = Some(Node::new(n, sn.incarnation, cfg));
+        sn.table.clear();
         for c in sn.mem.iter_mut() {
             c.state = CellState::Free;
         }
@@ -747,7 +752,7 @@ impl World {
                 return None;
             }
             let c = sn.core.as_ref()?;
-            Some((c.table_header(), c.table_entry(k)))
+            Some((c.table_header(), sn.table.get(k).copied()))
         };
         let actions = core.lookup_tables(local, op, keys, &mut read);
         self.nodes[n as usize].core = Some(core);
@@ -756,12 +761,41 @@ impl World {
 
     /// The checks and actions that follow feeding node `n` an event.
     fn after_drive(&mut self, n: NodeId, actions: Vec<Action>) {
-        let core = self.nodes[n as usize].core.as_mut().expect("driven");
+        let sn = &mut self.nodes[n as usize];
+        let core = sn.core.as_mut().expect("driven");
+        let changes = core.take_table_changes();
+        if changes.reset {
+            sn.table.clear();
+        }
+        for (k, e) in changes.entries {
+            match e {
+                Some(e) => sn.table.insert(k, e),
+                None => sn.table.remove(&k),
+            };
+        }
+        let core = sn.core.as_ref().expect("driven");
         self.drives += 1;
-        if self.drives.is_multiple_of(self.cfg.check_every)
-            && let Err(e) = core.check_incremental()
-        {
-            self.pending_fail.get_or_insert_with(|| ("INCR", format!("node {n}: {e}")));
+        if self.drives.is_multiple_of(self.cfg.check_every) {
+            if let Err(e) = core.check_incremental() {
+                self.pending_fail.get_or_insert_with(|| ("INCR", format!("node {n}: {e}")));
+            }
+            // TABLE: the table kept from the changes is what the directory
+            // says now, key by key.
+            let wrong = sn
+                .table
+                .keys()
+                .copied()
+                .chain(core.directory().map(|(k, _)| k))
+                .find(|k| sn.table.get(k).copied() != core.table_entry(k));
+            if let Some(k) = wrong {
+                let f = format!(
+                    "node {n}: table says {:?} of {:?}, the directory {:?}",
+                    sn.table.get(&k),
+                    { k.key },
+                    core.table_entry(&k)
+                );
+                self.pending_fail.get_or_insert(("TABLE", f));
+            }
         }
         let core = self.nodes[n as usize].core.as_mut().expect("driven");
         let traces = core.take_trace();
@@ -1700,6 +1734,7 @@ impl World {
     fn stop_process(&mut self, node: NodeId) {
         let inc = self.nodes[node as usize].incarnation;
         self.nodes[node as usize].core = None;
+        self.nodes[node as usize].table.clear();
         self.nodes[node as usize].membership = None;
         self.nodes[node as usize].session = None;
         self.nodes[node as usize].etcd = None;

@@ -58,7 +58,7 @@ fn scale_seeds_pass_and_agree_with_a_full_scan() {
 /// Valid versions), S3 (a change completed while a holder serves) and REG
 /// (a Valid copy its home no longer lists: an invalidation completed and
 /// its entry was dropped).
-const PLANTED: [(&str, &str); 11] = [
+const PLANTED: [(&str, &str); 12] = [
     ("skip-ack-wait", "S1/S3/REG"),
     ("ack-without-invalidate", "S3/REG"),
     ("skip-validation", "DATA"),
@@ -70,6 +70,7 @@ const PLANTED: [(&str, &str); 11] = [
     ("take-late-registration", "REG/S1/S3"),
     ("early-valid-across-epochs", "REG/S1/S3"),
     ("capacity-per-keepalive", "CAP"),
+    ("table-misses-dropped-copy", "TABLE"),
 ];
 
 #[test]

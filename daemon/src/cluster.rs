@@ -330,6 +330,9 @@ impl Cluster {
             register_at_locate: cfg.register_at_locate,
             bug: planted_bug(),
             trace: false,
+            // The daemon keeps no lookup table yet (COHERENCE.md, "Lookups
+            // read one-sided": steps 2 and 3).
+            lookup_table: false,
         };
         let etcd = mcfg.kind == "etcd";
         let coordinator = if etcd {

@@ -34,7 +34,7 @@ pub use metrics::{
     quantile_of_buckets,
 };
 pub use msg::{Batch, GrantResult, LocateResult, Msg, PublishResult, Registration};
-pub use node::{DirView, Node, TABLE_SOURCES_MAX, TableEntry, TableHeader, TableRead, Trace};
+pub use node::{DirView, Node, TABLE_SOURCES_MAX, TableChanges, TableEntry, TableHeader, TableRead, Trace};
 
 /// Identifies a node (daemon) in the cluster.
 pub type NodeId = u32;
@@ -196,6 +196,10 @@ pub struct Config {
     pub bug: Option<Bug>,
     /// Record protocol facts in `Node::take_trace` (for checkers).
     pub trace: bool,
+    /// Keep this node's lookup-table changes for the driver
+    /// (`Node::take_table_changes`), which must then take them after every
+    /// step (they are kept until taken).
+    pub lookup_table: bool,
 }
 
 impl Default for Config {
@@ -216,6 +220,7 @@ impl Default for Config {
             register_at_locate: true,
             bug: None,
             trace: false,
+            lookup_table: false,
         }
     }
 }
@@ -257,6 +262,9 @@ pub enum Bug {
     /// keepalive (a member naming another one each time makes it publish a
     /// view per keepalive), not from the first of its incarnation.
     CapacityPerKeepalive,
+    /// Dropping a Valid copy leaves the node's lookup table as it was (the
+    /// table still says the home holds it).
+    TableMissesDroppedCopy,
 }
 
 impl Bug {
@@ -274,11 +282,12 @@ impl Bug {
             "take-late-registration" => Bug::TakeLateRegistration,
             "early-valid-across-epochs" => Bug::EarlyValidAcrossEpochs,
             "capacity-per-keepalive" => Bug::CapacityPerKeepalive,
+            "table-misses-dropped-copy" => Bug::TableMissesDroppedCopy,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 11] = [
+    pub const NAMES: [&'static str; 12] = [
         "skip-ack-wait",
         "skip-validation",
         "reuse-granted-slot",
@@ -290,6 +299,7 @@ impl Bug {
         "take-late-registration",
         "early-valid-across-epochs",
         "capacity-per-keepalive",
+        "table-misses-dropped-copy",
     ];
 }
 

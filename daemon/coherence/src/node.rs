@@ -379,6 +379,15 @@ pub struct TableHeader {
 /// its entry for the key as read at one moment (`None`: unreadable).
 pub type TableRead<'a> = dyn FnMut(NodeId, &BlockKey) -> Option<(TableHeader, Option<TableEntry>)> + 'a;
 
+/// Lookup-table changes for the driver ([`Node::take_table_changes`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TableChanges {
+    /// Clear the table before applying `entries` (they are all it holds).
+    pub reset: bool,
+    /// Keys and their entries now (`None`: remove it).
+    pub entries: Vec<(BlockKey, Option<TableEntry>)>,
+}
+
 /// A home's lookup-table entry for one key ([`Node::table_entry`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct TableEntry {
@@ -458,6 +467,12 @@ pub struct Node {
     /// epoch without keeping an entry per key ever seen.
     version_floor: Vec<u64>,
     next_copy: u64,
+    /// Keys whose lookup-table entry may have changed since the driver
+    /// last took the changes (`cfg.lookup_table` only; duplicates allowed).
+    table_dirty: Vec<BlockKey>,
+    /// The whole table must be rewritten (a view change, the directory
+    /// rebuilt or cleared): `table_dirty` is not kept meanwhile.
+    table_reset: bool,
 }
 
 impl Node {
@@ -500,6 +515,8 @@ impl Node {
             published_expiry: VecDeque::new(),
             version_floor: vec![0; VERSION_BUCKETS],
             next_copy: 0,
+            table_dirty: Vec::new(),
+            table_reset: true,
         }
     }
 
@@ -901,6 +918,9 @@ impl Node {
     /// until they drain).
     fn drop_copy(&mut self, key: &BlockKey) -> Option<Copy> {
         let c = self.copies.remove(key)?;
+        if self.cfg.bug != Some(Bug::TableMissesDroppedCopy) {
+            self.touch(*key);
+        }
         self.unreference(c.slot);
         Some(c)
     }
@@ -1063,6 +1083,42 @@ impl Node {
             return Some((self.id, e.version));
         }
         e.holders.sources().find(|&h| h != asker && h != self.id).map(|h| (h, e.version))
+    }
+
+    /// The lookup-table changes since the last call (`cfg.lookup_table`;
+    /// otherwise always empty): each key whose entry may have changed with
+    /// its entry now, or — `reset` — every entry the table holds now (the
+    /// driver clears its table first). The driver applies them under the
+    /// same lock as the step that made them, so a table read between steps
+    /// is the directory of that moment; the header is
+    /// [`Node::table_header`], written beside them.
+    pub fn take_table_changes(&mut self) -> TableChanges {
+        if !self.cfg.lookup_table {
+            return TableChanges { reset: false, entries: Vec::new() };
+        }
+        if std::mem::take(&mut self.table_reset) {
+            self.table_dirty.clear();
+            let entries = self.dir.keys().filter_map(|k| self.table_entry(k).map(|e| (*k, Some(e)))).collect();
+            return TableChanges { reset: true, entries };
+        }
+        let mut keys = std::mem::take(&mut self.table_dirty);
+        keys.sort_unstable();
+        keys.dedup();
+        let entries = keys.into_iter().map(|k| (k, self.table_entry(&k))).collect();
+        TableChanges { reset: false, entries }
+    }
+
+    /// `key`'s lookup-table entry may have changed.
+    fn touch(&mut self, key: BlockKey) {
+        if self.cfg.lookup_table && !self.table_reset {
+            self.table_dirty.push(key);
+        }
+    }
+
+    /// Every lookup-table entry may have changed.
+    fn table_reset(&mut self) {
+        self.table_reset = true;
+        self.table_dirty = Vec::new();
     }
 
     /// What this node's lookup table says now (see [`TableHeader`]).
@@ -1338,6 +1394,7 @@ impl Node {
             }
             self.metrics.early_registrations += 1;
             self.copies.insert(key, Copy { slot: dest, version, checksum: meta.checksum, id: copy });
+            self.touch(key);
             self.pin(dest);
             self.send(home, Msg::AddHolderReq { op: CONFIRM, key, version, copy });
             return self.finish_get(op, Outcome::Hit { version, slot: dest });
@@ -1479,6 +1536,7 @@ impl Node {
         self.left = true;
         self.lease_until = None;
         self.dir.clear();
+        self.table_reset();
         self.timers.changes.clear();
         self.timers.announces.clear();
         self.announce_pending.clear();
@@ -1496,6 +1554,7 @@ impl Node {
     fn change_timer(&mut self, key: BlockKey) {
         let now = self.now;
         let rt = self.cfg.retransmit_us;
+        self.touch(key);
         let Some(e) = self.dir.get_mut(&key) else { return };
         let Some(c) = &mut e.change else { return };
         let gone: Vec<NodeId> = c.waiting.keys().copied().filter(|h| self.view.member(*h).is_none()).collect();
@@ -1589,6 +1648,7 @@ impl Node {
         // progress is dropped (its writer or requester retries with the new
         // home until its deadline).
         self.dir.clear();
+        self.table_reset();
         self.timers.changes.clear();
         self.retired.clear();
         self.published.clear();
@@ -1720,6 +1780,7 @@ impl Node {
                         && self.dir.get(&key).is_some_and(|e| e.version == version && e.change.is_none());
                 if ok {
                     self.dir.get_mut(&key).expect("checked").holders.insert(from, copy);
+                    self.touch(key);
                     if self.cfg.trace {
                         self.trace.push(Trace::Registered { key, version, holder: from });
                     }
@@ -1730,6 +1791,7 @@ impl Node {
                 self.on_add_holder_resp(from, op, key, version, copy, ok)
             }
             Msg::RemoveHolder { key, version, copy } => {
+                self.touch(key);
                 if let Some(e) = self.dir.get_mut(&key)
                     && e.version == version
                     && e.holders.get(from) == Some(copy)
@@ -1785,6 +1847,7 @@ impl Node {
             let f = &mut self.version_floor[version_bucket(key)];
             *f = (*f).max(e.version);
             self.dir.remove(key);
+            self.touch(*key);
         }
     }
 
@@ -1805,6 +1868,7 @@ impl Node {
         {
             return self.send(w, Msg::PublishResp { op, key, result: PublishResult::Stored(v), copy });
         }
+        self.touch(key);
         let e = self.dir.entry(key).or_default();
         if let Some(c) = &e.change {
             if c.kind == (ChangeKind::Overwrite { writer: w, op, checksum, copy }) {
@@ -1822,6 +1886,7 @@ impl Node {
         let now = self.now;
         self.next_change += 1;
         let id = self.next_change;
+        self.touch(key);
         let e = self.dir.get_mut(&key).expect("a change needs a directory entry");
         let old_version = e.version;
         let holders: Vec<NodeId> = e.holders.ids().collect();
@@ -1847,6 +1912,7 @@ impl Node {
     /// Busy, its requester "not done" (they retry, or fail at their
     /// deadline); holders it invalidated stay invalid, which is always safe.
     fn abandon_change(&mut self, key: BlockKey) {
+        self.touch(key);
         let e = self.dir.get_mut(&key).expect("entry of a change");
         let Some(c) = e.change.take() else { return };
         self.timers.changes.remove(&(c.resend_at, key));
@@ -1878,6 +1944,7 @@ impl Node {
             self.metrics.versions_exhausted += 1;
             return self.abandon_change(key);
         };
+        self.touch(key);
         let e = self.dir.get_mut(&key).expect("entry of a change");
         let Some(c) = e.change.take() else { return };
         self.timers.changes.remove(&(c.resend_at, key));
@@ -1955,6 +2022,7 @@ impl Node {
                 self.actions.push(Action::CommitSlot { slot, meta });
                 self.drop_copy(&key);
                 self.copies.insert(key, Copy { slot, version, checksum, id: copy });
+                self.touch(key);
                 if let Some(&f) = self.fetching.get(&key)
                     && let Some(Op { kind: OpKind::Get { doomed, .. }, .. }) = self.ops.get_mut(&f)
                 {
@@ -1971,6 +2039,7 @@ impl Node {
     }
 
     fn on_publish_abort(&mut self, w: NodeId, op: OpId, key: BlockKey) {
+        self.touch(key);
         let Some(e) = self.dir.get_mut(&key) else { return };
         if let Some(c) = &e.change
             && matches!(c.kind, ChangeKind::Overwrite { writer, op: o, .. } if writer == w && o == op)
@@ -2014,6 +2083,7 @@ impl Node {
 
     fn on_ack(&mut self, h: NodeId, key: BlockKey, version: u64, change: u64) {
         let now = self.now;
+        self.touch(key);
         let Some(e) = self.dir.get_mut(&key) else {
             self.metrics.ignored_acks += 1;
             return;
@@ -2038,6 +2108,7 @@ impl Node {
         if !self.ready || !self.is_home(&key) || !self.serving() {
             return self.send(r, Msg::InvalidateResp { op, key, ok: false });
         }
+        self.touch(key);
         let Some(e) = self.dir.get_mut(&key) else {
             return self.send(r, Msg::InvalidateResp { op, key, ok: true });
         };
@@ -2105,6 +2176,7 @@ impl Node {
     /// Registers reader `r` as a pending holder of `key`'s current version
     /// (its entry exists and is not changing: the caller checked).
     fn register_pending(&mut self, key: BlockKey, r: NodeId, copy: u64) -> Registration {
+        self.touch(key);
         let e = self.dir.get_mut(&key).expect("checked by the caller");
         e.holders.set(r, copy, true);
         self.metrics.pending_registrations += 1;
@@ -2339,6 +2411,7 @@ impl Node {
             return self.finish_get(op, Outcome::Miss);
         }
         self.copies.insert(key, Copy { slot: dest, version: meta.version, checksum: meta.checksum, id: copy });
+        self.touch(key);
         self.pin(dest);
         self.finish_get(op, Outcome::Hit { version, slot: dest });
     }
@@ -2386,6 +2459,7 @@ impl Node {
             if !fresh {
                 continue;
             }
+            self.touch(key);
             let e = self.dir.entry(key).or_default();
             if e.holders.is_empty() && version >= e.version {
                 e.version = version;
@@ -2412,7 +2486,11 @@ impl Node {
         if self.announce_rx.get(&h).is_some_and(|rx| rx.2.len() as u32 == rx.1) {
             self.announce_rx.remove(&h);
             self.announced.insert(h);
+            let was = self.ready;
             self.ready = self.view.members.iter().all(|m| self.announced.contains(&m.id));
+            if self.ready && !was {
+                self.table_reset();
+            }
             self.send(h, Msg::AnnounceAck);
         }
     }
