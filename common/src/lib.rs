@@ -7,6 +7,7 @@
 pub mod handshake;
 pub mod key;
 pub mod slot;
+pub mod table;
 
 pub use key::{KEY_SEED, Key, KeyParseError};
 pub use slot::{SlotMeta, SlotState, ValidationError};

@@ -357,8 +357,9 @@ pub struct DirView {
     pub changing: bool,
 }
 
-/// Most holders a lookup-table entry names besides the home.
-pub const TABLE_SOURCES_MAX: usize = 4;
+/// Most holders a lookup-table entry names besides the home (what three
+/// 64-bit words hold with the version and the flags: [`TableEntry::to_words`]).
+pub const TABLE_SOURCES_MAX: usize = 3;
 
 /// The header of a home's lookup table: whose table it is and under which
 /// view it was written. Askers believe entries only under a header that
@@ -378,6 +379,29 @@ pub struct TableHeader {
 /// Reads home `h`'s lookup table for a key, one-sided: its header and
 /// its entry for the key as read at one moment (`None`: unreadable).
 pub type TableRead<'a> = dyn FnMut(NodeId, &BlockKey) -> Option<(TableHeader, Option<TableEntry>)> + 'a;
+
+impl TableEntry {
+    /// The entry as three words: the version; the flags (bit 0: the home's
+    /// own copy; bits 8-15: how many sources) and the first source in the
+    /// high half; the second and third sources.
+    pub fn to_words(&self) -> [u64; 3] {
+        let s = |i: usize| u64::from(self.sources[i]);
+        let flags = u64::from(self.home_copy) | u64::from(self.len) << 8;
+        [self.version, flags | s(0) << 32, s(1) | s(2) << 32]
+    }
+
+    /// An entry from words a peer wrote (anything at all): `None` where
+    /// they could not come from [`TableEntry::to_words`].
+    pub fn from_words(w: [u64; 3]) -> Option<TableEntry> {
+        let flags = w[1] as u32;
+        let len = (flags >> 8) as u8;
+        if flags & !0xff01 != 0 || usize::from(len) > TABLE_SOURCES_MAX {
+            return None;
+        }
+        let sources = [(w[1] >> 32) as u32, w[2] as u32, (w[2] >> 32) as u32];
+        Some(TableEntry { version: w[0], home_copy: flags & 1 == 1, sources, len })
+    }
+}
 
 /// Lookup-table changes for the driver ([`Node::take_table_changes`]).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -1214,3 +1214,19 @@ fn a_confirmation_overtaken_by_its_remove_registers_nothing() {
     }
     assert_eq!(net.nodes[1].directory_entry(&k).expect("entry").holders, vec![0], "node 2 gave its copy up");
 }
+
+/// A lookup-table entry survives its three-word form, and words no entry
+/// makes are refused.
+#[test]
+fn table_entries_round_trip_through_words() {
+    use kvmesh_coherence::TableEntry;
+    for e in [
+        TableEntry { version: 1 << 32 | 5, home_copy: true, sources: [0; 3], len: 0 },
+        TableEntry { version: u64::MAX, home_copy: false, sources: [7, u32::MAX, 3], len: 3 },
+        TableEntry { version: 9, home_copy: true, sources: [4, 0, 0], len: 1 },
+    ] {
+        assert_eq!(TableEntry::from_words(e.to_words()), Some(e));
+    }
+    assert_eq!(TableEntry::from_words([1, 4 << 8, 0]), None, "four sources");
+    assert_eq!(TableEntry::from_words([1, 2, 0]), None, "an unknown flag");
+}
