@@ -25,6 +25,7 @@ pub(crate) async fn lookup(
     batch: usize,
     samples: usize,
     rounds: usize,
+    lookup_tables: bool,
 ) -> anyhow::Result<()> {
     if daemons < 2 || batch == 0 || fill < batch || rounds == 0 || samples < rounds {
         bail!("need --daemons >= 2, --fill >= --batch > 0, --samples >= --rounds > 0");
@@ -35,7 +36,8 @@ pub(crate) async fn lookup(
         "lookup",
         daemons,
         &format!(
-            "[[pools]]\nname = \"p4k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n"
+            "[[pools]]\nname = \"p4k\"\nbytes = \"{pool_mib}MiB\"\nslot_payload_bytes = \"4KiB\"\nmlock = false\n\
+             [coherence]\nlookup_tables = {lookup_tables}\n"
         ),
     )?;
     let mut clients = Vec::new();
@@ -137,8 +139,8 @@ pub(crate) async fn lookup(
         println!(
             "{n} daemons, {fill} blocks each, {batch} keys per lookup ({:.0}% on other daemons): cluster-wide p50 {:.0} us \
              p99 {:.0} us; local-only p50 {:.0} us p99 {:.0} us; p99 ratio {ratio_p99:.2} (p50 {ratio_p50:.2}), {} samples each; \
-             {} lookups counted by the asker, 0 fetches; its coherence messages over UCX: {} sent, {} of them \
-             without waking its data-plane thread",
+             {} lookups counted by the asker ({} from the homes' tables, {} of those fell back to asking), 0 fetches; \
+             its coherence messages over UCX: {} sent, {} of them without waking its data-plane thread",
             100.0 * (n - 1) as f64 / n as f64,
             q(&hc, 0.5),
             q(&hc, 0.99),
@@ -146,6 +148,8 @@ pub(crate) async fn lookup(
             q(&hl, 0.99),
             hc.len(),
             co.lookups,
+            co.lookups_one_sided,
+            co.lookup_table_fallbacks,
             co.control_am_sent,
             co.control_am_direct
         );
@@ -158,6 +162,8 @@ pub(crate) async fn lookup(
             "local_p50_us": q(&hl, 0.5), "local_p99_us": q(&hl, 0.99),
             "ratio_p99": ratio_p99, "ratio_p50": ratio_p50,
             "asker_control_am_sent": co.control_am_sent, "asker_control_am_direct": co.control_am_direct,
+            "lookup_tables": lookup_tables, "asker_lookups_one_sided": co.lookups_one_sided,
+            "asker_lookup_table_fallbacks": co.lookup_table_fallbacks,
         })
     );
     drop(procs);

@@ -158,6 +158,10 @@ enum Cmd {
         /// Rounds (reported one by one).
         #[arg(long, default_value_t = 3)]
         rounds: usize,
+        /// `coherence.lookup_tables` of the daemons (false: every lookup
+        /// asks the homes, as before the tables), to compare them.
+        #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+        lookup_tables: bool,
     },
     /// Latency of single engine calls (lookup, pin, unpin) by batch size.
     Rpc {
@@ -537,9 +541,9 @@ fn main() -> anyhow::Result<()> {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(rpc(calls))
         }
-        Cmd::Lookup { json, daemons, fill, batch, samples, rounds } => {
+        Cmd::Lookup { json, daemons, fill, batch, samples, rounds, lookup_tables } => {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-            rt.block_on(lookup::lookup(json, daemons, fill, batch, samples, rounds))
+            rt.block_on(lookup::lookup(json, daemons, fill, batch, samples, rounds, lookup_tables))
         }
         Cmd::Events { rate, seconds, batch, rounds, daemons } => {
             let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

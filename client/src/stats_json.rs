@@ -37,7 +37,7 @@ pub fn stats_json(s: &crate::Stats) -> String {
         "coherence": s.coherence.as_ref().map(|c| {
             let batching = if c.batches_sent == 0 { 0.0 } else { c.msgs_sent as f64 / c.batches_sent as f64 };
             let ack_batching = if c.ack_batches_sent == 0 { 0.0 } else { c.acks_sent as f64 / c.ack_batches_sent as f64 };
-            serde_json::json!({
+            let mut v = serde_json::json!({
                 "serving": c.serving, "epoch": c.epoch, "members": c.members,
                 "batches_sent": c.batches_sent, "msgs_sent": c.msgs_sent, "batching_factor": batching,
                 "invalidates_sent": c.invalidates_sent, "acks_sent": c.acks_sent,
@@ -68,7 +68,13 @@ pub fn stats_json(s: &crate::Stats) -> String {
                 "staged_sends": c.staged_sends, "staging_exhausted": c.staging_exhausted,
                 "pending_registrations": c.pending_registrations,
                 "early_registrations": c.early_registrations,
-            })
+            });
+            // (Past what one `json!` expands within the recursion limit.)
+            v["lookups_one_sided"] = c.lookups_one_sided.into();
+            v["lookup_table_entries"] = c.lookup_table_entries.into();
+            v["lookup_table_overflowed"] = c.lookup_table_overflowed.into();
+            v["lookup_table_fallbacks"] = c.lookup_table_fallbacks.into();
+            v
         }),
     })
     .to_string()

@@ -149,6 +149,11 @@ impl<W: std::ops::Deref<Target = [AtomicU64]>> TableWriter<W> {
         })
     }
 
+    /// The words written.
+    pub fn words(&self) -> &[AtomicU64] {
+        &self.words
+    }
+
     /// Groups of the table.
     pub fn groups(&self) -> usize {
         self.groups

@@ -38,11 +38,13 @@ use std::time::{Duration, Instant};
 
 use kvmesh_coherence::{
     Action, Batch, BlockKey, Config as CoreConfig, ErrorKind, Event, GrantResult, Member, Msg, Node, NodeId, OpId,
-    Outcome, SlotImage, SlotMeta as CoreMeta, SlotRef as CoreSlot, TransferError, View,
+    Outcome, SlotImage, SlotMeta as CoreMeta, SlotRef as CoreSlot, TableEntry, TableHeader, TransferError, View,
 };
 use kvmesh_common::Key;
 use kvmesh_common::slot::{HEADER_BYTES, SlotMeta as LayoutMeta, SlotState, TRAILER_BYTES, trailer_offset};
+use kvmesh_common::table::{Header as TableWords, Probe, TableReader, TableWriter};
 use kvmesh_proto::peer::v1 as pb;
+use kvmesh_ucx::RegionWords;
 use parking_lot::{Mutex, MutexGuard};
 use tokio::sync::{Notify, mpsc, oneshot};
 use tonic::Status;
@@ -145,6 +147,12 @@ struct Inner {
     /// Reads the core started while handling the current input, sent to
     /// the data plane as one batch per holder when the input is done.
     pending_reads: Vec<Read>,
+    /// This daemon's lookup table (`coherence.lookup_tables`), which peers
+    /// that map it read in place: written from the core's changes after
+    /// every input, under this lock, so a reader between two inputs sees
+    /// the directory of that moment; and its header as last written.
+    table: Option<TableWriter<RegionWords>>,
+    table_header: Option<TableWords>,
 }
 
 /// One read the core asked for, with the local slot reserved for it.
@@ -314,6 +322,8 @@ impl Cluster {
         let id = peers.node_id();
         let incarnation = peers.incarnation();
         let grant_lease = Duration::from_millis(peers.config().grant_lease_ms);
+        let expected_copies: usize = store.lock().pools().iter().map(|p| p.slot_count() as usize).sum();
+        let table = if cfg.lookup_tables { make_table(&peers, expected_copies) } else { None };
         let core_cfg = CoreConfig {
             batch_entries_max: cfg.batch_entries_max,
             ack_flush_delay_us_max: cfg.flush_delay_us,
@@ -326,13 +336,11 @@ impl Cluster {
             drift_margin_us: cfg.drift_margin_ms * 1000,
             ops_max: cfg.ops_max,
             announce_entries_max: cfg.announce_entries_max,
-            expected_copies: store.lock().pools().iter().map(|p| p.slot_count() as usize).sum(),
+            expected_copies,
             register_at_locate: cfg.register_at_locate,
             bug: planted_bug(),
             trace: false,
-            // The daemon keeps no lookup table yet (COHERENCE.md, "Lookups
-            // read one-sided": steps 2 and 3).
-            lookup_table: false,
+            lookup_table: table.is_some(),
         };
         let etcd = mcfg.kind == "etcd";
         let coordinator = if etcd {
@@ -427,6 +435,8 @@ impl Cluster {
                 grant_pins: HashMap::new(),
                 grant_expiry: VecDeque::new(),
                 pending_reads: Vec::new(),
+                table,
+                table_header: None,
             }),
             store,
             peers,
@@ -501,6 +511,7 @@ impl Cluster {
             }
         }
         self.dispatch_reads(g);
+        apply_table(g);
     }
 
     /// Sends the reads started by the input just handled to the data plane:
@@ -550,6 +561,7 @@ impl Cluster {
         while let Some(ev) = queue.pop_front() {
             self.feed_locked(g, ev);
         }
+        apply_table(g);
     }
 
     fn flush(self: &Arc<Self>) {
@@ -1795,13 +1807,74 @@ impl Cluster {
         fingerprint: u64,
         keys: &[Key],
     ) -> Result<(Vec<Option<NodeId>>, bool), String> {
-        let keys = keys.iter().map(|&k| block_key(fingerprint, k)).collect();
+        let keys: Vec<BlockKey> = keys.iter().map(|&k| block_key(fingerprint, k)).collect();
+        // From the homes' tables where this process maps them (no question
+        // sent, nobody woken); asked of the homes when a table cannot say.
+        if let Some(rx) = self.lookup_tables(&keys) {
+            match rx.await {
+                Ok(OpResult::Located(found, true)) => return Ok((found, true)),
+                Ok(OpResult::Error(e)) => return Err(error_text(e)),
+                _ => {}
+            }
+        }
         let rxs = self.submit(vec![(WaitKind::Other, Call::Lookup(keys))]);
         match self.collect(rxs).await.pop() {
             Some(OpResult::Located(found, complete)) => Ok((found, complete)),
             Some(OpResult::Error(e)) => Err(error_text(e)),
             other => Err(format!("unexpected outcome {other:?}")),
         }
+    }
+
+    /// A lookup answered from the homes' lookup tables
+    /// (`Node::lookup_tables`), read in place through this process's
+    /// mappings of them; `None` where this daemon keeps no table (then it
+    /// reads none either). The answer is ready when this returns.
+    fn lookup_tables(self: &Arc<Self>, keys: &[BlockKey]) -> Option<oneshot::Receiver<OpResult>> {
+        let dp = self.peers.dataplane();
+        if !dp.maps_peer_tables() {
+            return None; // (tcp, RDMA: nothing to read in place)
+        }
+        let mut mapped: HashMap<NodeId, Option<Arc<kvmesh_ucx::RemoteWords>>> = HashMap::new();
+        let mut read = |h: NodeId, k: &BlockKey| -> Option<(TableHeader, Option<TableEntry>)> {
+            let words = mapped.entry(h).or_insert_with(|| dp.peer_table(h).map(|(_, w)| w)).as_ref()?;
+            words
+                .with(|w| {
+                    let r = TableReader::new(w)?;
+                    let h = r.header()?;
+                    let entry = match r.get(k.ns, k.key) {
+                        Probe::Found(v) => Some(TableEntry::from_words(v)?),
+                        Probe::Absent => None,
+                        Probe::Unknown => return None,
+                    };
+                    let header =
+                        TableHeader { node: h.node, incarnation: h.incarnation, epoch: h.epoch, ready: h.ready };
+                    Some((header, entry))
+                })
+                .flatten()
+        };
+        let mut g = self.inner.lock();
+        g.table.as_ref()?;
+        let now = self.now_us();
+        let op = g.next_op;
+        g.next_op += 1;
+        let (tx, rx) = oneshot::channel();
+        g.waiters.insert(
+            op,
+            Waiter { kind: WaitKind::Other, tx, started: Instant::now(), read_started: None, read_done: None },
+        );
+        let mut queue = VecDeque::new();
+        for a in g.node.lookup_tables(now, op, keys.to_vec(), &mut read) {
+            self.execute(&mut g, a, &mut queue);
+        }
+        while let Some(ev) = queue.pop_front() {
+            self.feed_locked(&mut g, ev);
+        }
+        self.dispatch_reads(&mut g);
+        apply_table(&mut g);
+        // (An op the core did not end at once would leave its waiter for
+        // the message path's answer: never, `lookup_tables` ends it.)
+        g.waiters.remove(&op);
+        Some(rx)
     }
 
     /// Publishes written slots (checksummed) as the keys' next versions.
@@ -2133,6 +2206,10 @@ impl Cluster {
             lookups: m.lookups,
             lookups_incomplete: m.lookups_incomplete,
             lookup_questions_answered: m.lookup_questions_answered,
+            lookups_one_sided: m.lookups_one_sided,
+            lookup_table_fallbacks: m.lookup_table_fallbacks,
+            lookup_table_entries: g.table.as_ref().map_or(0, |t| t.placed() as u64),
+            lookup_table_overflowed: g.table.as_ref().map_or(0, |t| t.overflowed() as u64),
             control_am_sent: control.sent,
             control_am_direct: control.direct,
             control_am_received: control.received,
@@ -2179,6 +2256,54 @@ fn write_epoch(path: &Path, epoch: u64) -> std::io::Result<()> {
         std::fs::File::open(dir)?.sync_all()?;
     }
     Ok(())
+}
+
+/// This daemon's lookup table: UCX-allocated memory (so peers on shared
+/// memory map it) of 256 bytes per local slot — room for twice as many keys
+/// homed here as the pools hold, at half load — at least 512 KiB, at most
+/// what peers accept. `None` (lookups then ask the homes) where it cannot
+/// be made.
+fn make_table(peers: &Peers, local_slots: usize) -> Option<TableWriter<RegionWords>> {
+    use kvmesh_common::table::{groups_for, table_words};
+    let entries = local_slots.saturating_mul(2).max(4096);
+    let bytes = table_words(groups_for(entries)).saturating_mul(8).min(crate::peers::PEER_TABLE_BYTES_MAX as usize);
+    let made = peers.dataplane().allocate_table(bytes).and_then(|mr| {
+        let words = RegionWords::new(mr).ok_or("lookup table memory not UCX-allocated")?;
+        TableWriter::new(words).map_err(|e| e.to_string())
+    });
+    match made {
+        Ok(t) => {
+            tracing::info!(bytes, groups = t.groups(), "lookup table: peers on shared memory read it in place");
+            Some(t)
+        }
+        Err(e) => {
+            tracing::warn!("no lookup table ({e}): lookups of keys homed here ask this daemon");
+            None
+        }
+    }
+}
+
+/// Writes what the last input changed in the core's lookup table into
+/// this daemon's table, and its header when that changed (after the
+/// entries: a header that says ready is written after them).
+fn apply_table(g: &mut Inner) {
+    let Some(t) = g.table.as_mut() else { return };
+    let changes = g.node.take_table_changes();
+    if changes.reset {
+        t.clear();
+    }
+    for (k, e) in changes.entries {
+        match e {
+            Some(e) => t.set(k.ns, k.key, e.to_words()),
+            None => t.remove(k.ns, k.key),
+        }
+    }
+    let h = g.node.table_header();
+    let h = TableWords { node: h.node, incarnation: h.incarnation, epoch: h.epoch, ready: h.ready };
+    if g.table_header != Some(h) {
+        t.set_header(h);
+        g.table_header = Some(h);
+    }
 }
 
 /// A protocol bug planted for tests (`KVMESH_TEST_BUG`), to prove the

@@ -335,6 +335,13 @@ pub struct CoherenceConfig {
     /// handshake says so) is sent plain locates, so a rolling upgrade
     /// needs no change here.
     pub register_at_locate: bool,
+    /// Keep a lookup table (what this daemon, as home, would answer a
+    /// lookup with) in memory peers on shared memory read in place, and
+    /// answer lookups from peers' tables where this process maps them: a
+    /// lookup then asks no home and wakes none (docs/COHERENCE.md,
+    /// "Lookups read one-sided"). Its size follows the pools: 256 bytes per
+    /// local slot (at least 256 KiB), 2 GiB at most.
+    pub lookup_tables: bool,
     /// Also send what a burst of input produced (received batches, the
     /// keys of one engine call) as soon as the input runs dry, instead of
     /// waiting out `flush_delay_us` (a timer of millisecond resolution).
@@ -381,6 +388,7 @@ impl Default for CoherenceConfig {
             announce_entries_max: 65_536,
             flush_delay_us: 200,
             register_at_locate: true,
+            lookup_tables: true,
             flush_when_idle: true,
             op_timeout_ms: 2_000,
             retransmit_ms: 50,

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender, TryRecvError, TrySendError, bounded};
 use kvmesh_ffi_os::{EventFd, SharedMapping};
 use kvmesh_ucx::{
-    AmSender, AmSent, Context, Endpoint, MemoryRegion, PendingSend, RemoteKey, Request, Transports, Worker,
+    AmSender, AmSent, Context, Endpoint, MemoryRegion, PendingSend, RemoteKey, RemoteWords, Request, Transports, Worker,
 };
 use tokio::sync::oneshot;
 
@@ -106,6 +106,8 @@ pub struct PeerAddr {
     /// It takes coherence messages as active messages (its handshake
     /// said so: peer TLS off, and a version that has them).
     pub control: bool,
+    /// Its lookup table (`index` unused), if it keeps one.
+    pub table: Option<RemotePool>,
 }
 
 /// Active-message id of a send order (a protobuf `SendRequest`).
@@ -238,6 +240,10 @@ pub struct DataPlane {
     staging_region: Option<u32>,
     transports: Transports,
     hooks: Arc<Hooks>,
+    /// The UCX context (for memory allocated after the start).
+    ctx: Arc<Context>,
+    /// Our lookup table, once allocated (advertised in handshakes).
+    table: std::sync::OnceLock<LocalPool>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -276,6 +282,10 @@ struct Hooks {
     /// Set when the handle is dropped: the thread returns at its next turn
     /// (a flag, not a command: a full queue cannot lose it).
     stop: AtomicBool,
+    /// Peers' lookup tables this process maps (shared memory), with the
+    /// incarnation they belong to (written by the thread as it connects;
+    /// the words close when that endpoint goes).
+    tables: parking_lot::RwLock<HashMap<u32, (u64, Arc<RemoteWords>)>>,
 }
 
 /// What senders of coherence messages need to know of an endpoint.
@@ -401,6 +411,7 @@ impl DataPlane {
         let hooks: Arc<Hooks> = Arc::default();
         let thread_hooks = Arc::clone(&hooks);
         let peer_failure = !matches!(transports, Transports::SharedMemory);
+        let dp_ctx = Arc::clone(&ctx);
         let thread = std::thread::Builder::new()
             .name("kvmesh-dataplane".into())
             .spawn(move || {
@@ -450,8 +461,40 @@ impl DataPlane {
             staging_region,
             transports,
             hooks,
+            ctx: dp_ctx,
+            table: std::sync::OnceLock::new(),
             thread: Some(thread),
         })
+    }
+
+    /// Allocates our lookup table's memory (`bytes`), with UCX so peers on
+    /// shared memory can map it, and advertises it from then on
+    /// ([`DataPlane::table`]). Once.
+    pub fn allocate_table(&self, bytes: usize) -> Result<Arc<MemoryRegion>, String> {
+        if self.table.get().is_some() {
+            return Err("lookup table already allocated".into());
+        }
+        let mr = Arc::new(MemoryRegion::allocate(&self.ctx, bytes).map_err(|e| format!("lookup table: {e}"))?);
+        let rkey = mr.pack_rkey().map_err(|e| format!("lookup table: {e}"))?;
+        let _ = self.table.set(LocalPool { index: 0, base: mr.base(), bytes: mr.len() as u64, rkey });
+        Ok(mr)
+    }
+
+    /// Our lookup table as peers must see it, once allocated.
+    pub fn table(&self) -> Option<&LocalPool> {
+        self.table.get()
+    }
+
+    /// Peer `peer`'s lookup table, where this process maps it: the
+    /// incarnation it belongs to and its words (closed, so unreadable,
+    /// once that endpoint is gone).
+    pub fn peer_table(&self, peer: u32) -> Option<(u64, Arc<RemoteWords>)> {
+        self.hooks.tables.read().get(&peer).map(|(inc, w)| (*inc, Arc::clone(w)))
+    }
+
+    /// Whether this process maps any peer's lookup table.
+    pub fn maps_peer_tables(&self) -> bool {
+        !self.hooks.tables.read().is_empty()
     }
 
     /// Serves peers' send orders from now on: `check` decides what each
@@ -782,6 +825,9 @@ struct PeerConn<'w> {
     // Field order matters: remote keys are dropped before the endpoint.
     /// Per pool: remote key, base, bytes.
     rkeys: HashMap<u32, (RemoteKey<'w>, u64, u64)>,
+    /// The key of the peer's lookup table, and its words where mapped
+    /// (closed when the key drops).
+    table: Option<(RemoteKey<'w>, Option<Arc<RemoteWords>>)>,
     ep: Endpoint<'w>,
     incarnation: u64,
     /// Which endpoint this is (a new one for every connect).
@@ -874,6 +920,7 @@ fn run(
                     }
                     peers.remove(&peer.id);
                     hooks.connected.write().remove(&peer.id);
+                    hooks.tables.write().remove(&peer.id);
                     let r = connect(worker, &peer, peer_failure).map(|conn| {
                         let d = conn.ep.describe();
                         let c = ControlPeer {
@@ -883,6 +930,10 @@ fn run(
                             sender: conn.ep.am_sender(),
                             queued: Arc::default(),
                             serial: conn.serial,
+                        };
+                        match conn.table.as_ref().and_then(|t| t.1.clone()) {
+                            Some(w) => hooks.tables.write().insert(peer.id, (peer.incarnation, w)),
+                            None => hooks.tables.write().remove(&peer.id),
                         };
                         peers.insert(peer.id, conn);
                         hooks.connected.write().insert(peer.id, c);
@@ -1079,6 +1130,7 @@ fn run(
         for id in failed_peers {
             if peer_failure {
                 hooks.connected.write().remove(&id);
+                hooks.tables.write().remove(&id);
                 if let Some(conn) = peers.remove(&id) {
                     // The peer manager shakes hands again (which connects a
                     // new endpoint); until then reads from it fail at once.
@@ -1246,9 +1298,21 @@ fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Resul
         })
         .collect();
     prefault_peer_pools(peer.id, mapped);
+    // The peer's lookup table: read in place where this process maps it;
+    // elsewhere (tcp, RDMA) not read at all — its lookups ask the peer.
+    let table = peer.table.as_ref().and_then(|t| match ep.unpack_rkey(&t.rkey) {
+        Ok(mut rk) => {
+            let words = rk.map_words(t.base, t.bytes);
+            Some((rk, words))
+        }
+        Err(e) => {
+            tracing::debug!(peer = peer.id, "lookup table key not unpacked: {e}");
+            None
+        }
+    });
     static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
     let serial = SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    Ok(PeerConn { rkeys, ep, incarnation: peer.incarnation, serial })
+    Ok(PeerConn { rkeys, table, ep, incarnation: peer.incarnation, serial })
 }
 
 /// Prefault threads running now (one per connect that has mapped pools).
@@ -1674,6 +1738,7 @@ mod tests {
                 .map(|p| RemotePool { index: p.index, base: p.base, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
             control: false,
+            table: dp.table().map(|t| RemotePool { index: 0, base: t.base, bytes: t.bytes, rkey: t.rkey.clone() }),
         }
     }
 

@@ -458,6 +458,21 @@ impl prometheus_client::collector::Collector for Snapshot {
                     c.lookup_questions_answered,
                 ),
                 (
+                    "coherence_lookups_one_sided",
+                    "Cluster-wide lookups answered from the homes' lookup tables, read one-sided.",
+                    c.lookups_one_sided,
+                ),
+                (
+                    "coherence_lookup_table_fallbacks",
+                    "Lookups that tried the homes' tables and had to ask the homes.",
+                    c.lookup_table_fallbacks,
+                ),
+                (
+                    "coherence_lookup_table_overflowed",
+                    "Keys homed here that found their lookup-table group full (peers ask about them).",
+                    c.lookup_table_overflowed,
+                ),
+                (
                     "coherence_control_am_sent",
                     "Coherence messages (batches, barrier pings and pongs) sent as UCX active messages.",
                     c.control_am_sent,

@@ -280,6 +280,14 @@ impl Peers {
                 .map(|p| RemotePool { index: p.index, base: p.base_address, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
             control: resp.accepts_control,
+            table: resp.lookup_table.as_ref().and_then(|t| match check_table(t) {
+                Ok(()) => Some(RemotePool { index: 0, base: t.base_address, bytes: t.bytes, rkey: t.rkey.clone() }),
+                Err(why) => {
+                    self.refusals.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(peer = e.id, "peer's lookup table refused ({why}): its lookups ask it");
+                    None
+                }
+            }),
         };
         let desc = self.dp.connect(addr).await?;
         tracing::info!(
@@ -667,6 +675,24 @@ pub fn check_pools(r: &pb::HandshakeResponse) -> Result<(), String> {
     Ok(())
 }
 
+/// Largest lookup table taken from a peer (a bound on what this process
+/// maps of it; 2^24 keys at 128 bytes each).
+pub const PEER_TABLE_BYTES_MAX: u64 = 2 << 30;
+
+/// A peer's lookup-table description, checked before anything maps it.
+pub fn check_table(t: &pb::TableDesc) -> Result<(), String> {
+    if t.bytes < 8 || !t.bytes.is_multiple_of(8) || t.bytes > PEER_TABLE_BYTES_MAX {
+        return Err(format!("{} bytes (whole words, at most {PEER_TABLE_BYTES_MAX})", t.bytes));
+    }
+    if !t.base_address.is_multiple_of(8) || t.base_address.checked_add(t.bytes).is_none() {
+        return Err(format!("{} bytes at {:#x}", t.bytes, t.base_address));
+    }
+    if t.rkey.is_empty() || t.rkey.len() > kvmesh_ucx::RKEY_MAX {
+        return Err(format!("remote key of {} bytes", t.rkey.len()));
+    }
+    Ok(())
+}
+
 /// Runs futures concurrently on the current task and collects their outputs
 /// in order (a small `join_all`).
 async fn futures_join_all<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
@@ -801,6 +827,11 @@ impl pb::peer_server::Peer for PeerService {
             transports: p.cfg.transports.clone(),
             accepts_control: p.tls.is_none(),
             takes_locate_registration: test_hook() != Some(TestHook::PredateLocateRegistration),
+            lookup_table: p.dp.table().map(|t| pb::TableDesc {
+                base_address: t.base,
+                bytes: t.bytes,
+                rkey: t.rkey.clone(),
+            }),
         }))
     }
 

@@ -25,11 +25,22 @@ async fn moved(c: &Client) -> (u64, u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lookup_on_one_daemon_finds_blocks_held_by_the_others_without_moving_them() {
+    lookup_across_three_daemons("tcp").await;
+}
+
+/// The same on shared memory, where the daemons map each other's lookup
+/// tables: the lookups read them in place (counted), and answer the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lookup_over_shared_memory_reads_the_homes_tables() {
+    lookup_across_three_daemons("sm").await;
+}
+
+async fn lookup_across_three_daemons(transports: &str) {
     let ports = [free_port(), free_port(), free_port()];
     let p = pool("p", "8MiB", "4KiB");
-    let a = Daemon::start("lookup-a", &peer_config(1, &ports, "tcp", &p));
-    let b = Daemon::start("lookup-b", &peer_config(2, &ports, "tcp", &p));
-    let c = Daemon::start("lookup-c", &peer_config(3, &ports, "tcp", &p));
+    let a = Daemon::start(&format!("lookup-{transports}-a"), &peer_config(1, &ports, transports, &p));
+    let b = Daemon::start(&format!("lookup-{transports}-b"), &peer_config(2, &ports, transports, &p));
+    let c = Daemon::start(&format!("lookup-{transports}-c"), &peer_config(3, &ports, transports, &p));
     for d in [&a, &b, &c] {
         d.wait_peers(2).await;
     }
@@ -54,6 +65,20 @@ async fn lookup_on_one_daemon_finds_blocks_held_by_the_others_without_moving_the
     assert_eq!(moved(&cb).await, before, "a lookup fetches nothing, pins nothing, makes no copy");
     let s = cb.stats().await.unwrap().coherence.unwrap();
     assert!(s.lookups >= 1 && s.lookups_incomplete == 0, "{s:?}");
+    // Read in place on shared memory (the homes were not asked); asked
+    // over tcp, where nothing maps a peer's memory.
+    let mut asked = 0;
+    for cl in [&ca, &cc] {
+        asked += cl.stats().await.unwrap().coherence.unwrap().lookup_questions_answered;
+    }
+    if transports == "sm" {
+        assert_eq!(s.lookups_one_sided, s.lookups, "every lookup read the tables: {s:?}");
+        assert_eq!(asked, 0, "no home was asked");
+        assert!(s.lookup_table_entries > 0, "B homes some of the keys: {s:?}");
+    } else {
+        assert_eq!(s.lookups_one_sided, 0, "{s:?}");
+        assert!(asked > 0, "the homes were asked");
+    }
 
     // The daemon's own copies only: B has none.
     let local = cb.lookup_local(&nb, &ask).await.unwrap();

@@ -134,6 +134,9 @@ pub struct Metrics {
     /// Of `lookups`, those answered from the homes' lookup tables, read
     /// one-sided ([`crate::Node::lookup_tables`]).
     pub lookups_one_sided: u64,
+    /// Lookups from the homes' tables that could not answer every key (a
+    /// table unreadable, of another view, or changing under every try).
+    pub lookup_table_fallbacks: u64,
 }
 
 impl Metrics {

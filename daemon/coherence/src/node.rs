@@ -1193,7 +1193,6 @@ impl Node {
             self.drop_all_copies();
         }
         if self.admit(op) {
-            self.metrics.lookups += 1;
             let me = self.id;
             let epoch = self.view.epoch;
             let mut found = vec![None; keys.len()];
@@ -1244,9 +1243,13 @@ impl Node {
                 found[i] = Some((holder, e.version));
             }
             self.metrics.peer_refusals += refused;
-            self.metrics.lookups_one_sided += 1;
-            if !complete {
-                self.metrics.lookups_incomplete += 1;
+            // An incomplete answer is the driver's to complete (it asks the
+            // homes: a lookup of its own, counted there).
+            if complete {
+                self.metrics.lookups += 1;
+                self.metrics.lookups_one_sided += 1;
+            } else {
+                self.metrics.lookup_table_fallbacks += 1;
             }
             self.actions.push(Action::LookupDone { op, found, complete });
         }

@@ -405,6 +405,38 @@ impl MemoryRegion {
     }
 }
 
+/// A region UCX allocated, seen as 64-bit words that are only ever
+/// accessed atomically (here, and by peers that map it): a lookup table
+/// this process writes while peers read it.
+pub struct RegionWords(Arc<MemoryRegion>);
+
+impl RegionWords {
+    /// The words of `region`; `None` unless UCX allocated it (memory this
+    /// process registered may be accessed non-atomically elsewhere) and it
+    /// is 8-byte aligned.
+    pub fn new(region: Arc<MemoryRegion>) -> Option<RegionWords> {
+        (region._backing.is_none() && region.base.is_multiple_of(8)).then_some(RegionWords(region))
+    }
+
+    /// The region.
+    pub fn region(&self) -> &Arc<MemoryRegion> {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for RegionWords {
+    type Target = [std::sync::atomic::AtomicU64];
+    fn deref(&self) -> &[std::sync::atomic::AtomicU64] {
+        let r = &self.0;
+        // SAFETY: UCX allocated `len` bytes at `base` for this region, kept
+        // mapped until the region drops (after this borrow ends: we hold an
+        // Arc); `base` is 8-aligned (checked in `new`); nothing else in this
+        // process touches UCX-allocated table memory, and peers only read
+        // it, so every access is an atomic word access.
+        unsafe { std::slice::from_raw_parts(r.base as *const std::sync::atomic::AtomicU64, r.len / 8) }
+    }
+}
+
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         // SAFETY: memh was mapped on ctx, which this region keeps alive.
@@ -911,7 +943,7 @@ impl<'w> Endpoint<'w> {
         check("ucp_ep_rkey_unpack", unsafe {
             sys::ucp_ep_rkey_unpack(self.h, packed.as_ptr() as *const c_void, &mut h)
         })?;
-        Ok(RemoteKey { h, _ep: PhantomData })
+        Ok(RemoteKey { h, _ep: PhantomData, words: None })
     }
 
     /// Starts a one-sided read of `len` bytes at `remote_addr` (covered by
@@ -1024,6 +1056,65 @@ impl Drop for Endpoint<'_> {
 pub struct RemoteKey<'w> {
     h: sys::ucp_rkey_h,
     _ep: PhantomData<&'w Worker>,
+    /// Words of the peer's memory handed out through this key's mapping
+    /// ([`RemoteKey::map_words`]): closed, and waited for, before the key
+    /// (and so the mapping) goes.
+    words: Option<Arc<RemoteWords>>,
+}
+
+/// Words of a peer's memory mapped in this process (shared memory), read
+/// from any thread while the remote key that mapped them lives: each read
+/// ([`RemoteWords::with`]) is counted, and the key's drop closes the words
+/// and waits for reads in progress before it unmaps them.
+pub struct RemoteWords {
+    ptr: *const std::sync::atomic::AtomicU64,
+    len: usize,
+    users: std::sync::atomic::AtomicUsize,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+// SAFETY: the words are only read through `with`, which checks that the
+// mapping is alive (`closed` and `users` are atomics), from any thread.
+unsafe impl Send for RemoteWords {}
+// SAFETY: as above: shared reads of atomics only.
+unsafe impl Sync for RemoteWords {}
+
+impl RemoteWords {
+    /// Runs `f` on the words while they are mapped; `None` once the key
+    /// that mapped them is gone (or going). Keep `f` short: the key's drop
+    /// waits for it.
+    pub fn with<R>(&self, f: impl FnOnce(&[std::sync::atomic::AtomicU64]) -> R) -> Option<R> {
+        use std::sync::atomic::Ordering::SeqCst;
+        struct Leave<'a>(&'a std::sync::atomic::AtomicUsize);
+        impl Drop for Leave<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, SeqCst);
+            }
+        }
+        self.users.fetch_add(1, SeqCst);
+        let _leave = Leave(&self.users);
+        if self.closed.load(SeqCst) {
+            return None;
+        }
+        // SAFETY: `closed` was false after `users` counted this read, so the
+        // key's drop (which sets `closed`, then waits for `users` to reach
+        // 0 before destroying the key) has not unmapped the `len` words at
+        // `ptr` and will not until `_leave` drops; `map_words` checked they
+        // lie in the key's mapping and are 8-aligned; a peer writes them
+        // only with atomic word stores.
+        let words = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
+        Some(f(words))
+    }
+
+    /// Words mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Never true (`map_words` maps at least one word).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 impl RemoteKey<'_> {
@@ -1039,11 +1130,52 @@ impl RemoteKey<'_> {
         let s = unsafe { sys::ucp_rkey_ptr(self.h, remote_addr, &mut p) };
         (s == sys::ucs_status_t::UCS_OK && !p.is_null()).then_some(p as usize)
     }
+
+    /// The peer's `bytes` at `remote_addr` as words other threads may read
+    /// while this key lives ([`RemoteWords`]); `None` where this process
+    /// does not map them (not shared memory), they are not 8-aligned, not
+    /// one contiguous mapping, or this key already mapped words.
+    pub fn map_words(&mut self, remote_addr: u64, bytes: u64) -> Option<Arc<RemoteWords>> {
+        if self.words.is_some() || bytes < 8 || !bytes.is_multiple_of(8) {
+            return None;
+        }
+        let first = self.local_address(remote_addr)?;
+        let last = self.local_address(remote_addr.checked_add(bytes - 1)?)?;
+        if !first.is_multiple_of(8) || last.checked_sub(first)? as u64 != bytes - 1 {
+            return None;
+        }
+        let w = Arc::new(RemoteWords {
+            ptr: first as *const std::sync::atomic::AtomicU64,
+            len: (bytes / 8) as usize,
+            users: std::sync::atomic::AtomicUsize::new(0),
+            closed: std::sync::atomic::AtomicBool::new(false),
+        });
+        self.words = Some(Arc::clone(&w));
+        Some(w)
+    }
 }
+
+/// Longest a remote key's drop waits for reads of its words to end before
+/// it leaks the key (and its mapping) instead of unmapping it under them.
+const WORDS_DRAIN_MAX: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Drop for RemoteKey<'_> {
     fn drop(&mut self) {
-        // SAFETY: destroyed once, while its worker is alive (it borrows it).
+        use std::sync::atomic::Ordering::SeqCst;
+        if let Some(w) = &self.words {
+            w.closed.store(true, SeqCst);
+            let t0 = std::time::Instant::now();
+            while w.users.load(SeqCst) != 0 {
+                if t0.elapsed() > WORDS_DRAIN_MAX {
+                    // A reader stuck inside `with`: keep the mapping (a leak,
+                    // never an unmap under a reader).
+                    return;
+                }
+                std::thread::yield_now();
+            }
+        }
+        // SAFETY: destroyed once, while its worker is alive (it borrows it);
+        // nobody reads words of its mapping any more (closed and drained).
         unsafe { sys::ucp_rkey_destroy(self.h) };
     }
 }
@@ -1193,6 +1325,39 @@ mod tests {
             // Out-of-range destination is refused before UCX sees it.
             assert!(ep.get(&dst_mr, (1 << 20) - 4, 18, src_mr.base(), &rkey).is_err());
             drop(rkey);
+            drop(ep);
+        }
+    }
+
+    /// A UCX-allocated region written as words is read, through a peer
+    /// endpoint's remote key, from another thread (shared memory); once
+    /// the key drops, the words refuse reads. Over tcp there is no mapping.
+    #[test]
+    fn region_words_are_read_through_a_remote_keys_mapping() {
+        use std::sync::atomic::Ordering::Relaxed;
+        for t in [Transports::SharedMemory, Transports::Tcp] {
+            let ctx = Context::new(&t).unwrap();
+            let (a, b) = (Worker::new(&ctx).unwrap(), Worker::new(&ctx).unwrap());
+            let mr = Arc::new(MemoryRegion::allocate(&ctx, 1 << 16).unwrap());
+            let words = RegionWords::new(Arc::clone(&mr)).expect("UCX allocated it");
+            assert_eq!(words.len(), (1 << 16) / 8);
+            words[3].store(0xfeed, Relaxed);
+            assert!(RegionWords::new(Arc::new(MemoryRegion::register(&ctx, pool(1 << 16)).unwrap())).is_none());
+            let ep = a.connect(&b.address().unwrap(), t == Transports::Tcp).unwrap();
+            let mut rkey = ep.unpack_rkey(&mr.pack_rkey().unwrap()).unwrap();
+            let Some(remote) = rkey.map_words(mr.base(), mr.len() as u64) else {
+                assert_eq!(t, Transports::Tcp, "shared memory maps the region");
+                continue;
+            };
+            assert_ne!(t, Transports::Tcp);
+            assert!(rkey.map_words(mr.base(), 8).is_none(), "one mapping per key");
+            assert_eq!(remote.len(), (1 << 16) / 8);
+            let seen = std::thread::scope(|sc| sc.spawn(|| remote.with(|w| w[3].load(Relaxed))).join().unwrap());
+            assert_eq!(seen, Some(0xfeed));
+            words[3].store(0xbeef, Relaxed);
+            assert_eq!(remote.with(|w| w[3].load(Relaxed)), Some(0xbeef), "the same memory");
+            drop(rkey);
+            assert_eq!(remote.with(|w| w[3].load(Relaxed)), None, "closed with its key");
             drop(ep);
         }
     }

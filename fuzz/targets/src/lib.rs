@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | `batch_decode` | a peer's coherence batch | no panic; what decodes re-encodes to the same bytes |
 //! | `core_batches` | a script: honest puts/gets/ticks and a hostile member's batches | no panic; honest nodes' `check_incremental`; S1 among honest copies of keys with an honest home |
-//! | `peer_messages` | peer gRPC messages (handshake, frame, send order) | no panic; a handshake answer `check_pools` accepts has only in-range pools |
+//! | `peer_messages` | peer gRPC messages (handshake, frame, send order), and a peer's lookup table as this process reads it | no panic; a handshake answer `check_pools` accepts has only in-range pools, a table description `check_table` accepts is whole aligned words within the bound; a table of any words reads without panic, and an entry it yields names at most `TABLE_SOURCES_MAX` sources |
 //! | `engine_messages` | a script of engine API requests on one session | no panic; the store's invariants after every call |
 //! | `config` | a config file | no panic; what parses validates again after a round trip through TOML |
 //! | `trace` | a request trace | no panic; accepted requests obey the trace rules |
@@ -263,7 +263,7 @@ fn run_core(data: &[u8]) -> World {
 pub fn peer_messages(data: &[u8]) {
     use kvmesh_proto::peer::v1 as pb;
     let Some((&kind, body)) = data.split_first() else { return };
-    match kind % 4 {
+    match kind % 5 {
         0 => {
             let _ = pb::HandshakeRequest::decode(body);
         }
@@ -278,6 +278,36 @@ pub fn peer_messages(data: &[u8]) {
                     assert!(p.bytes.checked_rem(p.slot_stride_bytes) == Some(0), "partial slot accepted");
                     assert!(p.slot_payload_bytes <= p.slot_stride_bytes && seen.insert(p.index));
                     assert!(p.base_address.checked_add(p.bytes).is_some());
+                }
+                if let Some(t) = &r.lookup_table
+                    && kvmeshd::peers::check_table(t).is_ok()
+                {
+                    assert!(t.bytes.is_multiple_of(8) && t.bytes <= kvmeshd::peers::PEER_TABLE_BYTES_MAX);
+                    assert!(t.base_address.is_multiple_of(8) && t.base_address.checked_add(t.bytes).is_some());
+                }
+            }
+        }
+        4 => {
+            // A hostile peer's lookup table: whatever its words say.
+            let words: Vec<std::sync::atomic::AtomicU64> = body
+                .chunks(8)
+                .map(|c| {
+                    let mut w = [0u8; 8];
+                    w[..c.len()].copy_from_slice(c);
+                    std::sync::atomic::AtomicU64::new(u64::from_le_bytes(w))
+                })
+                .collect();
+            if let Some(r) = kvmesh_common::table::TableReader::new(&words) {
+                let _ = r.header();
+                for i in 0..8u64 {
+                    let w = |j: usize| words.get(j).map_or(0, |w| w.load(std::sync::atomic::Ordering::Relaxed));
+                    for (ns, key) in [(w(10), u128::from(w(11))), (i, u128::from(i) << 64 | 7)] {
+                        if let kvmesh_common::table::Probe::Found(v) = r.get(ns, key)
+                            && let Some(e) = kvmesh_coherence::TableEntry::from_words(v)
+                        {
+                            assert!(usize::from(e.len) <= kvmesh_coherence::TABLE_SOURCES_MAX);
+                        }
+                    }
                 }
             }
         }
@@ -484,6 +514,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                     transports: "sm".into(),
                     accepts_control: true,
                     takes_locate_registration: true,
+                    lookup_table: Some(pb::TableDesc { base_address: 1 << 41, bytes: 1 << 19, rkey: vec![3; 30] }),
                 }
                 .encode_to_vec(),
             ),
@@ -498,6 +529,23 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                 }
                 .encode_to_vec(),
             ),
+            framed(4, {
+                // A lookup table as an honest home writes it.
+                let words: Vec<std::sync::atomic::AtomicU64> =
+                    (0..kvmesh_common::table::table_words(2)).map(|_| std::sync::atomic::AtomicU64::new(0)).collect();
+                let mut w = kvmesh_common::table::TableWriter::new(words).expect("two groups");
+                w.set_header(kvmesh_common::table::Header { node: 1, incarnation: 3, epoch: 2, ready: true });
+                for k in 0..12u64 {
+                    let e = kvmesh_coherence::TableEntry {
+                        version: 2 << 32 | k,
+                        home_copy: k % 2 == 0,
+                        sources: [2, 3, 0],
+                        len: 2,
+                    };
+                    w.set(k, u128::from(k) << 64 | 7, e.to_words());
+                }
+                w.words().iter().flat_map(|x| x.load(std::sync::atomic::Ordering::Relaxed).to_le_bytes()).collect()
+            }),
         ],
         "engine_messages" => {
             let key = |lo| epb::Key { hi: 0, lo };
