@@ -153,6 +153,10 @@ struct Inner {
     /// the directory of that moment; and its header as last written.
     table: Option<TableWriter<RegionWords>>,
     table_header: Option<TableWords>,
+    /// Test hook `KVMESH_TEST_HOOK=delay-table-apply-ms:N`: every table
+    /// write that changes entries waits N ms first (under the core lock),
+    /// so a test sees what a late write would let readers see.
+    table_delay: Option<Duration>,
 }
 
 /// One read the core asked for, with the local slot reserved for it.
@@ -437,6 +441,7 @@ impl Cluster {
                 pending_reads: Vec::new(),
                 table,
                 table_header: None,
+                table_delay: crate::peers::test_hook_ms("delay-table-apply-ms").map(Duration::from_millis),
             }),
             store,
             peers,
@@ -506,12 +511,15 @@ impl Cluster {
         let mut queue = VecDeque::from([ev]);
         while let Some(ev) = queue.pop_front() {
             let actions = g.node.handle(now, ev);
+            // Before any of the step's messages or answers leave: a change
+            // the step completed must be in the table by the time anyone
+            // hears of it.
+            apply_table(g);
             for a in actions {
                 self.execute(g, a, &mut queue);
             }
         }
         self.dispatch_reads(g);
-        apply_table(g);
     }
 
     /// Sends the reads started by the input just handled to the data plane:
@@ -555,13 +563,14 @@ impl Cluster {
     /// output is one batch per peer.
     fn flush_locked(self: &Arc<Self>, g: &mut Inner) {
         let mut queue = VecDeque::new();
-        for a in g.node.flush_now(self.now_us()) {
+        let actions = g.node.flush_now(self.now_us());
+        apply_table(g);
+        for a in actions {
             self.execute(g, a, &mut queue);
         }
         while let Some(ev) = queue.pop_front() {
             self.feed_locked(g, ev);
         }
-        apply_table(g);
     }
 
     fn flush(self: &Arc<Self>) {
@@ -1846,6 +1855,12 @@ impl Cluster {
                         Probe::Absent => None,
                         Probe::Unknown => return None,
                     };
+                    // The entry belongs to that header only if the header
+                    // did not change meanwhile (a view change rewrites the
+                    // header before it clears the entries).
+                    if r.header()? != h {
+                        return None;
+                    }
                     let header =
                         TableHeader { node: h.node, incarnation: h.incarnation, epoch: h.epoch, ready: h.ready };
                     Some((header, entry))
@@ -1863,14 +1878,15 @@ impl Cluster {
             Waiter { kind: WaitKind::Other, tx, started: Instant::now(), read_started: None, read_done: None },
         );
         let mut queue = VecDeque::new();
-        for a in g.node.lookup_tables(now, op, keys.to_vec(), &mut read) {
+        let actions = g.node.lookup_tables(now, op, keys.to_vec(), &mut read);
+        apply_table(&mut g);
+        for a in actions {
             self.execute(&mut g, a, &mut queue);
         }
         while let Some(ev) = queue.pop_front() {
             self.feed_locked(&mut g, ev);
         }
         self.dispatch_reads(&mut g);
-        apply_table(&mut g);
         // (An op the core did not end at once would leave its waiter for
         // the message path's answer: never, `lookup_tables` ends it.)
         g.waiters.remove(&op);
@@ -2265,6 +2281,11 @@ fn write_epoch(path: &Path, epoch: u64) -> std::io::Result<()> {
 /// be made.
 fn make_table(peers: &Peers, local_slots: usize) -> Option<TableWriter<RegionWords>> {
     use kvmesh_common::table::{groups_for, table_words};
+    if peers.config().transports == "tcp" {
+        // Nothing maps it over tcp: lookups of keys homed here ask.
+        tracing::info!("no lookup table on tcp (peers would not read it)");
+        return None;
+    }
     let entries = local_slots.saturating_mul(2).max(4096);
     let bytes = table_words(groups_for(entries)).saturating_mul(8).min(crate::peers::PEER_TABLE_BYTES_MAX as usize);
     let made = peers.dataplane().allocate_table(bytes).and_then(|mr| {
@@ -2283,12 +2304,26 @@ fn make_table(peers: &Peers, local_slots: usize) -> Option<TableWriter<RegionWor
     }
 }
 
-/// Writes what the last input changed in the core's lookup table into
-/// this daemon's table, and its header when that changed (after the
-/// entries: a header that says ready is written after them).
+/// Writes what the core's last step changed in its lookup table into this
+/// daemon's table, and its header when that changed: a header that says
+/// "not ready" (a view change) before the entries change, one that says
+/// ready after them, so no reader believes entries under a header they
+/// were not written for (readers also re-read the header after an entry).
+/// Called after every step, before its actions are carried out.
 fn apply_table(g: &mut Inner) {
     let Some(t) = g.table.as_mut() else { return };
     let changes = g.node.take_table_changes();
+    if let Some(d) = g.table_delay
+        && !changes.entries.is_empty()
+    {
+        std::thread::sleep(d);
+    }
+    let h = g.node.table_header();
+    let h = TableWords { node: h.node, incarnation: h.incarnation, epoch: h.epoch, ready: h.ready };
+    if !h.ready && g.table_header != Some(h) {
+        t.set_header(h);
+        g.table_header = Some(h);
+    }
     if changes.reset {
         t.clear();
     }
@@ -2298,8 +2333,6 @@ fn apply_table(g: &mut Inner) {
             None => t.remove(k.ns, k.key),
         }
     }
-    let h = g.node.table_header();
-    let h = TableWords { node: h.node, incarnation: h.incarnation, epoch: h.epoch, ready: h.ready };
     if g.table_header != Some(h) {
         t.set_header(h);
         g.table_header = Some(h);

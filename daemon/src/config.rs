@@ -340,7 +340,8 @@ pub struct CoherenceConfig {
     /// answer lookups from peers' tables where this process maps them: a
     /// lookup then asks no home and wakes none (docs/COHERENCE.md,
     /// "Lookups read one-sided"). Its size follows the pools: 256 bytes per
-    /// local slot (at least 256 KiB), 2 GiB at most.
+    /// local slot (at least 512 KiB), 2 GiB at most; none on tcp (nothing
+    /// would read it).
     pub lookup_tables: bool,
     /// Also send what a burst of input produced (received batches, the
     /// keys of one engine call) as soon as the input runs dry, instead of

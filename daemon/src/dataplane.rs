@@ -242,8 +242,9 @@ pub struct DataPlane {
     hooks: Arc<Hooks>,
     /// The UCX context (for memory allocated after the start).
     ctx: Arc<Context>,
-    /// Our lookup table, once allocated (advertised in handshakes).
-    table: std::sync::OnceLock<LocalPool>,
+    /// Our lookup table, once allocated (advertised in handshakes), and
+    /// its memory (kept while it is advertised).
+    table: std::sync::OnceLock<(LocalPool, Arc<MemoryRegion>)>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
@@ -476,13 +477,14 @@ impl DataPlane {
         }
         let mr = Arc::new(MemoryRegion::allocate(&self.ctx, bytes).map_err(|e| format!("lookup table: {e}"))?);
         let rkey = mr.pack_rkey().map_err(|e| format!("lookup table: {e}"))?;
-        let _ = self.table.set(LocalPool { index: 0, base: mr.base(), bytes: mr.len() as u64, rkey });
+        let desc = LocalPool { index: 0, base: mr.base(), bytes: mr.len() as u64, rkey };
+        let _ = self.table.set((desc, Arc::clone(&mr)));
         Ok(mr)
     }
 
     /// Our lookup table as peers must see it, once allocated.
     pub fn table(&self) -> Option<&LocalPool> {
-        self.table.get()
+        self.table.get().map(|t| &t.0)
     }
 
     /// Peer `peer`'s lookup table, where this process maps it: the

@@ -467,6 +467,31 @@ fn sysv_id_of(base: usize) -> Option<i32> {
     None
 }
 
+/// Whether `len` bytes from `addr` are mapped readable in this process, in
+/// one mapping or in mappings that follow each other (read from
+/// `/proc/self/maps`).
+fn mapped_readable(addr: usize, len: usize) -> bool {
+    let Some(end) = addr.checked_add(len) else { return false };
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return false };
+    let mut covered = addr;
+    for line in maps.lines() {
+        let mut cols = line.split_whitespace();
+        let (Some(range), Some(perms)) = (cols.next(), cols.next()) else { continue };
+        let Some((lo, hi)) = range.split_once('-') else { continue };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) else { continue };
+        if lo <= covered && covered < hi {
+            if !perms.starts_with('r') {
+                return false;
+            }
+            covered = hi;
+            if covered >= end {
+                return true;
+            }
+        }
+    }
+    false
+}
+
 /// A UCX worker: progress engine and endpoint factory. Single-threaded.
 pub struct Worker {
     ctx: Arc<Context>,
@@ -1134,7 +1159,10 @@ impl RemoteKey<'_> {
     /// The peer's `bytes` at `remote_addr` as words other threads may read
     /// while this key lives ([`RemoteWords`]); `None` where this process
     /// does not map them (not shared memory), they are not 8-aligned, not
-    /// one contiguous mapping, or this key already mapped words.
+    /// all mapped readable here (the length is the peer's claim: UCX's
+    /// `ucp_rkey_ptr` on shared memory only adds an offset, so the extent
+    /// is checked against this process's mappings), or this key already
+    /// mapped words.
     pub fn map_words(&mut self, remote_addr: u64, bytes: u64) -> Option<Arc<RemoteWords>> {
         if self.words.is_some() || bytes < 8 || !bytes.is_multiple_of(8) {
             return None;
@@ -1142,6 +1170,9 @@ impl RemoteKey<'_> {
         let first = self.local_address(remote_addr)?;
         let last = self.local_address(remote_addr.checked_add(bytes - 1)?)?;
         if !first.is_multiple_of(8) || last.checked_sub(first)? as u64 != bytes - 1 {
+            return None;
+        }
+        if !mapped_readable(first, usize::try_from(bytes).ok()?) {
             return None;
         }
         let w = Arc::new(RemoteWords {
@@ -1351,6 +1382,11 @@ mod tests {
             };
             assert_ne!(t, Transports::Tcp);
             assert!(rkey.map_words(mr.base(), 8).is_none(), "one mapping per key");
+            // A length past what is mapped (a peer's wrong claim) is refused.
+            let mut other = ep.unpack_rkey(&mr.pack_rkey().unwrap()).unwrap();
+            assert!(other.map_words(mr.base(), 1 << 40).is_none(), "a claimed extent beyond the mapping");
+            assert!(other.map_words(mr.base(), 1 << 16).is_some());
+            drop(other);
             assert_eq!(remote.len(), (1 << 16) / 8);
             let seen = std::thread::scope(|sc| sc.spawn(|| remote.with(|w| w[3].load(Relaxed))).join().unwrap());
             assert_eq!(seen, Some(0xfeed));
