@@ -2305,10 +2305,10 @@ fn make_table(peers: &Peers, local_slots: usize) -> Option<TableWriter<RegionWor
 }
 
 /// Writes what the core's last step changed in its lookup table into this
-/// daemon's table, and its header when that changed: a header that says
-/// "not ready" (a view change) before the entries change, one that says
-/// ready after them, so no reader believes entries under a header they
-/// were not written for (readers also re-read the header after an entry).
+/// daemon's table, and its header when that changed: on a reset or a new
+/// header, a "not ready" header before the entries change and the new one
+/// after them, so no reader believes entries under a header they were not
+/// written for (readers also re-read the header after an entry).
 /// Called after every step, before its actions are carried out.
 fn apply_table(g: &mut Inner) {
     let Some(t) = g.table.as_mut() else { return };
@@ -2320,9 +2320,13 @@ fn apply_table(g: &mut Inner) {
     }
     let h = g.node.table_header();
     let h = TableWords { node: h.node, incarnation: h.incarnation, epoch: h.epoch, ready: h.ready };
-    if !h.ready && g.table_header != Some(h) {
-        t.set_header(h);
-        g.table_header = Some(h);
+    if changes.reset || g.table_header != Some(h) {
+        // Not ready while the entries are rewritten.
+        let not_ready = TableWords { ready: false, ..h };
+        if g.table_header != Some(not_ready) {
+            t.set_header(not_ready);
+            g.table_header = Some(not_ready);
+        }
     }
     if changes.reset {
         t.clear();

@@ -1147,7 +1147,10 @@ impl Node {
 
     /// What this node's lookup table says now (see [`TableHeader`]).
     pub fn table_header(&self) -> TableHeader {
-        TableHeader { node: self.id, incarnation: self.incarnation, epoch: self.view.epoch, ready: self.ready }
+        // A node that left keeps no directory: its table answers nothing
+        // (not "absent"), whatever view its readers are still in.
+        let ready = self.ready && !self.left;
+        TableHeader { node: self.id, incarnation: self.incarnation, epoch: self.view.epoch, ready }
     }
 
     /// What this node's lookup table holds for `key` now: the directory's

@@ -1230,3 +1230,24 @@ fn table_entries_round_trip_through_words() {
     assert_eq!(TableEntry::from_words([1, 4 << 8, 0]), None, "four sources");
     assert_eq!(TableEntry::from_words([1, 2, 0]), None, "an unknown flag");
 }
+
+/// A node that left keeps no directory: its table's header says not
+/// ready, so askers still in its view get no answer from it (not an
+/// "absent" for keys held elsewhere), and the lookup is incomplete.
+#[test]
+fn the_table_of_a_node_that_left_answers_nothing() {
+    let mut net = Net::new(3, Config::default());
+    let k = (100..).map(key).find(|k| net.nodes[0].view().home_of(k) == Some(1)).unwrap();
+    net.put(2, 10, k, 7);
+    net.settle();
+    let (found, complete) = net.lookup_tables(0, 11, vec![k], |h| h);
+    assert!(complete);
+    assert_eq!(found[0].map(|f| f.0), Some(2));
+    assert!(net.nodes[1].table_header().ready);
+    net.drive(1, Event::Leave);
+    assert!(!net.nodes[1].table_header().ready, "a node that left says not ready");
+    assert_eq!(net.nodes[1].table_entry(&k), None);
+    let (found, complete) = net.lookup_tables(0, 12, vec![k], |h| h);
+    assert!(!complete, "unanswered, not absent");
+    assert_eq!(found, vec![None]);
+}

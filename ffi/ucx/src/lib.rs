@@ -467,26 +467,44 @@ fn sysv_id_of(base: usize) -> Option<i32> {
     None
 }
 
-/// Whether `len` bytes from `addr` are mapped readable in this process, in
-/// one mapping or in mappings that follow each other (read from
-/// `/proc/self/maps`).
+/// Whether `len` bytes from `addr` are mapped readable in this process by
+/// one mapping of one object: a single mapping, or mappings that follow
+/// each other and map the same file (device, inode, path) at following
+/// offsets — never a neighbouring mapping of something else, which could
+/// go away while the range is read. From `/proc/self/maps`; `false` when
+/// it cannot be read (the range is then not used).
 fn mapped_readable(addr: usize, len: usize) -> bool {
     let Some(end) = addr.checked_add(len) else { return false };
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return false };
     let mut covered = addr;
+    // (device, inode, path, file offset where the next mapping must start)
+    let mut object: Option<(String, String, String, u64)> = None;
     for line in maps.lines() {
-        let mut cols = line.split_whitespace();
-        let (Some(range), Some(perms)) = (cols.next(), cols.next()) else { continue };
-        let Some((lo, hi)) = range.split_once('-') else { continue };
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        if cols.len() < 5 {
+            continue;
+        }
+        let Some((lo, hi)) = cols[0].split_once('-') else { continue };
         let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) else { continue };
-        if lo <= covered && covered < hi {
-            if !perms.starts_with('r') {
-                return false;
-            }
-            covered = hi;
-            if covered >= end {
-                return true;
-            }
+        if !(lo <= covered && covered < hi) {
+            continue;
+        }
+        let Ok(offset) = u64::from_str_radix(cols[2], 16) else { return false };
+        let (dev, inode, path) = (cols[3].to_string(), cols[4].to_string(), cols.get(5).unwrap_or(&"").to_string());
+        // (Anonymous memory cannot be told apart: one mapping only.)
+        if let Some((d, i, p, next)) = &object
+            && (inode == "0" || (d, i, p) != (&dev, &inode, &path) || *next != offset)
+        {
+            return false;
+        }
+        if !cols[1].starts_with('r') {
+            return false;
+        }
+        let next = offset + (hi - lo) as u64;
+        object = Some((dev, inode, path, next));
+        covered = hi;
+        if covered >= end {
+            return true;
         }
     }
     false
@@ -1385,6 +1403,7 @@ mod tests {
             // A length past what is mapped (a peer's wrong claim) is refused.
             let mut other = ep.unpack_rkey(&mr.pack_rkey().unwrap()).unwrap();
             assert!(other.map_words(mr.base(), 1 << 40).is_none(), "a claimed extent beyond the mapping");
+            assert!(other.map_words(mr.base(), (1 << 16) + 4096).is_none(), "one page past the mapping");
             assert!(other.map_words(mr.base(), 1 << 16).is_some());
             drop(other);
             assert_eq!(remote.len(), (1 << 16) / 8);
