@@ -1845,7 +1845,7 @@ impl Cluster {
         }
         let mut mapped: HashMap<NodeId, Option<Arc<kvmesh_ucx::RemoteWords>>> = HashMap::new();
         let mut read = |h: NodeId, k: &BlockKey| -> Option<(TableHeader, Option<TableEntry>)> {
-            let words = mapped.entry(h).or_insert_with(|| dp.peer_table(h).map(|(_, w)| w)).as_ref()?;
+            let words = mapped.entry(h).or_insert_with(|| dp.peer_table(h)).as_ref()?;
             words
                 .with(|w| {
                     let r = TableReader::new(w)?;

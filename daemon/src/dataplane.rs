@@ -283,10 +283,10 @@ struct Hooks {
     /// Set when the handle is dropped: the thread returns at its next turn
     /// (a flag, not a command: a full queue cannot lose it).
     stop: AtomicBool,
-    /// Peers' lookup tables this process maps (shared memory), with the
-    /// incarnation they belong to (written by the thread as it connects;
-    /// the words close when that endpoint goes).
-    tables: parking_lot::RwLock<HashMap<u32, (u64, Arc<RemoteWords>)>>,
+    /// Peers' lookup tables this process maps (shared memory), written by
+    /// the thread as it connects (the words close when that endpoint goes;
+    /// whose table it is, readers learn from its header).
+    tables: parking_lot::RwLock<HashMap<u32, Arc<RemoteWords>>>,
 }
 
 /// What senders of coherence messages need to know of an endpoint.
@@ -487,11 +487,10 @@ impl DataPlane {
         self.table.get().map(|t| &t.0)
     }
 
-    /// Peer `peer`'s lookup table, where this process maps it: the
-    /// incarnation it belongs to and its words (closed, so unreadable,
-    /// once that endpoint is gone).
-    pub fn peer_table(&self, peer: u32) -> Option<(u64, Arc<RemoteWords>)> {
-        self.hooks.tables.read().get(&peer).map(|(inc, w)| (*inc, Arc::clone(w)))
+    /// Peer `peer`'s lookup table, where this process maps it (closed, so
+    /// unreadable, once that endpoint is gone).
+    pub fn peer_table(&self, peer: u32) -> Option<Arc<RemoteWords>> {
+        self.hooks.tables.read().get(&peer).cloned()
     }
 
     /// Whether this process maps any peer's lookup table.
@@ -934,7 +933,7 @@ fn run(
                             serial: conn.serial,
                         };
                         match conn.table.as_ref().and_then(|t| t.1.clone()) {
-                            Some(w) => hooks.tables.write().insert(peer.id, (peer.incarnation, w)),
+                            Some(w) => hooks.tables.write().insert(peer.id, w),
                             None => hooks.tables.write().remove(&peer.id),
                         };
                         peers.insert(peer.id, conn);

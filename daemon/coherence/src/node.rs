@@ -758,16 +758,7 @@ impl Node {
 
     /// Feeds one event at local time `now`; returns the actions to carry out.
     pub fn handle(&mut self, now: Time, ev: Event) -> Vec<Action> {
-        self.now = self.now.max(now);
-        // A lapsed lease ends every copy before anything else is done: the
-        // membership may have moved on without this node (a restarted
-        // coordinator, a removal), so nothing held under the lapsed lease
-        // may be served, granted or re-announced into a later view.
-        if !self.copies.is_empty() && !self.serving() {
-            self.metrics.lease_lapses += 1;
-            self.metrics.copies_dropped_lapsed += self.copies.len() as u64;
-            self.drop_all_copies();
-        }
+        self.begin_step(now);
         match ev {
             Event::ClientGet { op, key } => self.client_get(op, key),
             Event::ClientPut { op, key, slot, checksum } => self.client_put(op, key, slot, checksum),
@@ -797,6 +788,26 @@ impl Node {
             Event::Tick => self.tick(),
             Event::Leave => self.leave(),
         }
+        self.end_step()
+    }
+
+    /// What every step starts with: the time, and a lapsed lease ends
+    /// every copy before anything else is done (the membership may have
+    /// moved on without this node — a restarted coordinator, a removal —,
+    /// so nothing held under the lapsed lease may be served, granted or
+    /// re-announced into a later view).
+    fn begin_step(&mut self, now: Time) {
+        self.now = self.now.max(now);
+        if !self.copies.is_empty() && !self.serving() {
+            self.metrics.lease_lapses += 1;
+            self.metrics.copies_dropped_lapsed += self.copies.len() as u64;
+            self.drop_all_copies();
+        }
+    }
+
+    /// What every step ends with: messages to itself handled, due batches
+    /// flushed, the actions handed out.
+    fn end_step(&mut self) -> Vec<Action> {
         self.drain_inbox();
         self.flush(false);
         std::mem::take(&mut self.actions)
@@ -1060,20 +1071,12 @@ impl Node {
             return;
         }
         self.metrics.lookups += 1;
-        let me = self.id;
         let mut found = vec![None; keys.len()];
         let mut asked: BTreeMap<NodeId, Vec<u32>> = BTreeMap::new();
         for (i, k) in keys.iter().enumerate() {
-            if let Some(c) = self.copies.get(k) {
-                found[i] = Some((me, c.version));
-            } else if self.cfg.bug == Some(Bug::LookupCountsPendingPut) && self.writes.contains_key(k) {
-                found[i] = Some((me, 0));
-            } else {
-                match self.view.home_of(k) {
-                    Some(h) if h == me => found[i] = self.lookup_at_home(me, k),
-                    Some(h) => asked.entry(h).or_default().push(i as u32),
-                    None => {}
-                }
+            match self.lookup_here(k) {
+                Ok(f) => found[i] = f,
+                Err(h) => asked.entry(h).or_default().push(i as u32),
             }
         }
         if asked.is_empty() {
@@ -1088,6 +1091,24 @@ impl Node {
         }
         let deadline = self.now + self.cfg.op_timeout_us;
         self.insert_op(op, Op { deadline, kind: OpKind::Lookup { keys, found, asked, last_sent: self.now } });
+    }
+
+    /// How a lookup started here answers `k` without another node: a copy
+    /// this node holds, or its own directory where it is the home (`Ok`,
+    /// `None` where no home is known); `Err(h)`: home `h` must say.
+    fn lookup_here(&self, k: &BlockKey) -> Result<Option<(NodeId, u64)>, NodeId> {
+        let me = self.id;
+        if let Some(c) = self.copies.get(k) {
+            return Ok(Some((me, c.version)));
+        }
+        if self.cfg.bug == Some(Bug::LookupCountsPendingPut) && self.writes.contains_key(k) {
+            return Ok(Some((me, 0)));
+        }
+        match self.view.home_of(k) {
+            Some(h) if h == me => Ok(self.lookup_at_home(me, k)),
+            Some(h) => Err(h),
+            None => Ok(None),
+        }
     }
 
     /// A home's answer to a lookup of `key` by `asker`: a copy it holds
@@ -1189,12 +1210,7 @@ impl Node {
     /// serving, which under M1 means no later view serves anywhere yet
     /// (docs/COHERENCE.md, "Lookups read one-sided").
     pub fn lookup_tables(&mut self, now: Time, op: OpId, keys: Vec<BlockKey>, read: &mut TableRead<'_>) -> Vec<Action> {
-        self.now = self.now.max(now);
-        if !self.copies.is_empty() && !self.serving() {
-            self.metrics.lease_lapses += 1;
-            self.metrics.copies_dropped_lapsed += self.copies.len() as u64;
-            self.drop_all_copies();
-        }
+        self.begin_step(now);
         if self.admit(op) {
             let me = self.id;
             let epoch = self.view.epoch;
@@ -1202,21 +1218,12 @@ impl Node {
             let mut complete = true;
             let mut refused = 0;
             for (i, k) in keys.iter().enumerate() {
-                if let Some(c) = self.copies.get(k) {
-                    found[i] = Some((me, c.version));
-                    continue;
-                }
-                if self.cfg.bug == Some(Bug::LookupCountsPendingPut) && self.writes.contains_key(k) {
-                    found[i] = Some((me, 0));
-                    continue;
-                }
-                let h = match self.view.home_of(k) {
-                    Some(h) if h == me => {
-                        found[i] = self.lookup_at_home(me, k);
+                let h = match self.lookup_here(k) {
+                    Ok(f) => {
+                        found[i] = f;
                         continue;
                     }
-                    Some(h) => h,
-                    None => continue,
+                    Err(h) => h,
                 };
                 let inc = self.view.member(h).map(|m| m.incarnation);
                 let entry = match read(h, k) {
@@ -1237,9 +1244,7 @@ impl Node {
                     e.sources[..usize::from(e.len).min(TABLE_SOURCES_MAX)].iter().copied().find(|&s| s != me && s != h)
                 };
                 let Some(holder) = holder else { continue };
-                // H1, as for a home's answer: a holder in the view, not
-                // this node, a version of this epoch or an earlier one.
-                if e.version == 0 || self.view.member(holder).is_none() || e.version >> 32 > epoch {
+                if e.version == 0 || !plausible_holder(&self.view, me, holder, e.version) {
                     refused += 1;
                     continue;
                 }
@@ -1256,14 +1261,11 @@ impl Node {
             }
             self.actions.push(Action::LookupDone { op, found, complete });
         }
-        self.drain_inbox();
-        self.flush(false);
-        std::mem::take(&mut self.actions)
+        self.end_step()
     }
 
     fn on_lookup_resp(&mut self, from: NodeId, op: OpId, answers: Vec<(u64, NodeId)>) {
         let me = self.id;
-        let epoch = self.view.epoch;
         let Some(Op { kind: OpKind::Lookup { found, asked, .. }, .. }) = self.ops.get_mut(&op) else { return };
         // Only the home asked answers, once, about exactly what it was asked.
         let Some(idx) = asked.get(&from) else { return };
@@ -1276,9 +1278,7 @@ impl Node {
             if version == 0 {
                 continue;
             }
-            // H1: a holder in the view, not the asker (the home leaves the
-            // asker out), a version of this epoch or an earlier one.
-            if holder == me || self.view.member(holder).is_none() || version >> 32 > epoch {
+            if !plausible_holder(&self.view, me, holder, version) {
                 refused += 1;
                 continue;
             }
@@ -2524,4 +2524,11 @@ impl Node {
             self.send(h, Msg::AnnounceAck);
         }
     }
+}
+
+/// H1, for a holder another node names in a lookup answer (a home's
+/// `LookupResp` or its table): a member of the view, not the asker (homes
+/// leave the asker out), a version of this epoch or an earlier one.
+fn plausible_holder(view: &View, me: NodeId, holder: NodeId, version: u64) -> bool {
+    holder != me && view.member(holder).is_some() && version >> 32 <= view.epoch
 }

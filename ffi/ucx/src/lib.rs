@@ -428,11 +428,11 @@ impl std::ops::Deref for RegionWords {
     type Target = [std::sync::atomic::AtomicU64];
     fn deref(&self) -> &[std::sync::atomic::AtomicU64] {
         let r = &self.0;
-        // SAFETY: UCX allocated `len` bytes at `base` for this region, kept
-        // mapped until the region drops (after this borrow ends: we hold an
-        // Arc); `base` is 8-aligned (checked in `new`); nothing else in this
-        // process touches UCX-allocated table memory, and peers only read
+        // UCX allocated `len` bytes at `base` for this region; nothing else in
+        // this process touches UCX-allocated table memory, and peers only read
         // it, so every access is an atomic word access.
+        // SAFETY: mapped until the region drops (we hold its Arc past this
+        // borrow), `base` 8-aligned (checked in `new`), accessed atomically.
         unsafe { std::slice::from_raw_parts(r.base as *const std::sync::atomic::AtomicU64, r.len / 8) }
     }
 }
@@ -1139,12 +1139,11 @@ impl RemoteWords {
         if self.closed.load(SeqCst) {
             return None;
         }
+        // The key's drop sets `closed`, then waits for `users` to reach 0
+        // before destroying the key; `map_words` checked the words lie in one
+        // mapping here and are 8-aligned; a peer writes them only atomically.
         // SAFETY: `closed` was false after `users` counted this read, so the
-        // key's drop (which sets `closed`, then waits for `users` to reach
-        // 0 before destroying the key) has not unmapped the `len` words at
-        // `ptr` and will not until `_leave` drops; `map_words` checked they
-        // lie in the key's mapping and are 8-aligned; a peer writes them
-        // only with atomic word stores.
+        // words stay mapped until `_leave` drops; accessed atomically.
         let words = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
         Some(f(words))
     }
