@@ -47,6 +47,11 @@ struct Args {
     /// progress; unset: the daemon's default), to compare values.
     #[arg(long, global = true)]
     poll_idle_us: Option<u64>,
+    /// `peer.push_with_grants` of the daemons the bench starts (tcp: the
+    /// getter posts its receive with the locate and the holder sends the
+    /// slot with its grant; unset: the daemon's default, on), to compare.
+    #[arg(long, global = true, action = clap::ArgAction::Set)]
+    push_with_grants: Option<bool>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -60,6 +65,9 @@ static REGISTER_AT_LOCATE: std::sync::OnceLock<bool> = std::sync::OnceLock::new(
 /// `--poll-idle-us`.
 static POLL_IDLE_US: std::sync::OnceLock<u64> = std::sync::OnceLock::new();
 
+/// `--push-with-grants`.
+static PUSH_WITH_GRANTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+
 /// `extra` (the tail of a daemon config) with `coherence.register_at_locate`
 /// as `--register-at-locate` asks.
 pub(crate) fn with_register_at_locate(extra: &str) -> String {
@@ -72,11 +80,14 @@ pub(crate) fn with_register_at_locate(extra: &str) -> String {
 }
 
 /// The `[peer]` lines that set `peer.control` as `--peer-control` asks
-/// (and `peer.poll_idle_us` when `--poll-idle-us` is given).
+/// (and `peer.poll_idle_us`, `peer.push_with_grants` when given).
 pub(crate) fn peer_control_line() -> String {
     let mut s = format!("control = \"{}\"\n", PEER_CONTROL.get().map_or("auto", |s| s.as_str()));
     if let Some(us) = POLL_IDLE_US.get() {
         s.push_str(&format!("poll_idle_us = {us}\n"));
+    }
+    if let Some(on) = PUSH_WITH_GRANTS.get() {
+        s.push_str(&format!("push_with_grants = {on}\n"));
     }
     s
 }
@@ -404,6 +415,9 @@ fn main() -> anyhow::Result<()> {
     let _ = REGISTER_AT_LOCATE.set(args.register_at_locate);
     if let Some(us) = args.poll_idle_us {
         let _ = POLL_IDLE_US.set(us);
+    }
+    if let Some(on) = args.push_with_grants {
+        let _ = PUSH_WITH_GRANTS.set(on);
     }
     // As the daemon does, before any thread starts, where tcp may be used:
     // the raw UCX loops and the daemons (children inherit it) run with the

@@ -74,6 +74,10 @@ pub fn stats_json(s: &crate::Stats) -> String {
             v["lookup_table_entries"] = c.lookup_table_entries.into();
             v["lookup_table_overflowed"] = c.lookup_table_overflowed.into();
             v["lookup_table_fallbacks"] = c.lookup_table_fallbacks.into();
+            v["push_invites"] = c.push_invites.into();
+            v["pushes_used"] = c.pushes_used.into();
+            v["pushes_unused"] = c.pushes_unused.into();
+            v["pushes_sent"] = c.pushes_sent.into();
             v
         }),
     })

@@ -56,6 +56,9 @@ use crate::staging::is_staged;
 use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
 use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
 
+mod push;
+pub use push::PushCounters;
+
 /// Response stream of `Exchange`.
 pub type FrameStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::Frame, Status>> + Send>>;
 
@@ -157,6 +160,9 @@ struct Inner {
     /// write that changes entries waits N ms first (under the core lock),
     /// so a test sees what a late write would let readers see.
     table_delay: Option<Duration>,
+    /// Slots pushed with their grants (tcp): receives posted, invitations
+    /// to answer (push.rs).
+    push: push::PushState,
 }
 
 /// One read the core asked for, with the local slot reserved for it.
@@ -240,6 +246,11 @@ pub struct Cluster {
     /// can take them (`peer.control`, `DataPlane::send_control`); gRPC
     /// streams carry the rest (membership frames, and batches it refused).
     control_ucx: bool,
+    /// Getter side of `peer.push_with_grants` is on: tcp sends, coherence
+    /// on the gRPC streams (push.rs).
+    push_invites: bool,
+    /// Pushes counted (stats).
+    pub push_counters: PushCounters,
 }
 
 /// Test-only: the first batch that registers a fetched copy at its home
@@ -410,6 +421,9 @@ impl Cluster {
             over = if control_ucx { "UCX active messages (gRPC streams where no endpoint)" } else { "gRPC streams" },
             "coherence batches"
         );
+        // Invitations travel beside the batches on the streams, ahead of
+        // what answers them: only where batches take the streams.
+        let push_invites = peers.config().push_with_grants && peers.mode() == Mode::Recv && !control_ucx;
         store.lock().set_coherent();
         let mut links = HashMap::new();
         let mut link_stats = HashMap::new();
@@ -442,6 +456,7 @@ impl Cluster {
                 table,
                 table_header: None,
                 table_delay: crate::peers::test_hook_ms("delay-table-apply-ms").map(Duration::from_millis),
+                push: push::PushState::default(),
             }),
             store,
             peers,
@@ -456,6 +471,8 @@ impl Cluster {
             next_barrier: AtomicU64::new(BARRIER_BASE),
             held: held_frame_hook(),
             control_ucx,
+            push_invites,
+            push_counters: PushCounters::default(),
         });
         for (entry, rx) in link_rx {
             tokio::spawn(Arc::clone(&cluster).link_task(entry, rx));
@@ -571,6 +588,7 @@ impl Cluster {
         while let Some(ev) = queue.pop_front() {
             self.feed_locked(g, ev);
         }
+        self.decline_leftover_invites(g);
     }
 
     fn flush(self: &Arc<Self>) {
@@ -600,7 +618,11 @@ impl Cluster {
                         }
                     }
                 }
-                let frame = pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())) };
+                let (push_answers, push_sends) = self.answer_invites(g, to, &batch);
+                let push_invites = self.invite_pushes(g, to, &batch, queue);
+                let pushes = !push_answers.is_empty() || !push_invites.is_empty();
+                let frame =
+                    pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())), push_invites, push_answers };
                 if let Some(h) = &self.held {
                     let mut h = h.lock();
                     if let HeldFrame::Armed(delay) = *h
@@ -611,8 +633,29 @@ impl Cluster {
                         return;
                     }
                 }
+                if pushes {
+                    // On the stream: what it says about pushes must arrive
+                    // before (with) the answers it goes with.
+                    self.send_frame(to, frame);
+                    // The answer first: it has further to go (the
+                    // getter's core must see the grant before it uses
+                    // the slot).
+                    self.send_pushes(push_sends);
+                    return;
+                }
                 let incarnation = g.node.view().member(to).map(|m| m.incarnation);
                 self.send_batch(to, incarnation, frame);
+            }
+            Action::StartRead { op, from, remote, expect, deadline } if let Some(p) = self.take_pushed(g, op, from) => {
+                // The holder pushed the slot with its grant (push.rs).
+                let dest = p.dest;
+                g.fetching.insert(dest, expect);
+                self.reads_in_flight.fetch_add(1, Ordering::SeqCst);
+                let started = Instant::now();
+                if let Some(w) = g.waiters.get_mut(&op) {
+                    w.read_started = Some(started);
+                }
+                self.read_pushed(from, Read { op, from, remote, expect, dest, deadline, started }, p);
             }
             Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
                 Some(dest) => {
@@ -647,6 +690,7 @@ impl Cluster {
                 self.membership_actions(g, actions, queue);
             }
             Action::ClientDone { op, outcome } => {
+                self.end_pushes(g, op);
                 let waiter = g.waiters.remove(&op);
                 let mut fetched = false;
                 let result = match outcome {
@@ -726,11 +770,11 @@ impl Cluster {
                         epoch_seen: ka.epoch_seen,
                         capacity: ka.capacity,
                     };
-                    self.send_frame(to, pb::Frame { body: Some(Body::Keepalive(k)) });
+                    self.send_frame(to, pb::Frame { body: Some(Body::Keepalive(k)), ..Default::default() });
                 }
                 MembershipAction::Ack { to, sent_at_us, view } => {
                     let ack = pb::KeepAliveAck { sent_at_us, view: Some(pb_view(&view)) };
-                    self.send_frame(to, pb::Frame { body: Some(Body::KeepaliveAck(ack)) });
+                    self.send_frame(to, pb::Frame { body: Some(Body::KeepaliveAck(ack)), ..Default::default() });
                 }
                 MembershipAction::AckLocal { sent_at_us } => {
                     queue.push_back(Event::KeepAliveAck { sent_at: sent_at_us })
@@ -751,7 +795,10 @@ impl Cluster {
                     queue.push_back(Event::View(view));
                 }
                 MembershipAction::ForwardLeave { to, node: _, incarnation } => {
-                    self.send_frame(to, pb::Frame { body: Some(Body::Leave(pb::Leave { incarnation })) });
+                    self.send_frame(
+                        to,
+                        pb::Frame { body: Some(Body::Leave(pb::Leave { incarnation })), ..Default::default() },
+                    );
                 }
             }
         }
@@ -857,7 +904,7 @@ impl Cluster {
         let v = pb_view(view);
         for m in &view.members {
             if m.id != self.id {
-                self.send_frame(m.id, pb::Frame { body: Some(pb::frame::Body::View(v.clone())) });
+                self.send_frame(m.id, pb::Frame { body: Some(pb::frame::Body::View(v.clone())), ..Default::default() });
             }
         }
     }
@@ -1364,7 +1411,9 @@ impl Cluster {
         let mut client = pb::peer_client::PeerClient::new(channel).max_decoding_message_size(64 << 20);
         let (tx, out) = mpsc::channel::<pb::Frame>(self.cfg.peer_queue_frames);
         let hello = pb::StreamHello { node_id: self.id, incarnation: self.incarnation };
-        tx.send(pb::Frame { body: Some(pb::frame::Body::Hello(hello)) }).await.map_err(|e| e.to_string())?;
+        tx.send(pb::Frame { body: Some(pb::frame::Body::Hello(hello)), ..Default::default() })
+            .await
+            .map_err(|e| e.to_string())?;
         let resp = tokio::time::timeout(
             crate::dataplane::CONTROL_TIMEOUT,
             client.exchange(tokio_stream::wrappers::ReceiverStream::new(out)),
@@ -1412,7 +1461,7 @@ impl Cluster {
                     tx.send(f).await.map_err(|_| "stream closed".to_string())?;
                 }
                 m = inbound.message() => match m {
-                    Ok(Some(pb::Frame { body: Some(pb::frame::Body::Pong(x)) })) => {
+                    Ok(Some(pb::Frame { body: Some(pb::frame::Body::Pong(x)), .. })) => {
                         last_pong = Instant::now();
                         if let Some(l) = stats {
                             l.last_pong_us.store(self.now_us().max(1), Ordering::Relaxed);
@@ -1428,7 +1477,7 @@ impl Cluster {
                         return Err("no pong for three heartbeats".into());
                     }
                     seq += 1;
-                    tx.send(pb::Frame { body: Some(pb::frame::Body::Ping(seq)) }).await.map_err(|_| "stream closed".to_string())?;
+                    tx.send(pb::Frame { body: Some(pb::frame::Body::Ping(seq)), ..Default::default() }).await.map_err(|_| "stream closed".to_string())?;
                 }
             }
         }
@@ -1443,7 +1492,7 @@ impl Cluster {
         let first = tokio::time::timeout(crate::dataplane::CONTROL_TIMEOUT, inbound.message())
             .await
             .map_err(|_| Status::deadline_exceeded("no hello on the coherence stream"))??;
-        let Some(pb::Frame { body: Some(pb::frame::Body::Hello(hello)) }) = first else {
+        let Some(pb::Frame { body: Some(pb::frame::Body::Hello(hello)), .. }) = first else {
             return Err(Status::invalid_argument("the first frame of a coherence stream must be a hello"));
         };
         let from = hello.node_id;
@@ -1537,7 +1586,7 @@ impl Cluster {
         for (from, incarnation, seq) in pongs {
             let dp = self.peers.dataplane();
             if !incarnation.is_some_and(|inc| dp.send_pong(from, inc, self.id, seq)) {
-                self.send_frame(from, pb::Frame { body: Some(pb::frame::Body::Pong(seq)) });
+                self.send_frame(from, pb::Frame { body: Some(pb::frame::Body::Pong(seq)), ..Default::default() });
             }
         }
     }
@@ -1558,11 +1607,14 @@ impl Cluster {
         }
     }
 
-    /// A batch from a peer's stream.
-    fn on_batch(self: &Arc<Self>, from: NodeId, bytes: &[u8]) {
+    /// A batch from a peer's stream, with the push invitations it carried.
+    fn on_batch(self: &Arc<Self>, from: NodeId, bytes: &[u8], invites: &[pb::PushInvite]) {
         match Batch::decode(bytes) {
             Ok(batch) => {
-                self.receive_locked(&mut self.inner.lock(), from, batch);
+                let mut g = self.inner.lock();
+                self.take_invites(&mut g, from, invites, &batch);
+                self.receive_locked(&mut g, from, batch);
+                drop(g);
                 self.timer.notify_one();
             }
             Err(e) => {
@@ -1580,8 +1632,14 @@ impl Cluster {
         pong: &mpsc::Sender<Result<pb::Frame, Status>>,
     ) {
         use pb::frame::Body;
+        // A peer's answers to our push invitations come before the
+        // answers of the batch beside them.
+        let answered = !f.push_answers.is_empty();
+        if answered {
+            self.on_push_answers(&mut self.inner.lock(), from, &f.push_answers);
+        }
         match f.body {
-            Some(Body::Batch(bytes)) => self.on_batch(from, &bytes),
+            Some(Body::Batch(bytes)) => self.on_batch(from, &bytes, &f.push_invites),
             Some(Body::Keepalive(ka)) => {
                 let ka = KeepAlive {
                     node: from,
@@ -1620,10 +1678,11 @@ impl Cluster {
             }
             Some(Body::View(v)) => self.on_view(from_pb_view(&v)),
             Some(Body::Ping(x)) => {
-                let _ = pong.try_send(Ok(pb::Frame { body: Some(Body::Pong(x)) }));
+                let _ = pong.try_send(Ok(pb::Frame { body: Some(Body::Pong(x)), ..Default::default() }));
             }
             // A ping that came as an active message, answered on the stream.
             Some(Body::Pong(x)) => self.pong_received(from, x),
+            None if answered => {}
             Some(Body::Hello(_)) | None => {
                 tracing::debug!(peer = from, incarnation, "unexpected frame on a coherence stream");
             }
@@ -2136,7 +2195,7 @@ impl Cluster {
                 let (tx, rx) = oneshot::channel();
                 self.barriers.lock().insert((p, seq), tx);
                 if !ucx {
-                    self.send_frame(p, pb::Frame { body: Some(pb::frame::Body::Ping(seq)) });
+                    self.send_frame(p, pb::Frame { body: Some(pb::frame::Body::Ping(seq)), ..Default::default() });
                 } else if !(self.control_ucx && self.peers.dataplane().send_ping(p, incarnation, self.id, seq)) {
                     // Not sent (no endpoint to that incarnation, or the
                     // peer takes no such messages): nothing went that way.
@@ -2235,6 +2294,10 @@ impl Cluster {
             staging_exhausted: staging.map_or(0, |s| s.exhausted.load(Ordering::Relaxed)),
             pending_registrations: m.pending_registrations,
             early_registrations: m.early_registrations,
+            push_invites: self.push_counters.invites.load(Ordering::Relaxed),
+            pushes_used: self.push_counters.used.load(Ordering::Relaxed),
+            pushes_unused: self.push_counters.unused.load(Ordering::Relaxed),
+            pushes_sent: self.push_counters.sent.load(Ordering::Relaxed),
         }
     }
 

@@ -262,6 +262,13 @@ pub struct PeerConfig {
     /// `auto` (so with `transports = "sm"` and peer TLS off, else on the
     /// gRPC streams), `grpc` (always the streams).
     pub control: String,
+    /// On tcp (`transfer` send), a getter posts the receive for a block
+    /// with its locate or grant request and invites the home or holder to
+    /// send the slot as soon as it grants it, instead of after the grant's
+    /// answer and a send order (one round trip less per remote get;
+    /// docs/DATAPLANE.md). Only where coherence batches travel on the gRPC
+    /// streams (`control` not `ucx`), with peers whose handshake takes it.
+    pub push_with_grants: bool,
     /// Mutual TLS between daemons.
     pub tls: PeerTlsConfig,
 }
@@ -305,6 +312,7 @@ impl Default for PeerConfig {
             poll_idle_us: crate::dataplane::POLL_IDLE_DEFAULT_US,
             staging_slots: 64,
             control: "auto".into(),
+            push_with_grants: true,
             tls: PeerTlsConfig::default(),
         }
     }

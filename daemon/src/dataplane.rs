@@ -646,11 +646,16 @@ impl DataPlane {
     }
 
     fn send(&self, cmd: Cmd) -> Result<(), String> {
+        self.send_quiet(cmd)?;
+        self.wake.notify();
+        Ok(())
+    }
+
+    /// Queues a command without waking the thread (it takes it at its next
+    /// turn: it sleeps at most 100 ms).
+    fn send_quiet(&self, cmd: Cmd) -> Result<(), String> {
         match self.tx.try_send(cmd) {
-            Ok(()) => {
-                self.wake.notify();
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(TrySendError::Full(_)) => Err("data plane queue full".into()),
             Err(TrySendError::Disconnected(_)) => Err("data plane stopped".into()),
         }
@@ -702,9 +707,18 @@ impl DataPlane {
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
         let reply = Completions::Channel(reply);
-        if let Err(e) =
-            self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply }))
-        {
+        if let Err(e) = self.send(Cmd::Transfer(Pending {
+            id,
+            mode,
+            peer,
+            incarnation,
+            items,
+            orders,
+            staged,
+            deadline,
+            reply,
+            passive: false,
+        })) {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
@@ -731,8 +745,53 @@ impl DataPlane {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let reply = Completions::Inline(done);
         let staged = Vec::new();
-        self.send(Cmd::Transfer(Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply }))?;
+        self.send(Cmd::Transfer(Pending {
+            id,
+            mode,
+            peer,
+            incarnation,
+            items,
+            orders,
+            staged,
+            deadline,
+            reply,
+            passive: false,
+        }))?;
         Ok(id)
+    }
+
+    /// Posts receives of `items` from `peer` that no send order asks for
+    /// (the peer was invited to send them, and may not), or (`Mode::Send`)
+    /// sends them: as [`DataPlane::transfer_ordered`] without orders, but
+    /// posting them does not keep the thread polling (it polls once bytes
+    /// move, as for any transfer). Receives do not wake a sleeping thread
+    /// either: it posts them at its next turn — at the latest when the
+    /// first bytes for them arrive (UCX holds what arrives before its
+    /// receive is posted, and matches it then), or a command wakes it.
+    pub fn post_passive(
+        &self,
+        mode: Mode,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        deadline: Instant,
+    ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
+        let n = items.len();
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
+        let fallback = reply.clone();
+        let (orders, staged, reply, passive) = (Vec::new(), Vec::new(), Completions::Channel(reply), true);
+        let p = Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply, passive };
+        let sent = match mode {
+            Mode::Recv => self.send_quiet(Cmd::Transfer(p)),
+            _ => self.send(Cmd::Transfer(p)),
+        };
+        if let Err(e) = sent {
+            for i in 0..n {
+                let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
+            }
+        }
+        (id, rx)
     }
 
     /// Cancels what is still in flight of batch `id` (its outcomes follow).
@@ -872,6 +931,10 @@ struct Pending {
     staged: Vec<(usize, StagingSlot)>,
     deadline: Instant,
     reply: Completions,
+    /// Posting it is no reason to poll: receives that may wait long for
+    /// their sender (a push the peer decides on after answering a locate).
+    /// The thread polls once bytes arrive, as for any transfer.
+    passive: bool,
 }
 
 fn run(
@@ -1035,7 +1098,7 @@ fn run(
                 }
                 continue;
             }
-            busy = true;
+            busy |= !p.passive;
             let f = start(worker, &peers, regions, p, bytes);
             reqs_in_flight += f.reqs.iter().filter(|r| r.is_some()).count();
             bytes_in_flight += f.bytes;
@@ -1232,6 +1295,7 @@ fn run(
                                 staged: o.staged,
                                 deadline: Instant::now() + server.send_timeout,
                                 reply: Completions::Channel(reply),
+                                passive: false,
                             });
                         } else {
                             let _ = server.unconnected.send(o);

@@ -499,6 +499,22 @@ impl prometheus_client::collector::Collector for Snapshot {
                 ),
                 ("coherence_staged_sends", "Blocks sent to peers from a host staging slot.", c.staged_sends),
                 (
+                    "coherence_push_invites",
+                    "Receives posted with a locate or grant request, inviting the peer to push the slot with its grant (tcp, peer.push_with_grants).",
+                    c.push_invites,
+                ),
+                ("coherence_pushes_used", "Slots a peer pushed with its grant that a read used.", c.pushes_used),
+                (
+                    "coherence_pushes_unused",
+                    "Push invitations that came to nothing (no grant, declined, or the get went another way); their slots are freed.",
+                    c.pushes_unused,
+                ),
+                (
+                    "coherence_pushes_sent",
+                    "Slots this daemon sent with its grant on a getter's invitation.",
+                    c.pushes_sent,
+                ),
+                (
                     "coherence_staging_exhausted",
                     "Staged reads or sends refused because every staging slot was busy (misses; see peer.staging_slots).",
                     c.staging_exhausted,

@@ -35,6 +35,7 @@ struct Connected {
     /// keys: up to 256 pools of 16 KiB each).
     pools: Arc<[pb::PoolDesc]>,
     takes_locate_registration: bool,
+    takes_push_invites: bool,
 }
 
 struct PeerState {
@@ -48,6 +49,8 @@ struct PeerState {
     /// Its handshake said it takes locate-time registrations (false until
     /// a handshake says so, and after the connection is dropped).
     takes_locate_registration: std::sync::atomic::AtomicBool,
+    /// Its handshake said it takes push invitations (`Frame.push_invites`).
+    takes_push_invites: std::sync::atomic::AtomicBool,
 }
 
 /// Test-only fault injection, from the environment (`KVMESH_TEST_HOOK`).
@@ -126,6 +129,7 @@ impl Peers {
                     retry_at: Mutex::new(Instant::now()),
                     renewed_at: Mutex::new(None),
                     takes_locate_registration: std::sync::atomic::AtomicBool::new(false),
+                    takes_push_invites: std::sync::atomic::AtomicBool::new(false),
                 })
             })
             .collect();
@@ -237,6 +241,7 @@ impl Peers {
         match self.handshake(&p.entry).await {
             Ok(c) => {
                 p.takes_locate_registration.store(c.takes_locate_registration, Ordering::Relaxed);
+                p.takes_push_invites.store(c.takes_push_invites, Ordering::Relaxed);
                 *p.conn.lock().await = Some(c);
                 true
             }
@@ -302,12 +307,14 @@ impl Peers {
             incarnation: resp.incarnation,
             pools: resp.pools.into(),
             takes_locate_registration: resp.takes_locate_registration,
+            takes_push_invites: resp.takes_push_invites,
         })
     }
 
     async fn drop_conn(&self, p: &PeerState) {
         *p.conn.lock().await = None;
         p.takes_locate_registration.store(false, Ordering::Relaxed);
+        p.takes_push_invites.store(false, Ordering::Relaxed);
         *p.retry_at.lock() = Instant::now();
     }
 
@@ -318,6 +325,12 @@ impl Peers {
             .iter()
             .find(|p| p.entry.id == id)
             .is_some_and(|p| p.takes_locate_registration.load(Ordering::Relaxed))
+    }
+
+    /// Whether peer `id`'s handshake said it takes push invitations
+    /// (`Frame.push_invites`; tcp, `peer.push_with_grants`).
+    pub fn takes_push_invites(&self, id: u32) -> bool {
+        self.peers.iter().find(|p| p.entry.id == id).is_some_and(|p| p.takes_push_invites.load(Ordering::Relaxed))
     }
 
     /// The handshake state of peer `id`: its incarnation, pools and a
@@ -827,6 +840,7 @@ impl pb::peer_server::Peer for PeerService {
             transports: p.cfg.transports.clone(),
             accepts_control: p.tls.is_none(),
             takes_locate_registration: test_hook() != Some(TestHook::PredateLocateRegistration),
+            takes_push_invites: true,
             lookup_table: p.dp.table().map(|t| pb::TableDesc {
                 base_address: t.base,
                 bytes: t.bytes,

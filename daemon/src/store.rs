@@ -982,6 +982,17 @@ impl Store {
         self.ns_by_fingerprint.get(&fp).map(|&id| self.namespaces[id as usize].clone())
     }
 
+    /// Whether a slot for the namespace `fingerprint` can be reserved now
+    /// without evicting anything (a free slot, and its pool stays at or
+    /// under the high watermark): for reservations that may come to
+    /// nothing (a slot a peer may push, reserved before the locate's
+    /// answer says whether anyone holds the key).
+    pub fn reserves_without_eviction(&self, fingerprint: u64) -> bool {
+        let Some(&id) = self.ns_by_fingerprint.get(&fingerprint) else { return false };
+        let Some(p) = self.pools.get(self.namespaces[id as usize].pool as usize) else { return false };
+        !p.free.is_empty() && f64::from(p.used() + 1) <= self.cfg.eviction.high_watermark * f64::from(p.slot_count())
+    }
+
     /// A registered namespace by id.
     pub fn namespace_info(&self, id: u32) -> Result<Namespace, Error> {
         self.namespace(id).cloned()

@@ -54,6 +54,14 @@ async fn pin_verified(c: &Client, ns: &Namespace, keys: &[Key]) {
     }
 }
 
+/// `kvmesh stats --json`'s coherence figures of daemon `d`.
+fn stats_coherence(d: &Daemon) -> serde_json::Value {
+    let (rc, stdout, err) = run_cli(&d.socket, &["stats", "--json"]);
+    assert_eq!(rc, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    v["coherence"].clone()
+}
+
 async fn remote_round_trip(transports: &str) {
     let (a, b) = pair(&format!("rt-{transports}"), transports, &[]);
     let (ca, cb) = clients(&a, &b).await;
@@ -132,6 +140,18 @@ async fn remote_round_trip(transports: &str) {
     // (one epoch, no change of the keys meanwhile): none waited for a
     // registration round trip after its read.
     assert_eq!(c["early_registrations"].as_u64(), Some(sb_stats.remote_fetched + 1), "{v}");
+    // tcp: the holder pushed slots with its grants (`peer.push_with_grants`,
+    // on by default), B's reads used them — every byte checked above.
+    // Not on shared memory (one-sided reads: nothing to push).
+    let (invited, used) = (c["push_invites"].as_u64().unwrap(), c["pushes_used"].as_u64().unwrap());
+    let sa_coh = stats_coherence(&a);
+    let sent = sa_coh["pushes_sent"].as_u64().unwrap();
+    if transports == "tcp" {
+        assert!(used >= 500, "most of 1,000 fetches read a pushed slot: {v}");
+        assert!(invited >= used && sent >= used, "invited {invited}, used {used}, A sent {sent}");
+    } else {
+        assert_eq!((invited, used, sent), (0, 0, 0), "{v}");
+    }
     // Overwrite on B from the CLI: A then serves the new bytes, never the old.
     let newer = b.dir.0.join("newer");
     std::fs::write(&newer, vec![0xabu8; 16384]).unwrap();
@@ -386,7 +406,7 @@ async fn coherence_stream_refuses_bad_input() {
     };
     let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
     let client = pb::peer_client::PeerClient::new(channel);
-    let frame = |body| pb::Frame { body: Some(body) };
+    let frame = |body| pb::Frame { body: Some(body), ..Default::default() };
     let open = |frames: Vec<pb::Frame>| {
         let mut c = client.clone();
         async move { c.exchange(tokio_stream::iter(frames)).await }
@@ -595,7 +615,7 @@ async fn a_hostile_peer_cannot_crash_or_mislead_the_cluster() {
         let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
         pb::peer_client::PeerClient::new(ch).exchange(tokio_stream::iter(frames)).await
     };
-    let frame = |body| pb::Frame { body: Some(body) };
+    let frame = |body| pb::Frame { body: Some(body), ..Default::default() };
     let hello = |id| frame(pb::frame::Body::Hello(pb::StreamHello { node_id: id, incarnation: 1 }));
     let (ca, cb) = (a.client().await, b.client().await);
     let (sa, sb) = (ca.stats().await.unwrap(), cb.stats().await.unwrap());
@@ -714,7 +734,7 @@ async fn a_member_changing_its_capacity_in_every_keepalive_publishes_no_views() 
         let cfg = std::fs::read_to_string(a.dir.0.join("kvmeshd.toml")).unwrap();
         let listen = cfg.lines().find(|l| l.starts_with("listen = ") && l.contains("127.0.0.1")).unwrap();
         let addr = listen.trim_start_matches("listen = ").trim_matches('"');
-        let frame = |body| pb::Frame { body: Some(body) };
+        let frame = |body| pb::Frame { body: Some(body), ..Default::default() };
         let mut frames = vec![frame(pb::frame::Body::Hello(pb::StreamHello { node_id: 2, incarnation: inc_b }))];
         for i in 0..40u32 {
             // (An old send time: the acknowledgements extend no lease of B's.)
@@ -843,4 +863,56 @@ async fn a_peers_pools_are_prefaulted_where_shared_memory_maps_them() {
         assert!(t0.elapsed() < Duration::from_secs(20), "A's pools not faulted in in B: {in_b:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// tcp, `peer.push_with_grants` on A (the default) and off on B: A's gets
+/// read slots B pushed with its grants; B's gets take the send-order path
+/// (B invites nothing, though it answers A's invitations); A's misses
+/// come to nothing and give their reserved slots back. Every byte checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_slots_are_read_and_unused_ones_freed_tcp() {
+    let ports = [free_port(), free_port()];
+    let a = Daemon::start("push-a", &peer_config(1, &ports, "tcp", &pools()));
+    let tls_and_off = "{ mode = \"off\" }\npush_with_grants = false";
+    let b = Daemon::start("push-b", &common::peer_config_tls(2, &ports, "tcp", &pools(), tls_and_off));
+    let (ca, cb) = clients(&a, &b).await;
+    let (sa, _) = namespaces(&ca).await;
+    let (sb, _) = namespaces(&cb).await;
+    let on_a: Vec<Key> = (0..40u128).map(|i| Key(1000 + i)).collect();
+    let on_b: Vec<Key> = (0..40u128).map(|i| Key(2000 + i)).collect();
+    put_all(&ca, &sa, &on_a).await;
+    put_all(&cb, &sb, &on_b).await;
+    for chunk in on_b.chunks(8) {
+        pin_verified(&ca, &sa, chunk).await;
+    }
+    for chunk in on_a.chunks(8) {
+        pin_verified(&cb, &sb, chunk).await;
+    }
+    // Keys nobody holds: misses (those homed at B invited a push B declines).
+    let absent: Vec<Key> = (0..40u128).map(|i| Key(3000 + i)).collect();
+    assert!(ca.pin(&sa, &absent).await.unwrap().iter().all(|b| b.is_none()));
+    let (ka, kb) = (stats_coherence(&a), stats_coherence(&b));
+    let n = |c: &serde_json::Value, f: &str| c[f].as_u64().unwrap();
+    assert!(n(&ka, "pushes_used") >= 20, "most of A's 40 fetches read pushed slots: {ka}");
+    assert!(n(&ka, "pushes_unused") >= 1, "misses homed at B were declined: {ka}");
+    assert_eq!(n(&kb, "push_invites"), 0, "B has pushes off: {kb}");
+    assert!(n(&kb, "pushes_sent") >= n(&ka, "pushes_used"), "B sent what A used: {kb}");
+    assert_eq!(n(&ka, "pushes_sent"), 0, "B never invited: {ka}");
+    // Every invitation accounted for, and every reserved slot given back
+    // (a declined receive is cancelled; its slot freed).
+    let t0 = Instant::now();
+    loop {
+        let ka = stats_coherence(&a);
+        let s = ca.stats().await.unwrap();
+        if n(&ka, "push_invites") == n(&ka, "pushes_used") + n(&ka, "pushes_unused") && s.allocations_outstanding == 0 {
+            assert_eq!(s.remote_fetched, 40, "{s:?}");
+            assert_eq!(s.remote_validation_failures, 0, "{s:?}");
+            let valid: u32 = s.pools.iter().map(|p| p.valid).sum();
+            assert_eq!(valid, 80, "A holds its 40 blocks and the 40 it fetched, nothing else: {s:?}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "reserved slots not freed: {ka} {s:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(cb.stats().await.unwrap().remote_fetched, 40);
 }

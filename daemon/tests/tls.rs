@@ -124,7 +124,10 @@ async fn a_tls_cluster_moves_blocks_and_refuses_callers_that_are_not_its_nodes()
     let err = handshake(&mut c, 2).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
     assert!(err.message().contains("node-2.kvmesh"), "{err:?}");
-    let hello = pb::Frame { body: Some(pb::frame::Body::Hello(pb::StreamHello { node_id: 2, incarnation: 1 })) };
+    let hello = pb::Frame {
+        body: Some(pb::frame::Body::Hello(pb::StreamHello { node_id: 2, incarnation: 1 })),
+        ..Default::default()
+    };
     let err = c.exchange(tokio_stream::iter(vec![hello])).await.unwrap_err();
     assert_eq!(err.code(), tonic::Code::PermissionDenied, "{err:?}");
     let send = pb::SendRequest { node_id: 2, ..Default::default() };

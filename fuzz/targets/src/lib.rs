@@ -312,7 +312,7 @@ pub fn peer_messages(data: &[u8]) {
             }
         }
         2 => {
-            if let Ok(pb::Frame { body: Some(pb::frame::Body::Batch(b)) }) = pb::Frame::decode(body) {
+            if let Ok(pb::Frame { body: Some(pb::frame::Body::Batch(b)), .. }) = pb::Frame::decode(body) {
                 batch_decode(&b);
             }
         }
@@ -515,10 +515,19 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                     accepts_control: true,
                     takes_locate_registration: true,
                     lookup_table: Some(pb::TableDesc { base_address: 1 << 41, bytes: 1 << 19, rkey: vec![3; 30] }),
+                    takes_push_invites: true,
                 }
                 .encode_to_vec(),
             ),
-            framed(2, pb::Frame { body: Some(pb::frame::Body::Batch(batches[0].clone())) }.encode_to_vec()),
+            framed(
+                2,
+                pb::Frame {
+                    body: Some(pb::frame::Body::Batch(batches[0].clone())),
+                    push_invites: vec![pb::PushInvite { op: 1, tag: 7 }],
+                    push_answers: vec![pb::PushAnswer { op: 2, pushed: true }],
+                }
+                .encode_to_vec(),
+            ),
             framed(
                 3,
                 pb::SendRequest {

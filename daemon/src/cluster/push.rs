@@ -1,0 +1,335 @@
+//! Slots pushed with their grant (tcp, `peer.push_with_grants`).
+//!
+//! Over tcp a holder sends a block with a tag-matched send that the getter
+//! receives into its reserved slot. Without this module the getter posts
+//! that receive only once the grant's answer is back, then sends a send
+//! order (a UCX active message) and waits for the holder's data-plane
+//! thread to wake and send: a round trip and a wake-up after the grant.
+//!
+//! Here the getter reserves the slot and posts the receive when it sends
+//! the locate (to the home) or the grant request (to a holder), and names
+//! its tag in the same frame (`Frame.push_invites`). The peer, when its
+//! answer to that request grants the getter a slot (already pinned for the
+//! getter's session, as for any grant), posts the send at once and says so
+//! beside the answer (`Frame.push_answers`, ahead of the batch on the same
+//! stream); when it does not grant, it says it sent nothing and the getter
+//! cancels the receive. The bytes travel while the answer does.
+//!
+//! Nothing changes in what is guaranteed: the peer sends only slots it
+//! granted to that getter in the very answer; the getter uses a pushed slot
+//! only for a read the core asked for, from that peer, for that request,
+//! and the core validates what landed against the grant (header, trailer,
+//! payload checksum) as for any read. A reservation is made only where it
+//! evicts nothing (a locate may find nothing), at most `PUSHES_MAX` at once.
+//! A receive whose peer said it pushed (or has not answered yet) is never
+//! cancelled early — a send whose receive is gone would hold the peer's
+//! endpoint until its deadline — but waited for until its own deadline.
+
+use super::*;
+
+/// Slots to push: to whom (that incarnation), what.
+pub(super) type PushSends = Option<(NodeId, u64, Vec<TransferItem>)>;
+
+/// Receives posted for pushes at most at once (per daemon).
+const PUSHES_MAX: usize = 1024;
+/// Invitations from peers held at most at once (they are answered in the
+/// flush that follows the batch they came with).
+const INVITES_MAX: usize = 4096;
+
+/// A receive posted for a slot a peer was invited to push.
+pub(super) struct Push {
+    /// The reserved local slot.
+    pub(super) dest: CoreSlot,
+    /// Its data-plane batch (one receive).
+    id: u64,
+    posted: Posted,
+    /// Receive deadline.
+    until: Instant,
+    /// What the peer answered: `Some(true)` it sent the slot.
+    answer: Option<bool>,
+}
+
+/// Push state of the driver (under the core lock).
+#[derive(Default)]
+pub(super) struct PushState {
+    /// Getter side: receives posted, by the request's op and peer.
+    posted: HashMap<OpId, Vec<(NodeId, Push)>>,
+    count: usize,
+    /// Holder side: invitations of the batches being handled, by (getter,
+    /// op): the getter's tag.
+    invites: HashMap<(NodeId, OpId), u64>,
+}
+
+/// Counters (stats: `push_invites`, `pushes_used`, `pushes_unused`,
+/// `pushes_sent`).
+#[derive(Default)]
+pub struct PushCounters {
+    /// Receives posted with an invitation.
+    pub invites: AtomicU64,
+    /// Pushed slots a read used.
+    pub used: AtomicU64,
+    /// Invitations that came to nothing.
+    pub unused: AtomicU64,
+    /// Slots this daemon sent on an invitation.
+    pub sent: AtomicU64,
+}
+
+impl Cluster {
+    /// Getter: for each locate or grant request of `batch` (for `to`),
+    /// reserves a slot, posts its receive and returns the invitations to
+    /// send with the batch. None where pushes are off, the peer does not
+    /// take them, or a slot would cost an eviction.
+    pub(super) fn invite_pushes(
+        &self,
+        g: &mut Inner,
+        to: NodeId,
+        batch: &Batch,
+        queue: &mut VecDeque<Event>,
+    ) -> Vec<pb::PushInvite> {
+        if !self.push_invites || !self.peers.takes_push_invites(to) {
+            return Vec::new();
+        }
+        let Some(inc) = g.node.view().member(to).map(|m| m.incarnation) else { return Vec::new() };
+        if self.peers.try_conn_info(to).is_none_or(|(i, _)| i != inc) {
+            return Vec::new();
+        }
+        let mut invites = Vec::new();
+        let until = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
+        for m in &batch.msgs {
+            let (op, key) = match *m {
+                Msg::LocateReq { op, key, .. } | Msg::GrantReq { op, key, .. } => (op, key),
+                _ => continue,
+            };
+            // One receive per request and peer: a retransmitted request
+            // is not invited again.
+            if g.push.count >= PUSHES_MAX || g.push.posted.get(&op).is_some_and(|v| v.iter().any(|(n, _)| *n == to)) {
+                continue;
+            }
+            let Some((dest, stride, cap, mapping)) = self.reserve_push_slot(key, queue) else { continue };
+            let d = to_store(dest);
+            let tag = self.peers.next_tag();
+            let item = TransferItem {
+                remote_pool: 0,
+                remote_offset: 0,
+                len: stride,
+                local_pool: d.pool,
+                local_offset: d.slot as u64 * stride,
+                tag,
+            };
+            let (id, rx) = self.peers.dataplane().post_passive(Mode::Recv, to, inc, vec![item], until);
+            let posted = Posted {
+                rx,
+                index: vec![0],
+                geometry: vec![(stride, cap, Some(Dest::Pool(mapping)))],
+                mode: Mode::Recv,
+                t_post: Instant::now(),
+            };
+            g.push.posted.entry(op).or_default().push((to, Push { dest, id, posted, until, answer: None }));
+            g.push.count += 1;
+            self.push_counters.invites.fetch_add(1, Ordering::Relaxed);
+            invites.push(pb::PushInvite { op, tag });
+        }
+        invites
+    }
+
+    /// A fetch slot for `key` if one is free without evicting anything, in
+    /// a host pool UCX receives into: slot, stride, payload capacity, mapping.
+    fn reserve_push_slot(
+        &self,
+        key: BlockKey,
+        queue: &mut VecDeque<Event>,
+    ) -> Option<(CoreSlot, u64, u64, Arc<kvmesh_ffi_os::SharedMapping>)> {
+        let (pool, stride, cap, mapping) = {
+            let st = self.store.lock();
+            if !st.reserves_without_eviction(key.ns) {
+                return None;
+            }
+            let ns = st.namespace_by_fingerprint(key.ns)?;
+            let p = st.pools().get(ns.pool as usize)?;
+            let mapping = p.memory.host().filter(|_| !is_staged(&p.memory))?.clone();
+            (ns.pool, p.stride, p.slot_payload_bytes, mapping)
+        };
+        let expect = CoreMeta { key, version: 0, generation: 0, checksum: 0 };
+        let slot = self.alloc_fetch_slot(&expect, queue)?;
+        if to_store(slot).pool != pool {
+            self.store.lock().free_core(to_store(slot));
+            return None;
+        }
+        Some((slot, stride, cap, mapping))
+    }
+
+    /// Getter: the peer's answers to our invitations (handled before the
+    /// batch they came with). A declined one's receive is cancelled: the
+    /// peer sends nothing for it.
+    pub(super) fn on_push_answers(&self, g: &mut Inner, from: NodeId, answers: &[pb::PushAnswer]) {
+        for a in answers {
+            let Some(v) = g.push.posted.get_mut(&a.op) else { continue };
+            let Some(i) = v.iter().position(|(n, p)| *n == from && p.answer.is_none()) else { continue };
+            if a.pushed {
+                v[i].1.answer = Some(true);
+                continue;
+            }
+            let (_, mut p) = v.swap_remove(i);
+            if v.is_empty() {
+                g.push.posted.remove(&a.op);
+            }
+            g.push.count -= 1;
+            p.answer = Some(false);
+            self.discard_push(p);
+        }
+    }
+
+    /// Getter: the core asks to read from `from` for `op`: the receive the
+    /// peer pushed into, if it said it did.
+    pub(super) fn take_pushed(&self, g: &mut Inner, op: OpId, from: NodeId) -> Option<Push> {
+        let v = g.push.posted.get_mut(&op)?;
+        let i = v.iter().position(|(n, p)| *n == from && p.answer == Some(true))?;
+        let (_, p) = v.swap_remove(i);
+        if v.is_empty() {
+            g.push.posted.remove(&op);
+        }
+        g.push.count -= 1;
+        self.push_counters.used.fetch_add(1, Ordering::Relaxed);
+        Some(p)
+    }
+
+    /// Getter: reads `read` (whose slot is `p.dest`) from what the peer
+    /// pushed: reported to the core as any read (validated against the
+    /// grant). A read deadline before the receive's cancels it then.
+    pub(super) fn read_pushed(self: &Arc<Self>, from: NodeId, read: Read, p: Push) {
+        let deadline = self.instant_of(read.deadline);
+        if deadline < p.until {
+            let (dp, id) = (Arc::clone(self.peers.dataplane()), p.id);
+            tokio::spawn(async move {
+                tokio::time::sleep_until(deadline.into()).await;
+                dp.cancel(id);
+            });
+        }
+        let wave = Wave { refused: Vec::new(), posted: Some(p.posted) };
+        let me = Arc::clone(self);
+        tokio::spawn(async move { me.read_batch_task(from, vec![read], Some(wave)).await });
+    }
+
+    /// Getter: the get `op` ended; receives still posted for it are
+    /// waited for (a peer that pushed, or may still answer that it did,
+    /// must not find the receive gone) and their slots freed.
+    pub(super) fn end_pushes(&self, g: &mut Inner, op: OpId) {
+        let Some(v) = g.push.posted.remove(&op) else { return };
+        g.push.count -= v.len();
+        for (_, p) in v {
+            self.discard_push(p);
+        }
+    }
+
+    /// Frees the slot of a push no read uses, once its receive ended
+    /// (cancelled first where the peer declined); quarantined if UCX may
+    /// still write it.
+    fn discard_push(&self, p: Push) {
+        self.push_counters.unused.fetch_add(1, Ordering::Relaxed);
+        let dp = Arc::clone(self.peers.dataplane());
+        if p.answer == Some(false) {
+            dp.cancel(p.id);
+        }
+        let store = Arc::clone(&self.store);
+        let Push { dest, posted: Posted { mut rx, .. }, .. } = p;
+        tokio::spawn(async move {
+            let outcome = rx.recv().await.map(|(_, o)| o);
+            let mut st = store.lock();
+            match outcome {
+                Some(TransferOutcome::TimedOut) => st.quarantine_core(to_store(dest)),
+                _ => st.free_core(to_store(dest)),
+            }
+        });
+    }
+
+    /// Holder: keeps the invitations `from` sent with `batch` (only for the
+    /// locates and grant requests in it) until the answers go out.
+    pub(super) fn take_invites(&self, g: &mut Inner, from: NodeId, invites: &[pb::PushInvite], batch: &Batch) {
+        if invites.is_empty() {
+            return;
+        }
+        let asked: HashSet<OpId> = batch
+            .msgs
+            .iter()
+            .filter_map(|m| match *m {
+                Msg::LocateReq { op, .. } | Msg::GrantReq { op, .. } => Some(op),
+                _ => None,
+            })
+            .collect();
+        for i in invites {
+            if asked.contains(&i.op) && g.push.invites.len() < INVITES_MAX {
+                g.push.invites.insert((from, i.op), i.tag);
+            }
+        }
+    }
+
+    /// Holder: answers the invitations that the answers in `batch` (to
+    /// `to`, grants already pinned for it) settle; the granted slots to
+    /// send with the invitations' tags ([`Cluster::send_pushes`], once the
+    /// batch is on its way).
+    pub(super) fn answer_invites(&self, g: &mut Inner, to: NodeId, batch: &Batch) -> (Vec<pb::PushAnswer>, PushSends) {
+        if g.push.invites.is_empty() {
+            return (Vec::new(), None);
+        }
+        let inc = g
+            .node
+            .view()
+            .member(to)
+            .map(|m| m.incarnation)
+            .filter(|inc| self.peers.try_conn_info(to).is_some_and(|(i, _)| i == *inc));
+        let mut answers = Vec::new();
+        let mut items = Vec::new();
+        {
+            let st = self.store.lock();
+            for m in &batch.msgs {
+                let (op, granted) = match m {
+                    Msg::GrantResp { op, result: GrantResult::Granted { slot, .. }, .. } => (*op, Some(*slot)),
+                    Msg::GrantResp { op, .. } | Msg::LocateResp { op, .. } => (*op, None),
+                    _ => continue,
+                };
+                let Some(tag) = g.push.invites.remove(&(to, op)) else { continue };
+                let r = granted.filter(|_| inc.is_some()).map(to_store);
+                let geometry = r.and_then(|r| {
+                    let p = st.pools().get(r.pool as usize).filter(|p| !is_staged(&p.memory))?;
+                    Some((r, p.stride))
+                });
+                if let Some((r, stride)) = geometry {
+                    items.push(TransferItem {
+                        remote_pool: 0,
+                        remote_offset: 0,
+                        len: stride,
+                        local_pool: r.pool,
+                        local_offset: r.slot as u64 * stride,
+                        tag,
+                    });
+                }
+                answers.push(pb::PushAnswer { op, pushed: geometry.is_some() });
+            }
+        }
+        let sends = inc.filter(|_| !items.is_empty()).map(|inc| (to, inc, items));
+        (answers, sends)
+    }
+
+    /// Holder: sends what [`Cluster::answer_invites`] granted.
+    pub(super) fn send_pushes(&self, sends: PushSends) {
+        let Some((to, inc, items)) = sends else { return };
+        self.push_counters.sent.fetch_add(items.len() as u64, Ordering::Relaxed);
+        let until = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
+        let _ = self.peers.dataplane().post_passive(Mode::Send, to, inc, items, until);
+    }
+
+    /// Holder: invitations whose request got no answer in the flush that
+    /// followed it are declined (their getters cancel the receives).
+    pub(super) fn decline_leftover_invites(&self, g: &mut Inner) {
+        if g.push.invites.is_empty() {
+            return;
+        }
+        let mut by_peer: HashMap<NodeId, Vec<pb::PushAnswer>> = HashMap::new();
+        for ((to, op), _) in g.push.invites.drain() {
+            by_peer.entry(to).or_default().push(pb::PushAnswer { op, pushed: false });
+        }
+        for (to, push_answers) in by_peer {
+            self.send_frame(to, pb::Frame { body: None, push_invites: Vec::new(), push_answers });
+        }
+    }
+}
