@@ -431,7 +431,17 @@ fn main() -> anyhow::Result<()> {
             .is_some_and(|c| c.peer.transports != "sm"),
         _ => false,
     };
-    if tcp && let Err(e) = kvmesh_ucx::tune_environment() {
+    // tcp alone (the eager threshold too) unless some daemon or loop here
+    // may use RDMA.
+    let tcp_only = match &args.cmd {
+        Cmd::Transfer { transports, .. } | Cmd::Breakdown { transports, .. } => !transports.iter().any(|t| t == "all"),
+        Cmd::Daemon { config } => std::fs::read_to_string(config)
+            .ok()
+            .and_then(|t| kvmeshd::Config::parse(&t, "").ok())
+            .is_some_and(|c| c.peer.transports == "tcp"),
+        _ => true,
+    };
+    if tcp && let Err(e) = kvmesh_ucx::tune_environment(tcp_only) {
         eprintln!("kvmesh-bench: {e}");
     }
     match args.cmd {
@@ -613,6 +623,9 @@ pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(Dae
         for (k, _) in kvmesh_ucx::TUNED_ENV {
             cmd.env_remove(k);
         }
+    }
+    if !extra.contains("transports = \"tcp\"") {
+        cmd.env_remove(kvmesh_ucx::TCP_EAGER_ENV.0);
     }
     let child = cmd
         .args(["daemon", "--config"])

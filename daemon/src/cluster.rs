@@ -629,6 +629,9 @@ impl Cluster {
                         && batch.msgs.iter().any(|m| matches!(m, Msg::AddHolderReq { .. }))
                     {
                         tracing::warn!(to, ?delay, msgs = ?batch.msgs, "TEST HOOK: holding a registration batch");
+                        // Its pushes are not sent: its answers say so.
+                        let mut frame = frame;
+                        frame.push_answers.iter_mut().for_each(|a| a.pushed = false);
                         *h = HeldFrame::Holding(Instant::now() + delay, to, frame);
                         return;
                     }
@@ -646,7 +649,9 @@ impl Cluster {
                 let incarnation = g.node.view().member(to).map(|m| m.incarnation);
                 self.send_batch(to, incarnation, frame);
             }
-            Action::StartRead { op, from, remote, expect, deadline } if let Some(p) = self.take_pushed(g, op, from) => {
+            Action::StartRead { op, from, remote, expect, deadline }
+                if let Some(p) = self.take_pushed(g, op, from, remote) =>
+            {
                 // The holder pushed the slot with its grant (push.rs).
                 let dest = p.dest;
                 g.fetching.insert(dest, expect);
@@ -1792,6 +1797,7 @@ impl Cluster {
                 g.grant_pins.remove(&(peer, grant));
             }
         }
+        self.sweep_pushes(&mut g, now);
         let actions = g.membership.tick(self.now_us());
         self.run_membership(&mut g, actions);
     }

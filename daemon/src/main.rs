@@ -68,7 +68,10 @@ fn main() -> std::process::ExitCode {
     }
     // UCX's tcp settings, before any thread starts (see the function);
     // only where tcp may be used (UCX warns of unused variables).
-    let tuned = if cfg.peer.transports == "sm" { Ok(Vec::new()) } else { kvmesh_ucx::tune_environment() };
+    let tuned = match cfg.peer.transports.as_str() {
+        "sm" => Ok(Vec::new()),
+        t => kvmesh_ucx::tune_environment(t == "tcp"),
+    };
     // Logs: KVMESH_LOG overrides [log] filter; the filter is reloadable.
     use tracing_subscriber::prelude::*;
     let filter = tracing_subscriber::EnvFilter::try_from_env("KVMESH_LOG")

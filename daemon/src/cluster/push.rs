@@ -57,7 +57,7 @@ pub(super) struct PushState {
     count: usize,
     /// Holder side: invitations of the batches being handled, by (getter,
     /// op): the getter's tag.
-    invites: HashMap<(NodeId, OpId), u64>,
+    invites: HashMap<(NodeId, OpId), (u64, u64)>,
 }
 
 /// Counters (stats: `push_invites`, `pushes_used`, `pushes_unused`,
@@ -100,9 +100,14 @@ impl Cluster {
                 Msg::LocateReq { op, key, .. } | Msg::GrantReq { op, key, .. } => (op, key),
                 _ => continue,
             };
-            // One receive per request and peer: a retransmitted request
-            // is not invited again.
-            if g.push.count >= PUSHES_MAX || g.push.posted.get(&op).is_some_and(|v| v.iter().any(|(n, _)| *n == to)) {
+            // One receive per request and peer (a retransmitted request
+            // is not invited again), and only for a get still waited for
+            // (one whose end was handled already gets no `ClientDone` to
+            // free its receive).
+            if g.push.count >= PUSHES_MAX
+                || !g.waiters.contains_key(&op)
+                || g.push.posted.get(&op).is_some_and(|v| v.iter().any(|(n, _)| *n == to))
+            {
                 continue;
             }
             let Some((dest, stride, cap, mapping)) = self.reserve_push_slot(key, queue) else { continue };
@@ -127,7 +132,7 @@ impl Cluster {
             g.push.posted.entry(op).or_default().push((to, Push { dest, id, posted, until, answer: None }));
             g.push.count += 1;
             self.push_counters.invites.fetch_add(1, Ordering::Relaxed);
-            invites.push(pb::PushInvite { op, tag });
+            invites.push(pb::PushInvite { op, tag, len: stride });
         }
         invites
     }
@@ -139,23 +144,28 @@ impl Cluster {
         key: BlockKey,
         queue: &mut VecDeque<Event>,
     ) -> Option<(CoreSlot, u64, u64, Arc<kvmesh_ffi_os::SharedMapping>)> {
-        let (pool, stride, cap, mapping) = {
-            let st = self.store.lock();
-            if !st.reserves_without_eviction(key.ns) {
-                return None;
-            }
-            let ns = st.namespace_by_fingerprint(key.ns)?;
-            let p = st.pools().get(ns.pool as usize)?;
-            let mapping = p.memory.host().filter(|_| !is_staged(&p.memory))?.clone();
-            (ns.pool, p.stride, p.slot_payload_bytes, mapping)
-        };
-        let expect = CoreMeta { key, version: 0, generation: 0, checksum: 0 };
-        let slot = self.alloc_fetch_slot(&expect, queue)?;
-        if to_store(slot).pool != pool {
-            self.store.lock().free_core(to_store(slot));
+        // One lock from the check to the reservation: nothing allocates
+        // in between.
+        let mut st = self.store.lock();
+        if !st.reserves_without_eviction(key.ns) {
             return None;
         }
-        Some((slot, stride, cap, mapping))
+        let ns = st.namespace_by_fingerprint(key.ns)?;
+        let p = st.pools().get(ns.pool as usize)?;
+        let mapping = p.memory.host().filter(|_| !is_staged(&p.memory))?.clone();
+        let (stride, cap) = (p.stride, p.slot_payload_bytes);
+        let r = st.allocate_detached(FETCH_SESSION, ns.id, &[Key(key.key)], 0, false, Instant::now()).ok().and_then(
+            |(v, _)| match v.first() {
+                Some(crate::store::AllocOutcome::Allocated { slot, .. }) => Some(*slot),
+                _ => None,
+            },
+        );
+        for (fp, k) in st.take_evicted() {
+            queue.push_back(Event::Evict { key: block_key(fp, k) });
+        }
+        let r = r?;
+        st.begin_commit(FETCH_SESSION, &[r]).ok()?.pop().flatten()?;
+        Some((to_core(r), stride, cap, mapping))
     }
 
     /// Getter: the peer's answers to our invitations (handled before the
@@ -179,9 +189,11 @@ impl Cluster {
         }
     }
 
-    /// Getter: the core asks to read from `from` for `op`: the receive the
-    /// peer pushed into, if it said it did.
-    pub(super) fn take_pushed(&self, g: &mut Inner, op: OpId, from: NodeId) -> Option<Push> {
+    /// Getter: the core asks to read `remote` from `from` for `op`: the
+    /// receive the peer pushed into, if it said it did and the slot is
+    /// one a read may land in ours (the layout `post_wave` checks); else
+    /// the read takes the send-order path (a push not used is discarded).
+    pub(super) fn take_pushed(&self, g: &mut Inner, op: OpId, from: NodeId, remote: CoreSlot) -> Option<Push> {
         let v = g.push.posted.get_mut(&op)?;
         let i = v.iter().position(|(n, p)| *n == from && p.answer == Some(true))?;
         let (_, p) = v.swap_remove(i);
@@ -189,6 +201,20 @@ impl Cluster {
             g.push.posted.remove(&op);
         }
         g.push.count -= 1;
+        let (stride, cap, _) = p.posted.geometry[0];
+        let r = to_store(remote);
+        let fits = self.peers.try_conn_info(from).is_some_and(|(_, pools)| {
+            pools.iter().any(|rp| {
+                rp.index == r.pool
+                    && rp.slot_stride_bytes == stride
+                    && rp.slot_payload_bytes == cap
+                    && u64::from(r.slot) < rp.bytes / stride
+            })
+        });
+        if !fits {
+            self.discard_push(p);
+            return None;
+        }
         self.push_counters.used.fetch_add(1, Ordering::Relaxed);
         Some(p)
     }
@@ -256,10 +282,39 @@ impl Cluster {
                 _ => None,
             })
             .collect();
+        // Over the bound (or where answers leave only on the core's own
+        // flush timer, so none could be declined in time): declined now.
+        let mut declined = Vec::new();
         for i in invites {
-            if asked.contains(&i.op) && g.push.invites.len() < INVITES_MAX {
-                g.push.invites.insert((from, i.op), i.tag);
+            if !asked.contains(&i.op) {
+                continue;
             }
+            if g.push.invites.len() < INVITES_MAX && self.cfg.flush_when_idle {
+                g.push.invites.insert((from, i.op), (i.tag, i.len));
+            } else {
+                declined.push(pb::PushAnswer { op: i.op, pushed: false });
+            }
+        }
+        if !declined.is_empty() {
+            self.send_frame(from, pb::Frame { body: None, push_invites: Vec::new(), push_answers: declined });
+        }
+    }
+
+    /// Getter: receives of gets that ended without a `ClientDone` reaching
+    /// them (none should; a bound all the same), past their deadline.
+    pub(super) fn sweep_pushes(&self, g: &mut Inner, now: Instant) {
+        if g.push.posted.is_empty() {
+            return;
+        }
+        let dead: Vec<OpId> = g
+            .push
+            .posted
+            .iter()
+            .filter(|(op, v)| !g.waiters.contains_key(op) && v.iter().all(|(_, p)| p.until <= now))
+            .map(|(op, _)| *op)
+            .collect();
+        for op in dead {
+            self.end_pushes(g, op);
         }
     }
 
@@ -287,10 +342,10 @@ impl Cluster {
                     Msg::GrantResp { op, .. } | Msg::LocateResp { op, .. } => (*op, None),
                     _ => continue,
                 };
-                let Some(tag) = g.push.invites.remove(&(to, op)) else { continue };
+                let Some((tag, len)) = g.push.invites.remove(&(to, op)) else { continue };
                 let r = granted.filter(|_| inc.is_some()).map(to_store);
                 let geometry = r.and_then(|r| {
-                    let p = st.pools().get(r.pool as usize).filter(|p| !is_staged(&p.memory))?;
+                    let p = st.pools().get(r.pool as usize).filter(|p| !is_staged(&p.memory) && p.stride == len)?;
                     Some((r, p.stride))
                 });
                 if let Some((r, stride)) = geometry {

@@ -112,21 +112,23 @@ fn empty_param() -> sys::ucp_request_param_t {
 /// environment (`ucp_config_modify` does not reach them in 1.13).
 pub const TUNED_ENV: [(&str, &str); 2] = [("UCX_TCP_RX_SEG_SIZE", "512k"), ("UCX_TCP_TX_SEG_SIZE", "64k")];
 
-/// Tag sends up to this size go eagerly on tcp (UCX's rendezvous
-/// threshold there; its default is far lower): a holder that pushes a
-/// block with its grant (daemon: `peer.push_with_grants`) streams it at
-/// once instead of waiting for the getter's rendezvous answer. On a 2-core
-/// VM, with pushes, a lone 256 KiB get over tcp: p50 ~400 vs ~480 µs with
-/// UCX's threshold (docs/DATAPLANE.md).
-pub const TCP_RNDV_THRESH: &std::ffi::CStr = c"4m";
+/// Tag sends up to 4 MiB go eagerly on tcp (UCX's rendezvous threshold,
+/// far lower by default): a holder that pushes a block with its grant
+/// (daemon: `peer.push_with_grants`) streams it at once instead of
+/// waiting for the getter's thread to answer a rendezvous request. Set
+/// (where not set by hand) only for a process whose transports are tcp
+/// alone: over RDMA the rendezvous is a zero-copy read. UCX takes it only
+/// from the environment (`ucp_config_modify` of `RNDV_THRESH` changed
+/// nothing measurable in 1.13).
+pub const TCP_EAGER_ENV: (&str, &str) = ("UCX_RNDV_THRESH", "4m");
 
-/// Sets [`TUNED_ENV`] where the environment does not already say
-/// otherwise, if this process has a single thread (changing the
+/// Sets [`TUNED_ENV`] (and, with `tcp_only`, [`TCP_EAGER_ENV`]) where the
+/// environment does not already say otherwise, if this process has a single thread (changing the
 /// environment while another thread may read it is undefined behaviour):
 /// call it in `main` before anything starts a thread, and only where tcp
 /// may be used (UCX warns of variables no transport reads). Returns what
 /// it set, or why it did not.
-pub fn tune_environment() -> Result<Vec<&'static str>, String> {
+pub fn tune_environment(tcp_only: bool) -> Result<Vec<&'static str>, String> {
     let status = std::fs::read_to_string("/proc/self/status").map_err(|e| format!("/proc/self/status: {e}"))?;
     let threads = status.lines().find_map(|l| l.strip_prefix("Threads:")).map(|v| v.trim().to_string());
     if threads.as_deref() != Some("1") {
@@ -134,11 +136,15 @@ pub fn tune_environment() -> Result<Vec<&'static str>, String> {
     }
     // Both or neither: UCX needs the receive segment at least as large as
     // the send segment, so a value set by hand is never paired with ours.
-    if TUNED_ENV.iter().any(|(k, _)| std::env::var_os(k).is_some()) {
-        return Ok(Vec::new());
+    let mut wanted: Vec<(&'static str, &'static str)> = Vec::new();
+    if !TUNED_ENV.iter().any(|(k, _)| std::env::var_os(k).is_some()) {
+        wanted.extend(TUNED_ENV);
+    }
+    if tcp_only && std::env::var_os(TCP_EAGER_ENV.0).is_none() {
+        wanted.push(TCP_EAGER_ENV);
     }
     let mut set = Vec::new();
-    for (k, v) in TUNED_ENV {
+    for (k, v) in wanted {
         // Only this thread could start another (the count was checked above).
         // SAFETY: the process has one thread: nothing reads the environment concurrently.
         unsafe { std::env::set_var(k, v) };
@@ -216,18 +222,6 @@ impl Context {
             // SAFETY: as for TLS above: a live config, two static C strings.
             let modified = unsafe { sys::ucp_config_modify(config, c"USE_MT_MUTEX".as_ptr(), c"y".as_ptr()) };
             if let Err(e) = check("ucp_config_modify(USE_MT_MUTEX)", modified) {
-                // SAFETY: config is released exactly once.
-                unsafe { sys::ucp_config_release(config) };
-                return Err(e);
-            }
-        }
-        // tcp: blocks go eagerly (the sender streams them without waiting
-        // for the receiver's rendezvous answer, a wake-up of its thread),
-        // up to [`TCP_RNDV_THRESH`]. `UCX_RNDV_THRESH` set by hand wins.
-        if *transports == Transports::Tcp && std::env::var_os("UCX_RNDV_THRESH").is_none() {
-            // SAFETY: as for TLS above: a live config, two static C strings.
-            let modified = unsafe { sys::ucp_config_modify(config, c"RNDV_THRESH".as_ptr(), TCP_RNDV_THRESH.as_ptr()) };
-            if let Err(e) = check("ucp_config_modify(RNDV_THRESH)", modified) {
                 // SAFETY: config is released exactly once.
                 unsafe { sys::ucp_config_release(config) };
                 return Err(e);

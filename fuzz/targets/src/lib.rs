@@ -523,7 +523,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                 2,
                 pb::Frame {
                     body: Some(pb::frame::Body::Batch(batches[0].clone())),
-                    push_invites: vec![pb::PushInvite { op: 1, tag: 7 }],
+                    push_invites: vec![pb::PushInvite { op: 1, tag: 7, len: 4224 }],
                     push_answers: vec![pb::PushAnswer { op: 2, pushed: true }],
                 }
                 .encode_to_vec(),
