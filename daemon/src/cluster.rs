@@ -919,19 +919,7 @@ impl Cluster {
     fn alloc_fetch_slot(&self, expect: &CoreMeta, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
         let mut st = self.store.lock();
         let ns = st.namespace_by_fingerprint(expect.key.ns)?;
-        let r = st
-            .allocate_detached(FETCH_SESSION, ns.id, &[Key(expect.key.key)], 0, false, Instant::now())
-            .ok()
-            .and_then(|(v, _)| match v.first() {
-                Some(crate::store::AllocOutcome::Allocated { slot, .. }) => Some(*slot),
-                _ => None,
-            });
-        for (fp, k) in st.take_evicted() {
-            queue.push_back(Event::Evict { key: block_key(fp, k) });
-        }
-        let r = r?;
-        st.begin_commit(FETCH_SESSION, &[r]).ok()?.pop().flatten()?;
-        Some(to_core(r))
+        fetch_slot_in(&mut st, ns.id, expect.key, queue)
     }
 
     /// Reads a batch of slots from one holder (`posted`: already handed
@@ -2627,6 +2615,25 @@ enum Dest {
     /// Into a staging slot, then copied into the pool's slot (a pool UCX
     /// cannot reach: GPU memory).
     Staged { slot: crate::staging::StagingSlot, memory: crate::memory::PoolMemory },
+}
+
+/// A fetch slot for `key` in namespace `ns`, reserved under the store
+/// lock `st` ([`Cluster::alloc_fetch_slot`]); what that evicted goes to
+/// `queue`.
+fn fetch_slot_in(st: &mut Store, ns: u32, key: BlockKey, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
+    let r =
+        st.allocate_detached(FETCH_SESSION, ns, &[Key(key.key)], 0, false, Instant::now()).ok().and_then(|(v, _)| {
+            match v.first() {
+                Some(crate::store::AllocOutcome::Allocated { slot, .. }) => Some(*slot),
+                _ => None,
+            }
+        });
+    for (fp, k) in st.take_evicted() {
+        queue.push_back(Event::Evict { key: block_key(fp, k) });
+    }
+    let r = r?;
+    st.begin_commit(FETCH_SESSION, &[r]).ok()?.pop().flatten()?;
+    Some(to_core(r))
 }
 
 /// What arrived in our pool's slot `slot` (`stride` bytes): its image,

@@ -706,19 +706,9 @@ impl DataPlane {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
-        let reply = Completions::Channel(reply);
-        if let Err(e) = self.send(Cmd::Transfer(Pending {
-            id,
-            mode,
-            peer,
-            incarnation,
-            items,
-            orders,
-            staged,
-            deadline,
-            reply,
-            passive: false,
-        })) {
+        let (reply, passive) = (Completions::Channel(reply), false);
+        let p = Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply, passive };
+        if let Err(e) = self.send(Cmd::Transfer(p)) {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
@@ -743,20 +733,9 @@ impl DataPlane {
         done: InlineDone,
     ) -> Result<u64, String> {
         let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let reply = Completions::Inline(done);
-        let staged = Vec::new();
-        self.send(Cmd::Transfer(Pending {
-            id,
-            mode,
-            peer,
-            incarnation,
-            items,
-            orders,
-            staged,
-            deadline,
-            reply,
-            passive: false,
-        }))?;
+        let (reply, staged, passive) = (Completions::Inline(done), Vec::new(), false);
+        let p = Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply, passive };
+        self.send(Cmd::Transfer(p))?;
         Ok(id)
     }
 

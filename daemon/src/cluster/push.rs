@@ -154,18 +154,8 @@ impl Cluster {
         let p = st.pools().get(ns.pool as usize)?;
         let mapping = p.memory.host().filter(|_| !is_staged(&p.memory))?.clone();
         let (stride, cap) = (p.stride, p.slot_payload_bytes);
-        let r = st.allocate_detached(FETCH_SESSION, ns.id, &[Key(key.key)], 0, false, Instant::now()).ok().and_then(
-            |(v, _)| match v.first() {
-                Some(crate::store::AllocOutcome::Allocated { slot, .. }) => Some(*slot),
-                _ => None,
-            },
-        );
-        for (fp, k) in st.take_evicted() {
-            queue.push_back(Event::Evict { key: block_key(fp, k) });
-        }
-        let r = r?;
-        st.begin_commit(FETCH_SESSION, &[r]).ok()?.pop().flatten()?;
-        Some((to_core(r), stride, cap, mapping))
+        let slot = fetch_slot_in(&mut st, ns.id, key, queue)?;
+        Some((slot, stride, cap, mapping))
     }
 
     /// Getter: the peer's answers to our invitations (handled before the
@@ -231,6 +221,9 @@ impl Cluster {
                 dp.cancel(id);
             });
         }
+        // Posted before the core asked for the read: no post time (one
+        // observation per batch, as for every batch of reads).
+        self.remote_metrics.transfer_post_seconds.observe(0.0);
         let wave = Wave { refused: Vec::new(), posted: Some(p.posted) };
         let me = Arc::clone(self);
         tokio::spawn(async move { me.read_batch_task(from, vec![read], Some(wave)).await });
