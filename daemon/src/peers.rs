@@ -67,6 +67,10 @@ pub enum TestHook {
     /// would (`takes_locate_registration` false): peers send it plain
     /// locates.
     PredateLocateRegistration,
+    /// Answer handshakes as a daemon from before push invitations would
+    /// (`takes_push_invites` false), and ignore any invitation received,
+    /// as such a daemon's decoder would: peers invite it to push nothing.
+    PredatePushInvites,
     /// Reads reported on the data-plane thread always find the core busy
     /// (`Cluster::try_read_ended`): the fallback through a task, which a
     /// quiet test otherwise rarely takes.
@@ -114,6 +118,9 @@ impl Peers {
             }
             Some(TestHook::PredateLocateRegistration) => {
                 tracing::warn!("TEST HOOK ACTIVE: handshakes say this daemon takes no locate-time registration")
+            }
+            Some(TestHook::PredatePushInvites) => {
+                tracing::warn!("TEST HOOK ACTIVE: handshakes say this daemon takes no push invitations")
             }
             Some(TestHook::InlineReportsFindCoreBusy) => {
                 tracing::warn!("TEST HOOK ACTIVE: reads reported on the data-plane thread always find the core busy")
@@ -783,6 +790,7 @@ pub fn test_hook() -> Option<TestHook> {
         Ok("corrupt-granted-slots") => Some(TestHook::CorruptGrantedSlots),
         Ok("stage-host-pools") => Some(TestHook::StageHostPools),
         Ok("predate-locate-registration") => Some(TestHook::PredateLocateRegistration),
+        Ok("predate-push-invites") => Some(TestHook::PredatePushInvites),
         Ok("inline-reports-find-core-busy") => Some(TestHook::InlineReportsFindCoreBusy),
         _ => None,
     })
@@ -840,7 +848,7 @@ impl pb::peer_server::Peer for PeerService {
             transports: p.cfg.transports.clone(),
             accepts_control: p.tls.is_none(),
             takes_locate_registration: test_hook() != Some(TestHook::PredateLocateRegistration),
-            takes_push_invites: true,
+            takes_push_invites: test_hook() != Some(TestHook::PredatePushInvites),
             lookup_table: p.dp.table().map(|t| pb::TableDesc {
                 base_address: t.base,
                 bytes: t.bytes,

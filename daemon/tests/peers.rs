@@ -916,3 +916,32 @@ async fn pushed_slots_are_read_and_unused_ones_freed_tcp() {
     }
     assert_eq!(cb.stats().await.unwrap().remote_fetched, 40);
 }
+
+/// tcp: a peer from before push invitations (test hook: its handshake does
+/// not offer them, and it would ignore them) is never invited — its blocks
+/// come over the send-order path — while its own gets still invite the
+/// other daemon, which pushes. Every byte checked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_from_before_push_invitations_is_not_invited_tcp() {
+    let (a, b) = pair("oldpush", "tcp", &[("KVMESH_TEST_HOOK", "predate-push-invites")]);
+    let (ca, cb) = clients(&a, &b).await;
+    let (sa, _) = namespaces(&ca).await;
+    let (sb, _) = namespaces(&cb).await;
+    let on_a: Vec<Key> = (0..32u128).map(|i| Key(5000 + i)).collect();
+    let on_b: Vec<Key> = (0..32u128).map(|i| Key(6000 + i)).collect();
+    put_all(&ca, &sa, &on_a).await;
+    put_all(&cb, &sb, &on_b).await;
+    for chunk in on_a.chunks(8) {
+        pin_verified(&cb, &sb, chunk).await;
+    }
+    for chunk in on_b.chunks(8) {
+        pin_verified(&ca, &sa, chunk).await;
+    }
+    let (ka, kb) = (stats_coherence(&a), stats_coherence(&b));
+    let n = |c: &serde_json::Value, f: &str| c[f].as_u64().unwrap();
+    assert_eq!(n(&kb, "push_invites"), 0, "B never invites A: {kb}");
+    assert_eq!(n(&ka, "pushes_sent"), 0, "{ka}");
+    assert!(n(&ka, "pushes_used") >= 16, "A's own gets were pushed by B: {ka}");
+    assert_eq!(cb.stats().await.unwrap().remote_fetched, 32);
+    assert_eq!(ca.stats().await.unwrap().remote_fetched, 32);
+}
