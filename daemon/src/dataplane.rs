@@ -773,6 +773,13 @@ impl DataPlane {
         (id, rx)
     }
 
+    /// Whether the command queue has room for `n` more commands now (a
+    /// promise made before a command is queued — "this slot is sent" —
+    /// holds only if it has; the queue takes 4,096).
+    pub fn has_room(&self, n: usize) -> bool {
+        self.tx.len() + n < COMMANDS_MAX
+    }
+
     /// Cancels what is still in flight of batch `id` (its outcomes follow).
     pub fn cancel(&self, id: u64) {
         let _ = self.send(Cmd::Cancel { id });

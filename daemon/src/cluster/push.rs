@@ -319,12 +319,16 @@ impl Cluster {
         if g.push.invites.is_empty() {
             return (Vec::new(), None);
         }
+        // Sends promised in the answers are queued after the answer leaves:
+        // only where the data plane's queue has room for them now (a full
+        // queue would refuse them, and the getter would wait in vain).
         let inc = g
             .node
             .view()
             .member(to)
             .map(|m| m.incarnation)
-            .filter(|inc| self.peers.try_conn_info(to).is_some_and(|(i, _)| i == *inc));
+            .filter(|inc| self.peers.try_conn_info(to).is_some_and(|(i, _)| i == *inc))
+            .filter(|_| self.peers.dataplane().has_room(64));
         let mut answers = Vec::new();
         let mut items = Vec::new();
         {
