@@ -96,7 +96,7 @@ fn main() -> std::process::ExitCode {
         std::process::abort();
     }));
     match &tuned {
-        Ok(set) if !set.is_empty() => tracing::debug!(?set, "UCX settings tuned (docs/DATAPLANE.md)"),
+        Ok(set) if !set.is_empty() => tracing::info!(?set, "UCX settings tuned (docs/OPERATING.md, Data plane)"),
         Ok(_) => {}
         Err(e) => tracing::warn!("UCX settings not tuned: {e}"),
     }
