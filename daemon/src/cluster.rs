@@ -653,24 +653,15 @@ impl Cluster {
                 if let Some(p) = self.take_pushed(g, op, from, remote) =>
             {
                 // The holder pushed the slot with its grant (push.rs).
-                let dest = p.dest;
-                g.fetching.insert(dest, expect);
-                self.reads_in_flight.fetch_add(1, Ordering::SeqCst);
-                let started = Instant::now();
-                if let Some(w) = g.waiters.get_mut(&op) {
-                    w.read_started = Some(started);
-                }
-                self.read_pushed(from, Read { op, from, remote, expect, dest, deadline, started }, p);
+                let read = self
+                    .begin_read(g, Read { op, from, remote, expect, dest: p.dest, deadline, started: Instant::now() });
+                self.read_pushed(from, read, p);
             }
             Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
                 Some(dest) => {
-                    g.fetching.insert(dest, expect);
-                    self.reads_in_flight.fetch_add(1, Ordering::SeqCst);
-                    let started = Instant::now();
-                    if let Some(w) = g.waiters.get_mut(&op) {
-                        w.read_started = Some(started);
-                    }
-                    g.pending_reads.push(Read { op, from, remote, expect, dest, deadline, started });
+                    let read =
+                        self.begin_read(g, Read { op, from, remote, expect, dest, deadline, started: Instant::now() });
+                    g.pending_reads.push(read);
                 }
                 None => queue.push_back(Event::TransferDone { op, dest: None, result: Err(TransferError::NoSpace) }),
             },
@@ -912,6 +903,17 @@ impl Cluster {
                 self.send_frame(m.id, pb::Frame { body: Some(pb::frame::Body::View(v.clone())), ..Default::default() });
             }
         }
+    }
+
+    /// A read the core started, into its reserved slot: counted in flight,
+    /// its slot's grant kept for the commit, its start time noted.
+    fn begin_read(&self, g: &mut Inner, read: Read) -> Read {
+        g.fetching.insert(read.dest, read.expect);
+        self.reads_in_flight.fetch_add(1, Ordering::SeqCst);
+        if let Some(w) = g.waiters.get_mut(&read.op) {
+            w.read_started = Some(read.started);
+        }
+        read
     }
 
     /// Reserves a local slot for a fetch (owned by the core until it

@@ -702,13 +702,35 @@ impl DataPlane {
         staged: Vec<(usize, StagingSlot)>,
         deadline: Instant,
     ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
-        let n = items.len();
-        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.queue_transfer(Pending {
+            id: 0,
+            mode,
+            peer,
+            incarnation,
+            items,
+            orders,
+            staged,
+            deadline,
+            reply: Completions::Inline(Box::new(|_, _| {})),
+            passive: false,
+        })
+    }
+
+    /// Queues `p` (its id and a channel of its outcomes filled in here);
+    /// where it cannot be queued, every item fails at once on the channel.
+    /// A passive receive does not wake the thread ([`DataPlane::post_passive`]).
+    fn queue_transfer(&self, mut p: Pending) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
+        let n = p.items.len();
+        p.id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = p.id;
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
-        let (reply, passive) = (Completions::Channel(reply), false);
-        let p = Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply, passive };
-        if let Err(e) = self.send(Cmd::Transfer(p)) {
+        p.reply = Completions::Channel(reply);
+        let sent = match (p.passive, p.mode) {
+            (true, Mode::Recv) => self.send_quiet(Cmd::Transfer(p)),
+            _ => self.send(Cmd::Transfer(p)),
+        };
+        if let Err(e) = sent {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
@@ -755,22 +777,18 @@ impl DataPlane {
         items: Vec<TransferItem>,
         deadline: Instant,
     ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
-        let n = items.len();
-        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
-        let fallback = reply.clone();
-        let (orders, staged, reply, passive) = (Vec::new(), Vec::new(), Completions::Channel(reply), true);
-        let p = Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply, passive };
-        let sent = match mode {
-            Mode::Recv => self.send_quiet(Cmd::Transfer(p)),
-            _ => self.send(Cmd::Transfer(p)),
-        };
-        if let Err(e) = sent {
-            for i in 0..n {
-                let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
-            }
-        }
-        (id, rx)
+        self.queue_transfer(Pending {
+            id: 0,
+            mode,
+            peer,
+            incarnation,
+            items,
+            orders: Vec::new(),
+            staged: Vec::new(),
+            deadline,
+            reply: Completions::Inline(Box::new(|_, _| {})),
+            passive: true,
+        })
     }
 
     /// Whether the command queue has room for `n` more commands now (a

@@ -60,6 +60,19 @@ pub(super) struct PushState {
     invites: HashMap<(NodeId, OpId), (u64, u64)>,
 }
 
+impl PushState {
+    /// Takes receive `i` of `op` out (the op's entry goes with its last).
+    fn take(&mut self, op: OpId, i: usize) -> Push {
+        let v = self.posted.get_mut(&op).expect("a receive of this op");
+        let (_, p) = v.swap_remove(i);
+        if v.is_empty() {
+            self.posted.remove(&op);
+        }
+        self.count -= 1;
+        p
+    }
+}
+
 /// Counters (stats: `push_invites`, `pushes_used`, `pushes_unused`,
 /// `pushes_sent`).
 #[derive(Default)]
@@ -169,11 +182,7 @@ impl Cluster {
                 v[i].1.answer = Some(true);
                 continue;
             }
-            let (_, mut p) = v.swap_remove(i);
-            if v.is_empty() {
-                g.push.posted.remove(&a.op);
-            }
-            g.push.count -= 1;
+            let mut p = g.push.take(a.op, i);
             p.answer = Some(false);
             self.discard_push(p);
         }
@@ -184,13 +193,8 @@ impl Cluster {
     /// one a read may land in ours (the layout `post_wave` checks); else
     /// the read takes the send-order path (a push not used is discarded).
     pub(super) fn take_pushed(&self, g: &mut Inner, op: OpId, from: NodeId, remote: CoreSlot) -> Option<Push> {
-        let v = g.push.posted.get_mut(&op)?;
-        let i = v.iter().position(|(n, p)| *n == from && p.answer == Some(true))?;
-        let (_, p) = v.swap_remove(i);
-        if v.is_empty() {
-            g.push.posted.remove(&op);
-        }
-        g.push.count -= 1;
+        let i = g.push.posted.get(&op)?.iter().position(|(n, p)| *n == from && p.answer == Some(true))?;
+        let p = g.push.take(op, i);
         let (stride, cap, _) = p.posted.geometry[0];
         let r = to_store(remote);
         let fits = self.peers.try_conn_info(from).is_some_and(|(_, pools)| {

@@ -153,10 +153,10 @@ impl SharedMapping {
         let len = NonZeroUsize::new(bytes as usize).ok_or(ShmError::Empty)?;
         // Fresh mapping at a kernel-chosen address; the fd lives in `self`.
         // Not MAP_POPULATE: pages faulted before MADV_HUGEPAGE stay small.
+        let prot = ProtFlags::PROT_READ | ProtFlags::PROT_WRITE;
         // SAFETY: it overlaps no Rust object and is unmapped only in Drop.
-        let ptr =
-            unsafe { mmap(None, len, ProtFlags::PROT_READ | ProtFlags::PROT_WRITE, MapFlags::MAP_SHARED, &fd, 0) }
-                .map_err(sys("mmap"))?;
+        let mapped = unsafe { mmap(None, len, prot, MapFlags::MAP_SHARED, &fd, 0) };
+        let ptr = mapped.map_err(sys("mmap"))?;
         let m = SharedMapping {
             ptr: ptr.cast(),
             len: len.get(),
