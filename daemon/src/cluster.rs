@@ -421,9 +421,10 @@ impl Cluster {
             over = if control_ucx { "UCX active messages (gRPC streams where no endpoint)" } else { "gRPC streams" },
             "coherence batches"
         );
-        // Invitations travel beside the batches on the streams, ahead of
-        // what answers them: only where batches take the streams.
-        let push_invites = peers.config().push_with_grants && peers.mode() == Mode::Recv && !control_ucx;
+        // Invitations travel in the frames of the batches they go with
+        // (on the stream, or as one active message where the peer takes
+        // frames that way).
+        let push_invites = peers.config().push_with_grants && peers.mode() == Mode::Recv;
         store.lock().set_coherent();
         let mut links = HashMap::new();
         let mut link_stats = HashMap::new();
@@ -636,17 +637,17 @@ impl Cluster {
                         return;
                     }
                 }
+                let incarnation = g.node.view().member(to).map(|m| m.incarnation);
                 if pushes {
-                    // On the stream: what it says about pushes must arrive
-                    // before (with) the answers it goes with.
-                    self.send_frame(to, frame);
+                    // One frame: what it says about pushes arrives with
+                    // the answers it goes with.
+                    self.send_push_frame(to, incarnation, frame);
                     // The answer first: it has further to go (the
                     // getter's core must see the grant before it uses
                     // the slot).
                     self.send_pushes(push_sends);
                     return;
                 }
-                let incarnation = g.node.view().member(to).map(|m| m.incarnation);
                 self.send_batch(to, incarnation, frame);
             }
             Action::StartRead { op, from, remote, expect, deadline }
@@ -866,6 +867,20 @@ impl Cluster {
             && let Some(inc) = incarnation
             && let Some(pb::frame::Body::Batch(bytes)) = &f.body
             && self.peers.dataplane().send_control(to, inc, self.id, bytes)
+        {
+            return;
+        }
+        self.send_frame(to, f);
+    }
+
+    /// Sends a frame that carries push invitations or answers (with a
+    /// batch, or alone): whole, as one UCX active message where batches
+    /// take that way and the peer takes frames, else on its stream.
+    fn send_push_frame(&self, to: NodeId, incarnation: Option<u64>, f: pb::Frame) {
+        use prost::Message as _;
+        if self.control_ucx
+            && let Some(inc) = incarnation
+            && self.peers.dataplane().send_control_frame(to, inc, self.id, &f.encode_to_vec())
         {
             return;
         }
@@ -1538,11 +1553,15 @@ impl Cluster {
     /// (see `send_batch`), on the data-plane thread, those of one of its
     /// turns together: their answers leave together when they are done.
     fn on_controls(self: &Arc<Self>, msgs: Vec<Control>) {
-        let mut batches = Vec::new();
+        // (sender, its batch, the push answers and invitations beside it)
+        let mut batches: Vec<(NodeId, Option<Batch>, Vec<pb::PushAnswer>, Vec<pb::PushInvite>)> = Vec::new();
         let mut pings = Vec::new();
         for c in msgs {
             match c {
-                Control::Batch { from, .. } | Control::Ping { from, .. } | Control::Pong { from, .. }
+                Control::Batch { from, .. }
+                | Control::Frame { from, .. }
+                | Control::Ping { from, .. }
+                | Control::Pong { from, .. }
                     if !self.links.contains_key(&from) =>
                 {
                     // A claim no configured peer makes (only reachable
@@ -1551,10 +1570,17 @@ impl Cluster {
                     tracing::debug!(peer = from, "coherence message from a node not in [[peers]] dropped");
                 }
                 Control::Batch { from, batch } => match Batch::decode(&batch) {
-                    Ok(batch) => batches.push((from, batch)),
+                    Ok(batch) => batches.push((from, Some(batch), Vec::new(), Vec::new())),
                     Err(e) => {
                         self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = from, "undecodable coherence batch: {e}");
+                    }
+                },
+                Control::Frame { from, frame } => match push::decode_push_frame(&frame) {
+                    Ok((batch, answers, invites)) => batches.push((from, batch, answers, invites)),
+                    Err(e) => {
+                        self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(peer = from, "undecodable coherence frame: {e}");
                     }
                 },
                 Control::Ping { from, seq } => pings.push((from, seq)),
@@ -1567,8 +1593,16 @@ impl Cluster {
         // One lock for the turn's batches and their answers.
         let pongs: Vec<(NodeId, Option<u64>, u64)> = {
             let mut g = self.inner.lock();
-            for (from, batch) in batches {
-                self.receive_locked(&mut g, from, batch);
+            for (from, batch, answers, invites) in batches {
+                // A peer's answers to our push invitations come before the
+                // answers of the batch beside them.
+                if !answers.is_empty() {
+                    self.on_push_answers(&mut g, from, &answers);
+                }
+                if let Some(batch) = batch {
+                    self.take_invites(&mut g, from, &invites, &batch);
+                    self.receive_locked(&mut g, from, batch);
+                }
             }
             if self.cfg.flush_when_idle {
                 self.flush_locked(&mut g);

@@ -266,8 +266,10 @@ pub struct PeerConfig {
     /// with its locate or grant request and invites the home or holder to
     /// send the slot as soon as it grants it, instead of after the grant's
     /// answer and a send order (one round trip less per remote get;
-    /// docs/DATAPLANE.md). Only where coherence batches travel on the gRPC
-    /// streams (`control` not `ucx`), with peers whose handshake takes it.
+    /// docs/DATAPLANE.md). With peers whose handshake takes it; the frame
+    /// that carries the invitation (or answer) and its batch travels whole,
+    /// as one UCX active message where batches do and the peer takes
+    /// frames that way, else on the gRPC stream.
     pub push_with_grants: bool,
     /// Mutual TLS between daemons.
     pub tls: PeerTlsConfig,

@@ -106,6 +106,8 @@ pub struct PeerAddr {
     /// It takes coherence messages as active messages (its handshake
     /// said so: peer TLS off, and a version that has them).
     pub control: bool,
+    /// It also takes whole peer frames (`KIND_FRAME`) that way.
+    pub frames: bool,
     /// Its lookup table (`index` unused), if it keeps one.
     pub table: Option<RemotePool>,
 }
@@ -124,6 +126,10 @@ const KIND_CONTROL: u8 = 2;
 /// peer handled them.
 const KIND_PING: u8 = 3;
 const KIND_PONG: u8 = 4;
+/// A peer `Frame` (protobuf, proto peer/v1): a batch with the push
+/// invitations or answers that go with it, or such answers alone. Only to
+/// peers whose handshake says `takes_control_frames`.
+const KIND_FRAME: u8 = 5;
 /// Header of a control message: kind, sender id, body length.
 const CONTROL_HEADER: usize = 9;
 /// Coherence messages to one peer not yet sent at most (a peer that stopped
@@ -294,6 +300,8 @@ struct ControlPeer {
     incarnation: u64,
     /// The peer takes coherence messages.
     control: bool,
+    /// The peer takes whole frames (`KIND_FRAME`).
+    frames: bool,
     /// Messages to it not yet sent.
     pending: Arc<std::sync::atomic::AtomicUsize>,
     /// Sends on the endpoint from the caller's thread (a multi-threaded
@@ -339,6 +347,13 @@ pub enum Control {
         from: u32,
         /// The ping's number.
         seq: u64,
+    },
+    /// A peer frame (protobuf, undecoded).
+    Frame {
+        /// The sender's node id (its claim).
+        from: u32,
+        /// The encoded frame.
+        frame: Vec<u8>,
     },
 }
 
@@ -533,24 +548,34 @@ impl DataPlane {
     /// left), as on any link: the protocol retransmits.
     pub fn send_control(&self, peer: u32, incarnation: u64, from: u32, batch: &[u8]) -> bool {
         batch.len() <= CONTROL_BYTES_MAX
-            && self.take_control(peer, incarnation, || control_msg(KIND_CONTROL, from, batch))
+            && self.take_control(peer, incarnation, false, || control_msg(KIND_CONTROL, from, batch))
+    }
+
+    /// Sends an encoded peer frame (a batch with its push invitations or
+    /// answers) to `peer` as an active message, as
+    /// [`DataPlane::send_control`] does a batch; `false` also where the
+    /// peer does not take frames.
+    pub fn send_control_frame(&self, peer: u32, incarnation: u64, from: u32, frame: &[u8]) -> bool {
+        frame.len() <= CONTROL_BYTES_MAX
+            && self.take_control(peer, incarnation, true, || control_msg(KIND_FRAME, from, frame))
     }
 
     /// Sends a flush barrier's ping to `peer` (that `incarnation`) behind
     /// the batches sent to it before; `false`: not taken (as
     /// [`DataPlane::send_control`]).
     pub fn send_ping(&self, peer: u32, incarnation: u64, from: u32, seq: u64) -> bool {
-        self.take_control(peer, incarnation, || control_msg(KIND_PING, from, &seq.to_le_bytes()))
+        self.take_control(peer, incarnation, false, || control_msg(KIND_PING, from, &seq.to_le_bytes()))
     }
 
     /// Answers a ping of `peer` (that `incarnation`); `false`: not taken.
     pub fn send_pong(&self, peer: u32, incarnation: u64, from: u32, seq: u64) -> bool {
-        self.take_control(peer, incarnation, || control_msg(KIND_PONG, from, &seq.to_le_bytes()))
+        self.take_control(peer, incarnation, false, || control_msg(KIND_PONG, from, &seq.to_le_bytes()))
     }
 
     /// Queues a coherence message for `peer` if the thread has an endpoint
     /// to that `incarnation`, the peer takes such messages and not too
-    /// many wait to be sent to it.
+    /// many wait to be sent to it (`frame`: a `KIND_FRAME`, only where the
+    /// peer takes them).
     ///
     /// With a multi-threaded worker, while the thread sleeps and nothing
     /// for that peer waits in its queue, the message leaves from the
@@ -560,11 +585,13 @@ impl DataPlane {
     /// the thread runs it sends (it holds the worker's lock for long
     /// stretches of progress: a sender would wait for it; queued, the
     /// message costs no wake-up).
-    fn take_control(&self, peer: u32, incarnation: u64, msg: impl FnOnce() -> Vec<u8>) -> bool {
+    fn take_control(&self, peer: u32, incarnation: u64, frame: bool, msg: impl FnOnce() -> Vec<u8>) -> bool {
         use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
         let (pending, sender, serial, queued) = {
             let connected = self.hooks.connected.read();
-            let Some(c) = connected.get(&peer).filter(|c| c.incarnation == incarnation && c.control) else {
+            let Some(c) =
+                connected.get(&peer).filter(|c| c.incarnation == incarnation && c.control && (c.frames || !frame))
+            else {
                 return false;
             };
             if c.pending.fetch_add(1, AcqRel) >= CONTROL_PENDING_MAX {
@@ -852,11 +879,16 @@ fn parse_control(mut m: Vec<u8>) -> Option<Control> {
     match m[0] {
         KIND_PING => Some(Control::Ping { from, seq: seq()? }),
         KIND_PONG => Some(Control::Pong { from, seq: seq()? }),
-        KIND_CONTROL => {
+        KIND_CONTROL | KIND_FRAME => {
             // In place: the header goes, the body moves down (no copy into
             // a new buffer).
+            let kind = m[0];
             m.drain(..CONTROL_HEADER);
-            Some(Control::Batch { from, batch: m })
+            Some(if kind == KIND_CONTROL {
+                Control::Batch { from, batch: m }
+            } else {
+                Control::Frame { from, frame: m }
+            })
         }
         _ => None,
     }
@@ -994,6 +1026,7 @@ fn run(
                         let c = ControlPeer {
                             incarnation: peer.incarnation,
                             control: peer.control,
+                            frames: peer.control && peer.frames,
                             pending: Arc::default(),
                             sender: conn.ep.am_sender(),
                             queued: Arc::default(),
@@ -1807,6 +1840,7 @@ mod tests {
                 .map(|p| RemotePool { index: p.index, base: p.base, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
             control: false,
+            frames: false,
             table: dp.table().map(|t| RemotePool { index: 0, base: t.base, bytes: t.bytes, rkey: t.rkey.clone() }),
         }
     }
@@ -1920,6 +1954,54 @@ mod tests {
             parse_control(control_msg(KIND_CONTROL, 3, b"abc")),
             Some(Control::Batch { from: 3, batch: b"abc".to_vec() })
         );
+        assert_eq!(
+            parse_control(control_msg(KIND_FRAME, 3, b"abc")),
+            Some(Control::Frame { from: 3, frame: b"abc".to_vec() })
+        );
+        assert_eq!(parse_control(control_msg(9, 3, b"abc")), None, "unknown kind");
+    }
+
+    /// Whole frames go as active messages only to peers whose handshake
+    /// takes them (both transports), arrive as `Control::Frame`, and keep
+    /// their order among batches.
+    #[tokio::test]
+    async fn control_frames_only_to_peers_that_take_them() {
+        for t in [Transports::SharedMemory, Transports::Tcp] {
+            let (a, _) = plane_on("frm-a", t.clone());
+            let (b, _) = plane_on("frm-b", t.clone());
+            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+            b.serve_control(forward(tx));
+            a.connect(control_addr(2, &b)).await.unwrap();
+            assert!(a.send_control(2, 1, 1, b"batch"), "{t:?}");
+            assert!(!a.send_control_frame(2, 1, 1, b"frame"), "{t:?}: a frame taken for a peer that takes none");
+            let (c, _) = plane_on("frm-c", t.clone());
+            c.connect(PeerAddr { frames: true, ..control_addr(2, &b) }).await.unwrap();
+            assert!(!c.send_control_frame(2, 1, 3, &vec![7u8; CONTROL_BYTES_MAX + 1]), "{t:?}: oversize frame");
+            assert!(!c.send_control_frame(2, 9, 3, b"x"), "{t:?}: another incarnation");
+            for i in 0..8u32 {
+                if i % 2 == 0 {
+                    assert!(c.send_control_frame(2, 1, 3, &i.to_le_bytes()), "{t:?}");
+                } else {
+                    assert!(c.send_control(2, 1, 3, &i.to_le_bytes()), "{t:?}");
+                }
+            }
+            assert_eq!(rx.recv().await.unwrap(), Control::Batch { from: 1, batch: b"batch".to_vec() });
+            for i in 0..8u32 {
+                let got = tokio::time::timeout(Duration::from_secs(5), rx.recv()).await.unwrap().unwrap();
+                let body = i.to_le_bytes().to_vec();
+                let want = if i % 2 == 0 {
+                    Control::Frame { from: 3, frame: body }
+                } else {
+                    Control::Batch { from: 3, batch: body }
+                };
+                assert_eq!(got, want, "{t:?}: message {i}");
+            }
+            // A peer that takes frames but no coherence messages at all
+            // (TLS on) gets none.
+            let (d, _) = plane_on("frm-d", t.clone());
+            d.connect(PeerAddr { frames: true, control: false, ..control_addr(2, &b) }).await.unwrap();
+            assert!(!d.send_control_frame(2, 1, 4, b"x"), "{t:?}: taken without coherence messages");
+        }
     }
 
     /// Coherence batches as active messages, both transports: they arrive

@@ -68,7 +68,8 @@ pub enum TestHook {
     /// locates.
     PredateLocateRegistration,
     /// Answer handshakes as a daemon from before push invitations would
-    /// (`takes_push_invites` false), and ignore any invitation received,
+    /// (`takes_push_invites` and `takes_control_frames` false), and ignore
+    /// any invitation received,
     /// as such a daemon's decoder would: peers invite it to push nothing.
     PredatePushInvites,
     /// Reads reported on the data-plane thread always find the core busy
@@ -292,6 +293,7 @@ impl Peers {
                 .map(|p| RemotePool { index: p.index, base: p.base_address, bytes: p.bytes, rkey: p.rkey.clone() })
                 .collect(),
             control: resp.accepts_control,
+            frames: resp.takes_control_frames,
             table: resp.lookup_table.as_ref().and_then(|t| match check_table(t) {
                 Ok(()) => Some(RemotePool { index: 0, base: t.base_address, bytes: t.bytes, rkey: t.rkey.clone() }),
                 Err(why) => {
@@ -849,6 +851,7 @@ impl pb::peer_server::Peer for PeerService {
             accepts_control: p.tls.is_none(),
             takes_locate_registration: test_hook() != Some(TestHook::PredateLocateRegistration),
             takes_push_invites: test_hook() != Some(TestHook::PredatePushInvites),
+            takes_control_frames: p.tls.is_none() && test_hook() != Some(TestHook::PredatePushInvites),
             lookup_table: p.dp.table().map(|t| pb::TableDesc {
                 base_address: t.base,
                 bytes: t.bytes,

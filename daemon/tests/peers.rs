@@ -869,12 +869,29 @@ async fn a_peers_pools_are_prefaulted_where_shared_memory_maps_them() {
 /// read slots B pushed with its grants; B's gets take the send-order path
 /// (B invites nothing, though it answers A's invitations); A's misses
 /// come to nothing and give their reserved slots back. Every byte checked.
+/// Coherence batches on the peer streams (tcp's default).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn pushed_slots_are_read_and_unused_ones_freed_tcp() {
+    pushed_slots_are_read_and_unused_ones_freed("grpc").await;
+}
+
+/// The same with coherence batches as UCX active messages
+/// (`peer.control = "ucx"`): the frames that carry invitations and answers
+/// travel that way too (before, pushes were off there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pushed_slots_are_read_and_unused_ones_freed_tcp_active_messages() {
+    pushed_slots_are_read_and_unused_ones_freed("ucx").await;
+}
+
+async fn pushed_slots_are_read_and_unused_ones_freed(control: &str) {
     let ports = [free_port(), free_port()];
-    let a = Daemon::start("push-a", &peer_config(1, &ports, "tcp", &pools()));
-    let tls_and_off = "{ mode = \"off\" }\npush_with_grants = false";
-    let b = Daemon::start("push-b", &common::peer_config_tls(2, &ports, "tcp", &pools(), tls_and_off));
+    // `peer_config_tls` writes its last argument as `peer.tls`'s value: the
+    // lines after it land in `[peer]` too.
+    let off = "{ mode = \"off\" }";
+    let a_peer = format!("{off}\ncontrol = \"{control}\"");
+    let a = Daemon::start(&format!("push-a-{control}"), &common::peer_config_tls(1, &ports, "tcp", &pools(), &a_peer));
+    let b_peer = format!("{a_peer}\npush_with_grants = false");
+    let b = Daemon::start(&format!("push-b-{control}"), &common::peer_config_tls(2, &ports, "tcp", &pools(), &b_peer));
     let (ca, cb) = clients(&a, &b).await;
     let (sa, _) = namespaces(&ca).await;
     let (sb, _) = namespaces(&cb).await;

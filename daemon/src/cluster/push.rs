@@ -11,8 +11,8 @@
 //! its tag in the same frame (`Frame.push_invites`). The peer, when its
 //! answer to that request grants the getter a slot (already pinned for the
 //! getter's session, as for any grant), posts the send at once and says so
-//! beside the answer (`Frame.push_answers`, ahead of the batch on the same
-//! stream); when it does not grant, it says it sent nothing and the getter
+//! beside the answer (`Frame.push_answers`, ahead of the batch in the same
+//! frame); when it does not grant, it says it sent nothing and the getter
 //! cancels the receive. The bytes travel while the answer does.
 //!
 //! Nothing changes in what is guaranteed: the peer sends only slots it
@@ -24,6 +24,12 @@
 //! A receive whose peer said it pushed (or has not answered yet) is never
 //! cancelled early — a send whose receive is gone would hold the peer's
 //! endpoint until its deadline — but waited for until its own deadline.
+//!
+//! A frame with invitations or answers travels whole: as one UCX active
+//! message (`KIND_FRAME`) where coherence batches take active messages and
+//! the peer's handshake says `takes_control_frames`, else on the peer's
+//! stream — never split, so answers and the batch they go with arrive
+//! together.
 
 use super::*;
 
@@ -35,6 +41,23 @@ const PUSHES_MAX: usize = 1024;
 /// Invitations from peers held at most at once (they are answered in the
 /// flush that follows the batch they came with).
 const INVITES_MAX: usize = 4096;
+
+/// A frame that came as an active message: its batch (none where it
+/// carries answers alone), push answers and invitations. Only those
+/// frames travel that way; any other body is refused.
+pub(super) fn decode_push_frame(
+    bytes: &[u8],
+) -> Result<(Option<Batch>, Vec<pb::PushAnswer>, Vec<pb::PushInvite>), String> {
+    use prost::Message as _;
+    let f = pb::Frame::decode(bytes).map_err(|e| e.to_string())?;
+    let batch = match f.body {
+        Some(pb::frame::Body::Batch(b)) => Some(Batch::decode(&b).map_err(|e| e.to_string())?),
+        None if !f.push_answers.is_empty() => None,
+        None => return Err("a frame with neither batch nor push answers".into()),
+        Some(_) => return Err("a frame body other than a batch".into()),
+    };
+    Ok((batch, f.push_answers, f.push_invites))
+}
 
 /// A receive posted for a slot a peer was invited to push.
 pub(super) struct Push {
@@ -293,7 +316,8 @@ impl Cluster {
             }
         }
         if !declined.is_empty() {
-            self.send_frame(from, pb::Frame { body: None, push_invites: Vec::new(), push_answers: declined });
+            let inc = g.node.view().member(from).map(|m| m.incarnation);
+            self.send_push_frame(from, inc, pb::Frame { body: None, push_invites: Vec::new(), push_answers: declined });
         }
     }
 
@@ -385,7 +409,8 @@ impl Cluster {
             by_peer.entry(to).or_default().push(pb::PushAnswer { op, pushed: false });
         }
         for (to, push_answers) in by_peer {
-            self.send_frame(to, pb::Frame { body: None, push_invites: Vec::new(), push_answers });
+            let inc = g.node.view().member(to).map(|m| m.incarnation);
+            self.send_push_frame(to, inc, pb::Frame { body: None, push_invites: Vec::new(), push_answers });
         }
     }
 }

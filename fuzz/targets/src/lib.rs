@@ -516,6 +516,7 @@ pub fn seeds(name: &str) -> Vec<Vec<u8>> {
                     takes_locate_registration: true,
                     lookup_table: Some(pb::TableDesc { base_address: 1 << 41, bytes: 1 << 19, rkey: vec![3; 30] }),
                     takes_push_invites: true,
+                    takes_control_frames: true,
                 }
                 .encode_to_vec(),
             ),
