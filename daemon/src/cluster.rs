@@ -1553,8 +1553,7 @@ impl Cluster {
     /// (see `send_batch`), on the data-plane thread, those of one of its
     /// turns together: their answers leave together when they are done.
     fn on_controls(self: &Arc<Self>, msgs: Vec<Control>) {
-        // (sender, its batch, the push answers and invitations beside it)
-        let mut batches: Vec<(NodeId, Option<Batch>, Vec<pb::PushAnswer>, Vec<pb::PushInvite>)> = Vec::new();
+        let mut batches: Vec<(NodeId, push::PushFrame)> = Vec::new();
         let mut pings = Vec::new();
         for c in msgs {
             match c {
@@ -1570,14 +1569,15 @@ impl Cluster {
                     tracing::debug!(peer = from, "coherence message from a node not in [[peers]] dropped");
                 }
                 Control::Batch { from, batch } => match Batch::decode(&batch) {
-                    Ok(batch) => batches.push((from, Some(batch), Vec::new(), Vec::new())),
+                    Ok(batch) => batches
+                        .push((from, push::PushFrame { batch: Some(batch), answers: Vec::new(), invites: Vec::new() })),
                     Err(e) => {
                         self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = from, "undecodable coherence batch: {e}");
                     }
                 },
                 Control::Frame { from, frame } => match push::decode_push_frame(&frame) {
-                    Ok((batch, answers, invites)) => batches.push((from, batch, answers, invites)),
+                    Ok(f) => batches.push((from, f)),
                     Err(e) => {
                         self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
                         tracing::warn!(peer = from, "undecodable coherence frame: {e}");
@@ -1593,14 +1593,14 @@ impl Cluster {
         // One lock for the turn's batches and their answers.
         let pongs: Vec<(NodeId, Option<u64>, u64)> = {
             let mut g = self.inner.lock();
-            for (from, batch, answers, invites) in batches {
+            for (from, f) in batches {
                 // A peer's answers to our push invitations come before the
                 // answers of the batch beside them.
-                if !answers.is_empty() {
-                    self.on_push_answers(&mut g, from, &answers);
+                if !f.answers.is_empty() {
+                    self.on_push_answers(&mut g, from, &f.answers);
                 }
-                if let Some(batch) = batch {
-                    self.take_invites(&mut g, from, &invites, &batch);
+                if let Some(batch) = f.batch {
+                    self.take_invites(&mut g, from, &f.invites, &batch);
                     self.receive_locked(&mut g, from, batch);
                 }
             }

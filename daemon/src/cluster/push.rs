@@ -43,11 +43,16 @@ const PUSHES_MAX: usize = 1024;
 const INVITES_MAX: usize = 4096;
 
 /// A frame that came as an active message: its batch (none where it
-/// carries answers alone), push answers and invitations. Only those
-/// frames travel that way; any other body is refused.
-pub(super) fn decode_push_frame(
-    bytes: &[u8],
-) -> Result<(Option<Batch>, Vec<pb::PushAnswer>, Vec<pb::PushInvite>), String> {
+/// carries answers alone), push answers and invitations.
+pub(super) struct PushFrame {
+    pub(super) batch: Option<Batch>,
+    pub(super) answers: Vec<pb::PushAnswer>,
+    pub(super) invites: Vec<pb::PushInvite>,
+}
+
+/// Decodes a frame that came as an active message. Only frames with a
+/// batch or push answers travel that way; any other body is refused.
+pub(super) fn decode_push_frame(bytes: &[u8]) -> Result<PushFrame, String> {
     use prost::Message as _;
     let f = pb::Frame::decode(bytes).map_err(|e| e.to_string())?;
     let batch = match f.body {
@@ -56,7 +61,7 @@ pub(super) fn decode_push_frame(
         None => return Err("a frame with neither batch nor push answers".into()),
         Some(_) => return Err("a frame body other than a batch".into()),
     };
-    Ok((batch, f.push_answers, f.push_invites))
+    Ok(PushFrame { batch, answers: f.push_answers, invites: f.push_invites })
 }
 
 /// A receive posted for a slot a peer was invited to push.
