@@ -818,6 +818,38 @@ impl DataPlane {
         })
     }
 
+    /// As [`DataPlane::post_passive`], but each outcome is handed to `done`
+    /// on the data-plane thread (as [`DataPlane::transfer_inline`]); `Err`
+    /// where the queue did not take it (`done` is dropped unfinished).
+    pub fn post_passive_inline(
+        &self,
+        mode: Mode,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        deadline: Instant,
+        done: InlineDone,
+    ) -> Result<u64, String> {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let p = Pending {
+            id,
+            mode,
+            peer,
+            incarnation,
+            items,
+            orders: Vec::new(),
+            staged: Vec::new(),
+            deadline,
+            reply: Completions::Inline(done),
+            passive: true,
+        };
+        match mode {
+            Mode::Recv => self.send_quiet(Cmd::Transfer(p))?,
+            _ => self.send(Cmd::Transfer(p))?,
+        }
+        Ok(id)
+    }
+
     /// Whether the command queue has room for `n` more commands now (a
     /// promise made before a command is queued — "this slot is sent" —
     /// holds only if it has; the queue takes 4,096).

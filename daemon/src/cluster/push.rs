@@ -64,6 +64,44 @@ pub(super) fn decode_push_frame(bytes: &[u8]) -> Result<PushFrame, String> {
     Ok(PushFrame { batch, answers: f.push_answers, invites: f.push_invites })
 }
 
+/// Where a push receive's outcome goes: to its channel (`Posted.rx`)
+/// until a read uses the slot, then to that read, checked and reported on
+/// the data-plane thread as it lands (no task to wake).
+enum Landing {
+    Waiting(tokio::sync::mpsc::UnboundedSender<(usize, TransferOutcome)>),
+    Read(InlineReads),
+}
+
+/// The receive's outcome handler on the data-plane thread. Dropped
+/// without an outcome (the queue did not take the receive, or the thread
+/// stopped), it reports a failure.
+struct LandingSink {
+    landing: Arc<Mutex<Landing>>,
+    ended: bool,
+}
+
+impl LandingSink {
+    fn deliver(&mut self, k: usize, outcome: TransferOutcome) {
+        self.ended = true;
+        // A read's report never waits for the core (`try_read_ended`):
+        // this lock is never held by a thread waiting for the core.
+        match &mut *self.landing.lock() {
+            Landing::Waiting(tx) => {
+                let _ = tx.send((k, outcome));
+            }
+            Landing::Read(r) => r.ended(k, outcome),
+        }
+    }
+}
+
+impl Drop for LandingSink {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.deliver(0, TransferOutcome::Failed("data plane stopped".into()));
+        }
+    }
+}
+
 /// A receive posted for a slot a peer was invited to push.
 pub(super) struct Push {
     /// The reserved local slot.
@@ -71,6 +109,7 @@ pub(super) struct Push {
     /// Its data-plane batch (one receive).
     id: u64,
     posted: Posted,
+    landing: Arc<Mutex<Landing>>,
     /// Receive deadline.
     until: Instant,
     /// What the peer answered: `Some(true)` it sent the slot.
@@ -162,7 +201,14 @@ impl Cluster {
                 local_offset: d.slot as u64 * stride,
                 tag,
             };
-            let (id, rx) = self.peers.dataplane().post_passive(Mode::Recv, to, inc, vec![item], until);
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let landing = Arc::new(Mutex::new(Landing::Waiting(tx)));
+            let mut sink = LandingSink { landing: Arc::clone(&landing), ended: false };
+            let done: crate::dataplane::InlineDone = Box::new(move |k, o| sink.deliver(k, o));
+            // Not taken: the sink, dropped, reports the failure (the
+            // receive is then discarded like any unused one; id 0 is no
+            // batch).
+            let id = self.peers.dataplane().post_passive_inline(Mode::Recv, to, inc, vec![item], until, done).unwrap_or(0);
             let posted = Posted {
                 rx,
                 index: vec![0],
@@ -170,7 +216,7 @@ impl Cluster {
                 mode: Mode::Recv,
                 t_post: Instant::now(),
             };
-            g.push.posted.entry(op).or_default().push((to, Push { dest, id, posted, until, answer: None }));
+            g.push.posted.entry(op).or_default().push((to, Push { dest, id, posted, landing, until, answer: None }));
             g.push.count += 1;
             self.push_counters.invites.fetch_add(1, Ordering::Relaxed);
             invites.push(pb::PushInvite { op, tag, len: stride });
@@ -256,7 +302,30 @@ impl Cluster {
         // Posted before the core asked for the read: no post time (one
         // observation per batch, as for every batch of reads).
         self.remote_metrics.transfer_post_seconds.observe(0.0);
-        let wave = Wave { refused: Vec::new(), posted: Some(p.posted) };
+        let Push { landing, mut posted, .. } = p;
+        // Not landed yet (the usual case: the answer was sent first): the
+        // data-plane thread checks and reports it as it lands.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let mut l = landing.lock();
+            if matches!(*l, Landing::Waiting(_)) && posted.rx.is_empty() {
+                *l = Landing::Read(InlineReads {
+                    cluster: Arc::downgrade(self),
+                    runtime,
+                    from,
+                    reads: vec![read],
+                    index: vec![0],
+                    geometry: std::mem::take(&mut posted.geometry),
+                    reported: vec![false],
+                    mode: Mode::Recv,
+                    t_post: posted.t_post,
+                    moved: 0,
+                    validating: Duration::ZERO,
+                    failed: false,
+                });
+                return;
+            }
+        }
+        let wave = Wave { refused: Vec::new(), posted: Some(posted) };
         let me = Arc::clone(self);
         tokio::spawn(async move { me.read_batch_task(from, vec![read], Some(wave)).await });
     }
