@@ -244,9 +244,21 @@ async fn a_remote_fetch_shows_in_the_get_and_transfer_histograms() {
 /// there too, not from a runtime worker woken for it (daemon/src/inline.rs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetch_that_ends_on_the_data_plane_is_answered_from_there() {
-    let (data_plane, other) = lone_fetches_answered("metrics-inline", &[]).await;
+    let (data_plane, other) = lone_fetches_answered("metrics-inline", "sm", &[]).await;
     // A read whose report found the core busy goes through a task (rare
     // here, never all of them).
+    assert!(data_plane >= 4.0, "{data_plane} of 8 answered on the data plane");
+    assert_eq!(data_plane + other, 8.0);
+}
+
+/// Over tcp the holder pushes the slot with its grant: the read the core
+/// starts when the grant arrives (on a runtime thread, from the peer
+/// stream) is checked and reported on the data-plane thread where the
+/// bytes land, and the engine's answer is written from there too (before,
+/// a task per pushed read: every answer from the runtime).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_fetch_is_answered_from_the_data_plane_tcp() {
+    let (data_plane, other) = lone_fetches_answered("metrics-push", "tcp", &[]).await;
     assert!(data_plane >= 4.0, "{data_plane} of 8 answered on the data plane");
     assert_eq!(data_plane + other, 8.0);
 }
@@ -257,24 +269,24 @@ async fn a_fetch_that_ends_on_the_data_plane_is_answered_from_there() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetch_whose_report_finds_the_core_busy_ends_through_a_task() {
     let hook = [("KVMESH_TEST_HOOK", "inline-reports-find-core-busy")];
-    let (data_plane, other) = lone_fetches_answered("metrics-busy", &hook).await;
+    let (data_plane, other) = lone_fetches_answered("metrics-busy", "sm", &hook).await;
     assert_eq!((data_plane, other), (0.0, 8.0));
 }
 
 /// Daemon 1 puts 8 blocks of 64 KiB, daemon 2 (started with `env`)
-/// fetches them over shared memory one pin at a time, every byte checked,
+/// fetches them over `transports` one pin at a time, every byte checked,
 /// then pins them again (local hits); returns how many of daemon 2's
 /// fast-path answers were written on its data-plane thread and elsewhere
 /// (`kvmesh_fast_answers_total`).
-async fn lone_fetches_answered(tag: &str, env: &[(&str, &str)]) -> (f64, f64) {
+async fn lone_fetches_answered(tag: &str, transports: &str, env: &[(&str, &str)]) -> (f64, f64) {
     use common::peer_config;
     let ports = [free_port(), free_port()];
     let mport = free_port();
     let pools = pool("p", "8MiB", "64KiB");
-    let a = Daemon::start(&format!("{tag}-1"), &peer_config(1, &ports, "sm", &pools));
+    let a = Daemon::start(&format!("{tag}-1"), &peer_config(1, &ports, transports, &pools));
     let b = Daemon::start_with(
         &format!("{tag}-2"),
-        &(peer_config(2, &ports, "sm", &pools) + &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n")),
+        &(peer_config(2, &ports, transports, &pools) + &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n")),
         env,
     );
     a.wait_peers(1).await;

@@ -208,7 +208,8 @@ impl Cluster {
             // Not taken: the sink, dropped, reports the failure (the
             // receive is then discarded like any unused one; id 0 is no
             // batch).
-            let id = self.peers.dataplane().post_passive_inline(Mode::Recv, to, inc, vec![item], until, done).unwrap_or(0);
+            let id =
+                self.peers.dataplane().post_passive_inline(Mode::Recv, to, inc, vec![item], until, done).unwrap_or(0);
             let posted = Posted {
                 rx,
                 index: vec![0],
