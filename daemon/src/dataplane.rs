@@ -746,6 +746,14 @@ impl DataPlane {
     /// Queues `p` (its id and a channel of its outcomes filled in here);
     /// where it cannot be queued, every item fails at once on the channel.
     /// A passive receive does not wake the thread ([`DataPlane::post_passive`]).
+    /// Queues a transfer: a passive receive without waking the thread.
+    fn send_transfer(&self, p: Pending) -> Result<(), String> {
+        match (p.passive, p.mode) {
+            (true, Mode::Recv) => self.send_quiet(Cmd::Transfer(p)),
+            _ => self.send(Cmd::Transfer(p)),
+        }
+    }
+
     fn queue_transfer(&self, mut p: Pending) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
         let n = p.items.len();
         p.id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -753,11 +761,7 @@ impl DataPlane {
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
         p.reply = Completions::Channel(reply);
-        let sent = match (p.passive, p.mode) {
-            (true, Mode::Recv) => self.send_quiet(Cmd::Transfer(p)),
-            _ => self.send(Cmd::Transfer(p)),
-        };
-        if let Err(e) = sent {
+        if let Err(e) = self.send_transfer(p) {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
@@ -804,18 +808,7 @@ impl DataPlane {
         items: Vec<TransferItem>,
         deadline: Instant,
     ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
-        self.queue_transfer(Pending {
-            id: 0,
-            mode,
-            peer,
-            incarnation,
-            items,
-            orders: Vec::new(),
-            staged: Vec::new(),
-            deadline,
-            reply: Completions::Inline(Box::new(|_, _| {})),
-            passive: true,
-        })
+        self.queue_transfer(passive(mode, peer, incarnation, items, deadline, Completions::Inline(Box::new(|_, _| {}))))
     }
 
     /// As [`DataPlane::post_passive`], but each outcome is handed to `done`
@@ -830,23 +823,10 @@ impl DataPlane {
         deadline: Instant,
         done: InlineDone,
     ) -> Result<u64, String> {
-        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let p = Pending {
-            id,
-            mode,
-            peer,
-            incarnation,
-            items,
-            orders: Vec::new(),
-            staged: Vec::new(),
-            deadline,
-            reply: Completions::Inline(done),
-            passive: true,
-        };
-        match mode {
-            Mode::Recv => self.send_quiet(Cmd::Transfer(p))?,
-            _ => self.send(Cmd::Transfer(p))?,
-        }
+        let mut p = passive(mode, peer, incarnation, items, deadline, Completions::Inline(done));
+        p.id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let id = p.id;
+        self.send_transfer(p)?;
         Ok(id)
     }
 
@@ -931,6 +911,20 @@ fn parse_control(mut m: Vec<u8>) -> Option<Control> {
 /// read ends. Dropped when the batch ends, or unfinished when the thread
 /// stops or never took the batch.
 pub type InlineDone = Box<dyn FnMut(usize, TransferOutcome) + Send>;
+
+/// A passive transfer (see [`DataPlane::post_passive`]); its id is set
+/// where it is queued.
+fn passive(
+    mode: Mode,
+    peer: u32,
+    incarnation: u64,
+    items: Vec<TransferItem>,
+    deadline: Instant,
+    reply: Completions,
+) -> Pending {
+    let (orders, staged) = (Vec::new(), Vec::new());
+    Pending { id: 0, mode, peer, incarnation, items, orders, staged, deadline, reply, passive: true }
+}
 
 /// Where a batch's outcomes go, one `(item index, outcome)` as each read ends.
 enum Completions {
@@ -1964,6 +1958,16 @@ mod tests {
         PeerAddr { control: true, ..addr(id, dp) }
     }
 
+    /// Two data planes (`tag-a`, `tag-b`, not connected); what `b`
+    /// receives as coherence messages comes out of the channel.
+    fn control_pair(tag: &str, t: &Transports) -> (DataPlane, DataPlane, tokio::sync::mpsc::Receiver<Control>) {
+        let (a, _) = plane_on(&format!("{tag}-a"), t.clone());
+        let (b, _) = plane_on(&format!("{tag}-b"), t.clone());
+        let (tx, rx) = tokio::sync::mpsc::channel(64);
+        b.serve_control(forward(tx));
+        (a, b, rx)
+    }
+
     fn forward(tx: tokio::sync::mpsc::Sender<Control>) -> ControlSink {
         Box::new(move |msgs| {
             for m in msgs {
@@ -1999,10 +2003,7 @@ mod tests {
     #[tokio::test]
     async fn control_frames_only_to_peers_that_take_them() {
         for t in [Transports::SharedMemory, Transports::Tcp] {
-            let (a, _) = plane_on("frm-a", t.clone());
-            let (b, _) = plane_on("frm-b", t.clone());
-            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-            b.serve_control(forward(tx));
+            let (a, b, mut rx) = control_pair("frm", &t);
             a.connect(control_addr(2, &b)).await.unwrap();
             assert!(a.send_control(2, 1, 1, b"batch"), "{t:?}");
             assert!(!a.send_control_frame(2, 1, 1, b"frame"), "{t:?}: a frame taken for a peer that takes none");
@@ -2033,6 +2034,10 @@ mod tests {
             let (d, _) = plane_on("frm-d", t.clone());
             d.connect(PeerAddr { frames: true, control: false, ..control_addr(2, &b) }).await.unwrap();
             assert!(!d.send_control_frame(2, 1, 4, b"x"), "{t:?}: taken without coherence messages");
+            // Let UCX finish wiring up the endpoints it made for c and d
+            // before they go (UCX 1.13 aborts the process on an answer
+            // to an endpoint whose peer closed meanwhile).
+            tokio::time::sleep(Duration::from_millis(300)).await;
         }
     }
 
@@ -2043,10 +2048,7 @@ mod tests {
     #[tokio::test]
     async fn control_batches_wake_a_sleeping_peer() {
         for t in [Transports::SharedMemory, Transports::Tcp] {
-            let (a, _) = plane_on("ctl-a", t.clone());
-            let (b, _) = plane_on("ctl-b", t.clone());
-            let (tx, mut rx) = tokio::sync::mpsc::channel(64);
-            b.serve_control(forward(tx));
+            let (a, b, mut rx) = control_pair("ctl", &t);
             assert!(!a.send_control(2, 1, 1, b"no endpoint yet"), "{t:?}: taken without an endpoint");
             a.connect(control_addr(2, &b)).await.unwrap();
             b.connect(control_addr(1, &a)).await.unwrap();
