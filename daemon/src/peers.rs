@@ -69,8 +69,8 @@ pub enum TestHook {
     PredateLocateRegistration,
     /// Answer handshakes as a daemon from before push invitations would
     /// (`takes_push_invites` and `takes_control_frames` false), and ignore
-    /// any invitation received,
-    /// as such a daemon's decoder would: peers invite it to push nothing.
+    /// any invitation received, as such a daemon's decoder would: peers
+    /// invite it to push nothing.
     PredatePushInvites,
     /// Reads reported on the data-plane thread always find the core busy
     /// (`Cluster::try_read_ended`): the fallback through a task, which a
