@@ -621,7 +621,6 @@ impl Cluster {
                 }
                 let (push_answers, push_sends) = self.answer_invites(g, to, &batch);
                 let push_invites = self.invite_pushes(g, to, &batch, queue);
-                let pushes = !push_answers.is_empty() || !push_invites.is_empty();
                 let frame =
                     pb::Frame { body: Some(pb::frame::Body::Batch(batch.encode())), push_invites, push_answers };
                 if let Some(h) = &self.held {
@@ -637,18 +636,13 @@ impl Cluster {
                         return;
                     }
                 }
+                // One frame: what it says about pushes arrives with the
+                // answers it goes with.
                 let incarnation = g.node.view().member(to).map(|m| m.incarnation);
-                if pushes {
-                    // One frame: what it says about pushes arrives with
-                    // the answers it goes with.
-                    self.send_push_frame(to, incarnation, frame);
-                    // The answer first: it has further to go (the
-                    // getter's core must see the grant before it uses
-                    // the slot).
-                    self.send_pushes(push_sends);
-                    return;
-                }
                 self.send_batch(to, incarnation, frame);
+                // The answer first: it has further to go (the getter's
+                // core must see the grant before it uses the slot).
+                self.send_pushes(push_sends);
             }
             Action::StartRead { op, from, remote, expect, deadline }
                 if let Some(p) = self.take_pushed(g, op, from, remote) =>
@@ -860,29 +854,24 @@ impl Cluster {
     }
 
     /// Sends a coherence batch for `to` (at `incarnation` in this node's
-    /// view): as a UCX active message when the data plane has an endpoint
-    /// to that incarnation, else on the peer's gRPC stream.
+    /// view), with any push invitations or answers beside it (or those
+    /// alone): as a UCX active message when the data plane has an endpoint
+    /// to that incarnation — a frame with pushes whole, where the peer
+    /// takes frames — else on the peer's gRPC stream.
     fn send_batch(&self, to: NodeId, incarnation: Option<u64>, f: pb::Frame) {
-        if self.control_ucx
-            && let Some(inc) = incarnation
-            && let Some(pb::frame::Body::Batch(bytes)) = &f.body
-            && self.peers.dataplane().send_control(to, inc, self.id, bytes)
-        {
-            return;
-        }
-        self.send_frame(to, f);
-    }
-
-    /// Sends a frame that carries push invitations or answers (with a
-    /// batch, or alone): whole, as one UCX active message where batches
-    /// take that way and the peer takes frames, else on its stream.
-    fn send_push_frame(&self, to: NodeId, incarnation: Option<u64>, f: pb::Frame) {
         use prost::Message as _;
         if self.control_ucx
             && let Some(inc) = incarnation
-            && self.peers.dataplane().send_control_frame(to, inc, self.id, &f.encode_to_vec())
         {
-            return;
+            let dp = self.peers.dataplane();
+            let sent = if !f.push_invites.is_empty() || !f.push_answers.is_empty() {
+                dp.send_control_frame(to, inc, self.id, &f.encode_to_vec())
+            } else {
+                matches!(&f.body, Some(pb::frame::Body::Batch(bytes)) if dp.send_control(to, inc, self.id, bytes))
+            };
+            if sent {
+                return;
+            }
         }
         self.send_frame(to, f);
     }

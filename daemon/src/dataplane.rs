@@ -729,39 +729,13 @@ impl DataPlane {
         staged: Vec<(usize, StagingSlot)>,
         deadline: Instant,
     ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
-        self.queue_transfer(Pending {
-            id: 0,
-            mode,
-            peer,
-            incarnation,
-            items,
-            orders,
-            staged,
-            deadline,
-            reply: Completions::Inline(Box::new(|_, _| {})),
-            passive: false,
-        })
-    }
-
-    /// Queues `p` (its id and a channel of its outcomes filled in here);
-    /// where it cannot be queued, every item fails at once on the channel.
-    /// A passive receive does not wake the thread ([`DataPlane::post_passive`]).
-    /// Queues a transfer: a passive receive without waking the thread.
-    fn send_transfer(&self, p: Pending) -> Result<(), String> {
-        match (p.passive, p.mode) {
-            (true, Mode::Recv) => self.send_quiet(Cmd::Transfer(p)),
-            _ => self.send(Cmd::Transfer(p)),
-        }
-    }
-
-    fn queue_transfer(&self, mut p: Pending) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
-        let n = p.items.len();
-        p.id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let id = p.id;
+        let n = items.len();
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (reply, rx) = tokio::sync::mpsc::unbounded_channel();
         let fallback = reply.clone();
-        p.reply = Completions::Channel(reply);
-        if let Err(e) = self.send_transfer(p) {
+        let (reply, passive) = (Completions::Channel(reply), false);
+        let p = Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply, passive };
+        if let Err(e) = self.send(Cmd::Transfer(p)) {
             for i in 0..n {
                 let _ = fallback.send((i, TransferOutcome::Failed(e.clone())));
             }
@@ -785,11 +759,18 @@ impl DataPlane {
         deadline: Instant,
         done: InlineDone,
     ) -> Result<u64, String> {
-        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let (reply, staged, passive) = (Completions::Inline(done), Vec::new(), false);
-        let p = Pending { id, mode, peer, incarnation, items, orders, staged, deadline, reply, passive };
-        self.send(Cmd::Transfer(p))?;
-        Ok(id)
+        self.queue_inline(Pending {
+            id: 0,
+            mode,
+            peer,
+            incarnation,
+            items,
+            orders,
+            staged: Vec::new(),
+            deadline,
+            reply: Completions::Inline(done),
+            passive: false,
+        })
     }
 
     /// Posts receives of `items` from `peer` that no send order asks for
@@ -800,21 +781,11 @@ impl DataPlane {
     /// either: it posts them at its next turn — at the latest when the
     /// first bytes for them arrive (UCX holds what arrives before its
     /// receive is posted, and matches it then), or a command wakes it.
+    ///
+    /// Each outcome is handed to `done` on the data-plane thread (as
+    /// [`DataPlane::transfer_inline`]); `Err` where the queue did not take
+    /// the batch (`done` is then dropped unfinished).
     pub fn post_passive(
-        &self,
-        mode: Mode,
-        peer: u32,
-        incarnation: u64,
-        items: Vec<TransferItem>,
-        deadline: Instant,
-    ) -> (u64, tokio::sync::mpsc::UnboundedReceiver<(usize, TransferOutcome)>) {
-        self.queue_transfer(passive(mode, peer, incarnation, items, deadline, Completions::Inline(Box::new(|_, _| {}))))
-    }
-
-    /// As [`DataPlane::post_passive`], but each outcome is handed to `done`
-    /// on the data-plane thread (as [`DataPlane::transfer_inline`]); `Err`
-    /// where the queue did not take it (`done` is dropped unfinished).
-    pub fn post_passive_inline(
         &self,
         mode: Mode,
         peer: u32,
@@ -823,10 +794,30 @@ impl DataPlane {
         deadline: Instant,
         done: InlineDone,
     ) -> Result<u64, String> {
-        let mut p = passive(mode, peer, incarnation, items, deadline, Completions::Inline(done));
+        let (orders, staged, reply) = (Vec::new(), Vec::new(), Completions::Inline(done));
+        self.queue_inline(Pending {
+            id: 0,
+            mode,
+            peer,
+            incarnation,
+            items,
+            orders,
+            staged,
+            deadline,
+            reply,
+            passive: true,
+        })
+    }
+
+    /// Queues `p` (its id set here); a passive receive without waking the
+    /// thread.
+    fn queue_inline(&self, mut p: Pending) -> Result<u64, String> {
         p.id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let id = p.id;
-        self.send_transfer(p)?;
+        match (p.passive, p.mode) {
+            (true, Mode::Recv) => self.send_quiet(Cmd::Transfer(p))?,
+            _ => self.send(Cmd::Transfer(p))?,
+        }
         Ok(id)
     }
 
@@ -911,20 +902,6 @@ fn parse_control(mut m: Vec<u8>) -> Option<Control> {
 /// read ends. Dropped when the batch ends, or unfinished when the thread
 /// stops or never took the batch.
 pub type InlineDone = Box<dyn FnMut(usize, TransferOutcome) + Send>;
-
-/// A passive transfer (see [`DataPlane::post_passive`]); its id is set
-/// where it is queued.
-fn passive(
-    mode: Mode,
-    peer: u32,
-    incarnation: u64,
-    items: Vec<TransferItem>,
-    deadline: Instant,
-    reply: Completions,
-) -> Pending {
-    let (orders, staged) = (Vec::new(), Vec::new());
-    Pending { id: 0, mode, peer, incarnation, items, orders, staged, deadline, reply, passive: true }
-}
 
 /// Where a batch's outcomes go, one `(item index, outcome)` as each read ends.
 enum Completions {
@@ -1052,7 +1029,7 @@ fn run(
                         let c = ControlPeer {
                             incarnation: peer.incarnation,
                             control: peer.control,
-                            frames: peer.control && peer.frames,
+                            frames: peer.frames,
                             pending: Arc::default(),
                             sender: conn.ep.am_sender(),
                             queued: Arc::default(),

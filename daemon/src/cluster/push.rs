@@ -208,8 +208,7 @@ impl Cluster {
             // Not taken: the sink, dropped, reports the failure (the
             // receive is then discarded like any unused one; id 0 is no
             // batch).
-            let id =
-                self.peers.dataplane().post_passive_inline(Mode::Recv, to, inc, vec![item], until, done).unwrap_or(0);
+            let id = self.peers.dataplane().post_passive(Mode::Recv, to, inc, vec![item], until, done).unwrap_or(0);
             let posted = Posted {
                 rx,
                 index: vec![0],
@@ -392,7 +391,7 @@ impl Cluster {
         }
         if !declined.is_empty() {
             let inc = g.node.view().member(from).map(|m| m.incarnation);
-            self.send_push_frame(from, inc, pb::Frame { body: None, push_invites: Vec::new(), push_answers: declined });
+            self.send_batch(from, inc, pb::Frame { body: None, push_invites: Vec::new(), push_answers: declined });
         }
     }
 
@@ -470,7 +469,8 @@ impl Cluster {
         let Some((to, inc, items)) = sends else { return };
         self.push_counters.sent.fetch_add(items.len() as u64, Ordering::Relaxed);
         let until = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
-        let _ = self.peers.dataplane().post_passive(Mode::Send, to, inc, items, until);
+        // Nothing to do with the outcomes (the getter validates what lands).
+        let _ = self.peers.dataplane().post_passive(Mode::Send, to, inc, items, until, Box::new(|_, _| {}));
     }
 
     /// Holder: invitations whose request got no answer in the flush that
@@ -485,7 +485,7 @@ impl Cluster {
         }
         for (to, push_answers) in by_peer {
             let inc = g.node.view().member(to).map(|m| m.incarnation);
-            self.send_push_frame(to, inc, pb::Frame { body: None, push_invites: Vec::new(), push_answers });
+            self.send_batch(to, inc, pb::Frame { body: None, push_invites: Vec::new(), push_answers });
         }
     }
 }
