@@ -244,11 +244,10 @@ async fn a_remote_fetch_shows_in_the_get_and_transfer_histograms() {
 /// there too, not from a runtime worker woken for it (daemon/src/inline.rs).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetch_that_ends_on_the_data_plane_is_answered_from_there() {
-    let (data_plane, other) = lone_fetches_answered("metrics-inline", "sm", &[]).await;
+    let (data_plane, _, _) = lone_fetches_answered("metrics-inline", "sm", &[], &[]).await;
     // A read whose report found the core busy goes through a task (rare
     // here, never all of them).
     assert!(data_plane >= 4.0, "{data_plane} of 8 answered on the data plane");
-    assert_eq!(data_plane + other, 8.0);
 }
 
 /// Over tcp the holder pushes the slot with its grant: the read the core
@@ -256,11 +255,18 @@ async fn a_fetch_that_ends_on_the_data_plane_is_answered_from_there() {
 /// stream) is checked and reported on the data-plane thread where the
 /// bytes land, and the engine's answer is written from there too (before,
 /// a task per pushed read: every answer from the runtime).
+///
+/// Whether a pushed block lands before or after the core starts its read
+/// is a race (a block that landed first takes the task path); the holder's
+/// test hook sends its pushes 100 ms after the answer so that every read
+/// here meets a receive not landed yet (without the hook a slow debug
+/// build on a loaded machine answered 2 of 8 from the data plane).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pushed_fetch_is_answered_from_the_data_plane_tcp() {
-    let (data_plane, other) = lone_fetches_answered("metrics-push", "tcp", &[]).await;
+    let holder = [("KVMESH_TEST_HOOK", "delay-push-sends-ms:100")];
+    let (data_plane, _, text) = lone_fetches_answered("metrics-push", "tcp", &holder, &[]).await;
+    assert_eq!(sample(&text, "kvmesh_coherence_pushes_used_total"), 8.0, "{text}");
     assert!(data_plane >= 4.0, "{data_plane} of 8 answered on the data plane");
-    assert_eq!(data_plane + other, 8.0);
 }
 
 /// When the read's report finds the core busy (forced by a test hook) it
@@ -269,21 +275,27 @@ async fn a_pushed_fetch_is_answered_from_the_data_plane_tcp() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fetch_whose_report_finds_the_core_busy_ends_through_a_task() {
     let hook = [("KVMESH_TEST_HOOK", "inline-reports-find-core-busy")];
-    let (data_plane, other) = lone_fetches_answered("metrics-busy", "sm", &hook).await;
-    assert_eq!((data_plane, other), (0.0, 8.0));
+    let (data_plane, other, _) = lone_fetches_answered("metrics-busy", "sm", &[], &hook).await;
+    assert_eq!(data_plane, 0.0);
+    assert!(other >= 4.0, "{other} of 8 answered through a task");
 }
 
-/// Daemon 1 puts 8 blocks of 64 KiB, daemon 2 (started with `env`)
-/// fetches them over `transports` one pin at a time, every byte checked,
-/// then pins them again (local hits); returns how many of daemon 2's
-/// fast-path answers were written on its data-plane thread and elsewhere
-/// (`kvmesh_fast_answers_total`).
-async fn lone_fetches_answered(tag: &str, transports: &str, env: &[(&str, &str)]) -> (f64, f64) {
+/// Daemon 1 (started with `holder_env`) puts 8 blocks of 64 KiB, daemon 2
+/// (started with `env`) fetches them over `transports` one pin at a time,
+/// every byte checked, then pins them again (local hits); returns how many
+/// of daemon 2's fast-path answers were written on its data-plane thread
+/// and elsewhere (`kvmesh_fast_answers_total`), and its metrics text.
+async fn lone_fetches_answered(
+    tag: &str,
+    transports: &str,
+    holder_env: &[(&str, &str)],
+    env: &[(&str, &str)],
+) -> (f64, f64, String) {
     use common::peer_config;
     let ports = [free_port(), free_port()];
     let mport = free_port();
     let pools = pool("p", "8MiB", "64KiB");
-    let a = Daemon::start(&format!("{tag}-1"), &peer_config(1, &ports, transports, &pools));
+    let a = Daemon::start_with(&format!("{tag}-1"), &peer_config(1, &ports, transports, &pools), holder_env);
     let b = Daemon::start_with(
         &format!("{tag}-2"),
         &(peer_config(2, &ports, transports, &pools) + &format!("[metrics]\nlisten = \"127.0.0.1:{mport}\"\n")),
@@ -312,8 +324,14 @@ async fn lone_fetches_answered(tag: &str, transports: &str, env: &[(&str, &str)]
     let (_, _, text) = tokio::task::spawn_blocking(move || get(mport, "/metrics", "*/*")).await.unwrap();
     assert_eq!(sample(&text, "kvmesh_get_seconds_count{result=\"fetched\"}"), 8.0, "{text}");
     let on = |t: &str| sample(&text, &format!("kvmesh_fast_answers_total{{thread=\"{t}\"}}"));
+    // The local pin (and the unpins) are answered at once. A fetch is
+    // answered where it ended — mostly later, but it can end within the
+    // connection thread's first poll of it (that thread preempted between
+    // sending the locate and polling for the answer: seen with the CPUs
+    // loaded), so at most 8 are answered elsewhere.
     assert!(on("connection") >= 1.0, "{text}");
+    assert!(on("data_plane") + on("other") <= 8.0, "{text}");
     assert_eq!(cb.stats().await.unwrap().remote_validation_failures, 0);
     common::promtool_check_metrics(&text);
-    (on("data_plane"), on("other"))
+    (on("data_plane"), on("other"), text)
 }

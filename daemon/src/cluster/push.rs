@@ -469,8 +469,23 @@ impl Cluster {
         let Some((to, inc, items)) = sends else { return };
         self.push_counters.sent.fetch_add(items.len() as u64, Ordering::Relaxed);
         let until = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
+        let dp = Arc::clone(self.peers.dataplane());
         // Nothing to do with the outcomes (the getter validates what lands).
-        let _ = self.peers.dataplane().post_passive(Mode::Send, to, inc, items, until, Box::new(|_, _| {}));
+        let post = move || {
+            let _ = dp.post_passive(Mode::Send, to, inc, items, until, Box::new(|_, _| {}));
+        };
+        match crate::peers::test_hook_ms("delay-push-sends-ms") {
+            // Test-only: the pushed bytes land well after the answer, as
+            // they would behind a slow link (the read the core starts
+            // meets a receive not landed yet).
+            Some(ms) => {
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(ms));
+                    post()
+                });
+            }
+            None => post(),
+        }
     }
 
     /// Holder: invitations whose request got no answer in the flush that
