@@ -474,10 +474,19 @@ impl Cluster {
         let post = move || {
             let _ = dp.post_passive(Mode::Send, to, inc, items, until, Box::new(|_, _| {}));
         };
-        match crate::peers::test_hook_ms("delay-push-sends-ms") {
-            // Test-only: the pushed bytes land well after the answer, as
-            // they would behind a slow link (the read the core starts
-            // meets a receive not landed yet).
+        // Test-only (`KVMESH_TEST_HOOK=delay-push-sends-ms:N`, read once):
+        // the pushed bytes land well after the answer, as they would behind
+        // a slow link (the read the core starts meets a receive not landed
+        // yet).
+        static DELAY_MS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+        let delay = *DELAY_MS.get_or_init(|| {
+            let ms = crate::peers::test_hook_ms("delay-push-sends-ms");
+            if let Some(ms) = ms {
+                tracing::warn!("TEST HOOK ACTIVE: pushed slots are sent {ms} ms after their answer");
+            }
+            ms
+        });
+        match delay {
             Some(ms) => {
                 std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_millis(ms));
