@@ -759,18 +759,7 @@ impl DataPlane {
         deadline: Instant,
         done: InlineDone,
     ) -> Result<u64, String> {
-        self.queue_inline(Pending {
-            id: 0,
-            mode,
-            peer,
-            incarnation,
-            items,
-            orders,
-            staged: Vec::new(),
-            deadline,
-            reply: Completions::Inline(done),
-            passive: false,
-        })
+        self.queue_inline(mode, peer, incarnation, items, orders, deadline, done, false)
     }
 
     /// Posts receives of `items` from `peer` that no send order asks for
@@ -794,27 +783,27 @@ impl DataPlane {
         deadline: Instant,
         done: InlineDone,
     ) -> Result<u64, String> {
-        let (orders, staged, reply) = (Vec::new(), Vec::new(), Completions::Inline(done));
-        self.queue_inline(Pending {
-            id: 0,
-            mode,
-            peer,
-            incarnation,
-            items,
-            orders,
-            staged,
-            deadline,
-            reply,
-            passive: true,
-        })
+        self.queue_inline(mode, peer, incarnation, items, Vec::new(), deadline, done, true)
     }
 
-    /// Queues `p` (its id set here); a passive receive without waking the
-    /// thread.
-    fn queue_inline(&self, mut p: Pending) -> Result<u64, String> {
-        p.id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let id = p.id;
-        match (p.passive, p.mode) {
+    /// Queues a transfer whose outcomes go to `done` on the data-plane
+    /// thread; a passive receive without waking the thread.
+    #[allow(clippy::too_many_arguments)]
+    fn queue_inline(
+        &self,
+        mode: Mode,
+        peer: u32,
+        incarnation: u64,
+        items: Vec<TransferItem>,
+        orders: Vec<Vec<u8>>,
+        deadline: Instant,
+        done: InlineDone,
+        passive: bool,
+    ) -> Result<u64, String> {
+        let id = self.next_id.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let reply = Completions::Inline(done);
+        let p = Pending { id, mode, peer, incarnation, items, orders, staged: Vec::new(), deadline, reply, passive };
+        match (passive, mode) {
             (true, Mode::Recv) => self.send_quiet(Cmd::Transfer(p))?,
             _ => self.send(Cmd::Transfer(p))?,
         }
