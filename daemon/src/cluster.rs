@@ -163,6 +163,11 @@ struct Inner {
     /// Slots pushed with their grants (tcp): receives posted, invitations
     /// to answer (push.rs).
     push: push::PushState,
+    /// The core time (µs) the timer task last set out to wake at for the
+    /// core (`Node::next_timeout` as it computed it, `u64::MAX` before it
+    /// ran): an input only has to wake it when the core's next timeout
+    /// became earlier than that ([`Cluster::kick_timer`]).
+    timer_armed: u64,
 }
 
 /// One read the core asked for, with the local slot reserved for it.
@@ -210,6 +215,9 @@ pub struct ClusterCounters {
     pub membership_foreign_drops: AtomicU64,
     /// Views whose epoch could not be persisted (coordinator).
     pub epoch_persist_failures: AtomicU64,
+    /// Inputs that woke the timer task (the core's next timeout moved
+    /// earlier than it was armed for).
+    pub timer_kicks: AtomicU64,
 }
 
 /// The coherence driver of one daemon.
@@ -458,6 +466,7 @@ impl Cluster {
                 table_header: None,
                 table_delay: crate::peers::test_hook_ms("delay-table-apply-ms").map(Duration::from_millis),
                 push: push::PushState::default(),
+                timer_armed: u64::MAX,
             }),
             store,
             peers,
@@ -512,11 +521,29 @@ impl Cluster {
     // ----- feeding the core -----
 
     fn feed(self: &Arc<Self>, ev: Event) {
-        {
-            let mut g = self.inner.lock();
-            self.feed_locked(&mut g, ev);
+        let mut g = self.inner.lock();
+        self.feed_locked(&mut g, ev);
+        self.kick_timer_locked(&g);
+    }
+
+    /// Wakes the timer task if the core now wants to wake earlier than the
+    /// task set out to (an input added an earlier deadline or resend). Most
+    /// inputs do not — their timers fall after one already armed — and
+    /// waking the task for each (a runtime worker unparked per locate,
+    /// grant and read, on the thread that handled them) cost every remote
+    /// get wake-ups on the cores its own hops needed.
+    fn kick_timer(&self) {
+        self.kick_timer_locked(&self.inner.lock());
+    }
+
+    /// [`Cluster::kick_timer`] under the core lock the caller holds. The
+    /// task arms under the same lock, so an input either sees what it
+    /// armed, or the task computes its wake from the input's state.
+    fn kick_timer_locked(&self, g: &Inner) {
+        if g.node.next_timeout().is_some_and(|t| t < g.timer_armed) {
+            self.counters.timer_kicks.fetch_add(1, Ordering::Relaxed);
+            self.timer.notify_one();
         }
-        self.timer.notify_one();
     }
 
     fn feed_locked(self: &Arc<Self>, g: &mut Inner, ev: Event) {
@@ -1016,8 +1043,8 @@ impl Cluster {
         if last && self.cfg.flush_when_idle {
             self.flush_locked(&mut g);
         }
+        self.kick_timer_locked(&g);
         drop(g);
-        self.timer.notify_one();
     }
 
     /// Moves the holder's whole slots into the reserved local slots, and
@@ -1516,7 +1543,7 @@ impl Cluster {
                     None => {
                         if unflushed && self.cfg.flush_when_idle {
                             self.flush();
-                            self.timer.notify_one();
+                            self.kick_timer();
                         }
                         unflushed = false;
                         inbound.message().await
@@ -1599,7 +1626,7 @@ impl Cluster {
             let view = g.node.view();
             pings.into_iter().map(|(from, seq)| (from, view.member(from).map(|m| m.incarnation), seq)).collect()
         };
-        self.timer.notify_one();
+        self.kick_timer();
         // Every batch the endpoint carried before a ping is handled now.
         for (from, incarnation, seq) in pongs {
             let dp = self.peers.dataplane();
@@ -1632,8 +1659,8 @@ impl Cluster {
                 let mut g = self.inner.lock();
                 self.take_invites(&mut g, from, invites, &batch);
                 self.receive_locked(&mut g, from, batch);
+                self.kick_timer_locked(&g);
                 drop(g);
-                self.timer.notify_one();
             }
             Err(e) => {
                 self.counters.decode_errors.fetch_add(1, Ordering::Relaxed);
@@ -1671,7 +1698,7 @@ impl Cluster {
                     let actions = g.membership.peer_keepalive(ka, self.now_us());
                     self.run_membership(&mut g, actions);
                 }
-                self.timer.notify_one();
+                self.kick_timer();
             }
             Some(Body::Leave(l)) => {
                 tracing::info!(peer = from, incarnation = l.incarnation, "membership: peer left the cluster");
@@ -1680,7 +1707,7 @@ impl Cluster {
                     let actions = g.membership.peer_leave(from, l.incarnation, self.now_us());
                     self.run_membership(&mut g, actions);
                 }
-                self.timer.notify_one();
+                self.kick_timer();
             }
             Some(Body::KeepaliveAck(_)) | Some(Body::View(_)) if from != self.coordinator => {
                 // Only the configured coordinator grants leases and
@@ -1729,7 +1756,7 @@ impl Cluster {
             }
             newer
         };
-        self.timer.notify_one();
+        self.kick_timer();
         if newer {
             self.renew_stale_handshakes(view);
         }
@@ -1762,7 +1789,13 @@ impl Cluster {
         let keepalive = Duration::from_millis(self.cfg.keepalive_ms);
         let mut next_housekeeping = Instant::now();
         loop {
-            let next = self.inner.lock().node.next_timeout().map(|t| self.instant_of(t));
+            let next = {
+                let mut g = self.inner.lock();
+                let next = g.node.next_timeout();
+                g.timer_armed = next.unwrap_or(u64::MAX);
+                next
+            }
+            .map(|t| self.instant_of(t));
             let wake = next.map_or(next_housekeeping, |t| t.min(next_housekeeping));
             tokio::select! {
                 _ = tokio::time::sleep_until(wake.into()) => {}
@@ -1841,7 +1874,7 @@ impl Cluster {
                 self.flush_locked(&mut g);
             }
         }
-        self.timer.notify_one();
+        self.kick_timer();
         rxs
     }
 
@@ -2114,7 +2147,7 @@ impl Cluster {
                 self.flush_locked(&mut g);
             }
         }
-        self.timer.notify_one();
+        self.kick_timer();
         out
     }
 
@@ -2144,8 +2177,8 @@ impl Cluster {
         if any && self.cfg.flush_when_idle {
             self.flush_locked(&mut g);
         }
+        self.kick_timer_locked(&g);
         drop(g);
-        self.timer.notify_one();
         res
     }
 
@@ -2195,7 +2228,7 @@ impl Cluster {
             self.run_membership(&mut g, actions);
             g.node.view().members.iter().filter(|m| m.id != self.id).map(|m| (m.id, m.incarnation)).collect()
         };
-        self.timer.notify_one();
+        self.kick_timer();
         if bug {
             tokio::time::sleep(Duration::from_millis(200)).await;
             let mut g = self.inner.lock();
@@ -2317,6 +2350,7 @@ impl Cluster {
             pushes_used: self.push_counters.used.load(Ordering::Relaxed),
             pushes_unused: self.push_counters.unused.load(Ordering::Relaxed),
             pushes_sent: self.push_counters.sent.load(Ordering::Relaxed),
+            timer_kicks: self.counters.timer_kicks.load(Ordering::Relaxed),
         }
     }
 

@@ -515,6 +515,11 @@ impl prometheus_client::collector::Collector for Snapshot {
                     c.pushes_sent,
                 ),
                 (
+                    "coherence_timer_kicks",
+                    "Times an input woke the coherence timer task because the core's next timeout moved earlier (other inputs leave it asleep).",
+                    c.timer_kicks,
+                ),
+                (
                     "coherence_staging_exhausted",
                     "Staged reads or sends refused because every staging slot was busy (misses; see peer.staging_slots).",
                     c.staging_exhausted,

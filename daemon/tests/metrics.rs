@@ -280,6 +280,54 @@ async fn a_fetch_whose_report_finds_the_core_busy_ends_through_a_task() {
     assert!(other >= 4.0, "{other} of 8 answered through a task");
 }
 
+/// Remote gets do not wake the coherence driver's timer task at every
+/// hop: an input wakes it only when the core's next timeout moved earlier
+/// than the task set out to wake at (`kvmesh_coherence_timer_kicks_total`).
+/// Before, every locate, grant, read report and engine call woke it (a
+/// runtime worker unparked on the thread handling it, on the path of
+/// the get): 4 or more wake-ups per fetch between the two daemons. A fetch
+/// adds timers (its deadline, the locate's resend) that fall after those
+/// already armed by the fetches before it, so what is left is about one
+/// kick per timer that came due, a few dozen a second, whatever the rate
+/// of gets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lone_fetches_do_not_wake_the_timer_task_at_every_hop() {
+    use common::peer_config;
+    const FETCHES: u64 = 200;
+    let ports = [free_port(), free_port()];
+    let pools = pool("p", "32MiB", "64KiB");
+    let a = Daemon::start("timer-kicks-1", &peer_config(1, &ports, "sm", &pools));
+    let b = Daemon::start("timer-kicks-2", &peer_config(2, &ports, "sm", &pools));
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let (ca, cb) = (a.client().await, b.client().await);
+    let ns_a = ca.register_namespace("t", 65536, "x").await.unwrap();
+    let ns_b = cb.register_namespace("t", 65536, "x").await.unwrap();
+    let keys: Vec<Key> = (1..=FETCHES as u128).map(|i| Key(0x71c0_0000 + i)).collect();
+    for chunk in keys.chunks(50) {
+        let items: Vec<(Key, Vec<u8>)> = chunk.iter().map(|&k| (k, vec![k.0 as u8; 65536])).collect();
+        let refs: Vec<(Key, &[u8])> = items.iter().map(|(k, d)| (*k, &d[..])).collect();
+        assert_eq!(ca.put(&ns_a, &refs).await.unwrap().stored as usize, chunk.len());
+    }
+    let kicks = |s: kvmesh_client::Stats| s.coherence.unwrap().timer_kicks;
+    let before = kicks(ca.stats().await.unwrap()) + kicks(cb.stats().await.unwrap());
+    let t0 = std::time::Instant::now();
+    for &k in &keys {
+        let got = cb.pin(&ns_b, &[k]).await.unwrap();
+        let blk = got[0].as_ref().unwrap_or_else(|| panic!("{k} not fetched"));
+        assert!(blk.iter().all(|&x| x == k.0 as u8), "bytes of {k}");
+    }
+    let secs = t0.elapsed().as_secs_f64().ceil() as u64;
+    let sb = cb.stats().await.unwrap();
+    assert_eq!(sb.remote_fetched, FETCHES, "every get was a fetch");
+    assert_eq!(sb.remote_validation_failures, 0);
+    let during = kicks(sb) + kicks(ca.stats().await.unwrap()) - before;
+    // Woken per hop this is >= 4 per fetch (800 here); the bound leaves a
+    // kick per fetch in four and 40 a second of run time for timers due.
+    let bound = FETCHES / 4 + 40 * secs;
+    assert!(during <= bound, "{during} timer-task wake-ups for {FETCHES} fetches in {secs} s (at most {bound})");
+}
+
 /// Daemon 1 (started with `holder_env`) puts 8 blocks of 64 KiB, daemon 2
 /// (started with `env`) fetches them over `transports` one pin at a time,
 /// every byte checked, then pins them again (local hits); returns how many
