@@ -1623,10 +1623,10 @@ impl Cluster {
             if self.cfg.flush_when_idle {
                 self.flush_locked(&mut g);
             }
+            self.kick_timer_locked(&g);
             let view = g.node.view();
             pings.into_iter().map(|(from, seq)| (from, view.member(from).map(|m| m.incarnation), seq)).collect()
         };
-        self.kick_timer();
         // Every batch the endpoint carried before a ping is handled now.
         for (from, incarnation, seq) in pongs {
             let dp = self.peers.dataplane();
@@ -1873,8 +1873,8 @@ impl Cluster {
             if self.cfg.flush_when_idle {
                 self.flush_locked(&mut g);
             }
+            self.kick_timer_locked(&g);
         }
-        self.kick_timer();
         rxs
     }
 

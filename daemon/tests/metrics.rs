@@ -285,11 +285,11 @@ async fn a_fetch_whose_report_finds_the_core_busy_ends_through_a_task() {
 /// than the task set out to wake at (`kvmesh_coherence_timer_kicks_total`).
 /// Before, every locate, grant, read report and engine call woke it (a
 /// runtime worker unparked on the thread handling it, on the path of
-/// the get): 4 or more wake-ups per fetch between the two daemons. A fetch
-/// adds timers (its deadline, the locate's resend) that fall after those
-/// already armed by the fetches before it, so what is left is about one
-/// kick per timer that came due, a few dozen a second, whatever the rate
-/// of gets.
+/// the get): 4 or more wake-ups per fetch between the two daemons. A
+/// fetch's timers (its deadline; at the holder, the grant's lease) fall
+/// after the keepalive the task has armed (at most `keepalive_ms` away),
+/// so what is left is a kick where an input brings a timeout nearer than
+/// that, whatever the rate of gets.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lone_fetches_do_not_wake_the_timer_task_at_every_hop() {
     use common::peer_config;
