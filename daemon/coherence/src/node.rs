@@ -654,9 +654,14 @@ impl Node {
     }
 
     /// When the node next needs a `Tick` (local clock), if ever. O(log n):
-    /// the earliest of its ordered timers.
+    /// the earliest of its ordered timers. A node that left sends no more
+    /// keepalives, so its keepalive time (passed, and never advanced again)
+    /// is not one: counted, it asked for a `Tick` at once after every step
+    /// until the process exited (the daemon's timer task ticked on each
+    /// turn of tokio's 1 ms timer wheel through a drain's wait).
     pub fn next_timeout(&self) -> Option<Time> {
-        let mut t = self.last_keepalive.map_or(self.now, |l| l + self.cfg.keepalive_us);
+        let mut t =
+            if self.left { Time::MAX } else { self.last_keepalive.map_or(self.now, |l| l + self.cfg.keepalive_us) };
         if let Some(u) = self.lease_until
             && !self.copies.is_empty()
         {
@@ -671,7 +676,7 @@ impl Node {
             .min(ts.grants.first().map_or(Time::MAX, |e| e.0))
             .min(Timers::first(&ts.flushes))
             .min(self.published_expiry.front().map_or(Time::MAX, |e| e.0));
-        Some(t.max(self.now))
+        (t != Time::MAX).then(|| t.max(self.now))
     }
 
     /// Recomputes every incrementally kept structure (the timers, the

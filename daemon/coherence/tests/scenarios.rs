@@ -553,6 +553,10 @@ fn a_node_that_leaves_tells_the_homes_and_serves_nothing_more() {
     net.now += 10_000_000;
     net.drive(2, Event::Tick);
     assert_eq!(net.keepalives.iter().filter(|x| x.0 == 2).count(), before, "no keepalive after leaving");
+    // Nor does it ask for a tick at once after every step: its keepalive
+    // time passed and is never advanced again.
+    let next = net.nodes[2].next_timeout();
+    assert!(next.is_none_or(|t| t > net.now), "a node that left wants a tick now ({next:?} at {})", net.now);
 }
 
 #[test]
