@@ -938,11 +938,19 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
         let items: Vec<(Key, &[u8])> = chunk.iter().map(|&k| (k, &data[..])).collect();
         grpc.put(&ns, &items).await?;
     }
+    // The blocking client (what the C ABI and Python call through), on a
+    // thread of its own outside this runtime, over the fast path.
+    let blocking = {
+        let socket = socket.clone();
+        std::thread::spawn(move || kvmesh_client::blocking::Client::connect(Some(&socket)))
+            .join()
+            .map_err(|_| anyhow::anyhow!("the blocking client's thread panicked"))??
+    };
     let rounds = 10;
     let mut rows = Vec::new();
     for n in [1usize, 64, 512] {
-        // [path][lookup, pin, unpin]
-        let mut h: Vec<Vec<Histogram<u64>>> = (0..2)
+        // [path][lookup, pin, unpin]: gRPC, fast path, blocking client
+        let mut h: Vec<Vec<Histogram<u64>>> = (0..3)
             .map(|_| (0..3).map(|_| Histogram::<u64>::new(3)).collect::<Result<_, _>>())
             .collect::<Result<_, _>>()?;
         for round in 0..rounds {
@@ -963,16 +971,44 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
                     h[path][2].record(t.elapsed().as_nanos() as u64)?;
                 }
             }
+            let (b, ns, keys) = (blocking.clone(), ns.clone(), keys.clone());
+            let (from, to) = (round * calls / rounds, (round + 1) * calls / rounds);
+            let hb = std::thread::spawn(move || -> anyhow::Result<Vec<Histogram<u64>>> {
+                let mut hb: Vec<Histogram<u64>> = (0..3).map(|_| Histogram::<u64>::new(3)).collect::<Result<_, _>>()?;
+                for i in from..to {
+                    let ks = &keys[(i * n) % 512..(i * n) % 512 + n];
+                    let t = Instant::now();
+                    b.call(b.inner().lookup(&ns, ks))?;
+                    hb[0].record(t.elapsed().as_nanos() as u64)?;
+                    let t = Instant::now();
+                    let p = b.call(b.inner().pin(&ns, ks))?;
+                    hb[1].record(t.elapsed().as_nanos() as u64)?;
+                    if p.iter().any(|b| b.is_none()) {
+                        bail!("a local pin missed");
+                    }
+                    let t = Instant::now();
+                    b.call(b.inner().unpin(p.into_iter().flatten().collect()))?;
+                    hb[2].record(t.elapsed().as_nanos() as u64)?;
+                }
+                Ok(hb)
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("the blocking client's thread panicked"))??;
+            for (m, x) in hb.iter().enumerate() {
+                h[2][m].add(x)?;
+            }
         }
         for (m, name) in ["lookup", "pin", "unpin"].iter().enumerate() {
             let us = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1e3;
-            let (g, f) = (&h[0][m], &h[1][m]);
+            let (g, f, bl) = (&h[0][m], &h[1][m], &h[2][m]);
             println!(
-                "{name:>6} x{n:<4} grpc p50 {:>7.1} p99 {:>7.1} us | fast p50 {:>7.1} p99 {:>7.1} us | p99 fast/grpc {:.2} | {} samples each",
+                "{name:>6} x{n:<4} grpc p50 {:>7.1} p99 {:>7.1} us | fast p50 {:>7.1} p99 {:>7.1} us | blocking p50 {:>7.1} p99 {:>7.1} us | p99 fast/grpc {:.2} | {} samples each",
                 us(g, 0.5),
                 us(g, 0.99),
                 us(f, 0.5),
                 us(f, 0.99),
+                us(bl, 0.5),
+                us(bl, 0.99),
                 us(f, 0.99) / us(g, 0.99),
                 f.len()
             );
@@ -980,9 +1016,12 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
                 "call": name, "keys": n, "samples": f.len(),
                 "grpc_p50_us": us(g, 0.5), "grpc_p99_us": us(g, 0.99),
                 "fast_p50_us": us(f, 0.5), "fast_p99_us": us(f, 0.99),
+                "blocking_p50_us": us(bl, 0.5), "blocking_p99_us": us(bl, 0.99),
             }));
         }
     }
+    // Its runtime may not be dropped inside this one.
+    std::thread::spawn(move || drop(blocking)).join().map_err(|_| anyhow::anyhow!("dropping the blocking client"))?;
     println!("{}", serde_json::json!({"bench": "rpc", "rows": rows}));
     Ok(())
 }
