@@ -6,7 +6,9 @@
 //! each call to completion on the calling thread with
 //! [`Client::block_on`]. Any number of threads may call through one
 //! `Client` at once (it is `Send + Sync`); each call blocks only its
-//! caller. Calling from inside an async runtime is refused (it would block
+//! caller. Lookups, pins and unpins on the fast path are written and their
+//! answers read by the calling thread itself (one reader at a time, which
+//! hands other callers their answers), so a call wakes no runtime thread. Calling from inside an async runtime is refused (it would block
 //! that runtime's thread): use the async [`crate::Client`] there.
 
 use std::future::Future;
@@ -20,8 +22,37 @@ use crate::{ClientError, Result};
 /// clone (and every guard made through it) is gone.
 #[derive(Clone)]
 pub struct Client {
-    rt: Arc<tokio::runtime::Runtime>,
+    rt: Arc<Runtime>,
     inner: crate::Client,
+}
+
+/// How long dropping the last clone waits for the runtime's work in flight
+/// (a background unpin waiting for the daemon's answer) before leaving it.
+const SHUTDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The client's runtime, shut down without waiting forever: a background
+/// unpin blocked on an answer from a daemon that hangs must not hang the
+/// engine's exit (a plain drop would wait for it), and a client dropped
+/// inside some async runtime must not panic.
+struct Runtime(Option<tokio::runtime::Runtime>);
+
+impl std::ops::Deref for Runtime {
+    type Target = tokio::runtime::Runtime;
+    fn deref(&self) -> &tokio::runtime::Runtime {
+        self.0.as_ref().expect("present until dropped")
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.0.take() {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                rt.shutdown_background();
+            } else {
+                rt.shutdown_timeout(SHUTDOWN_WAIT);
+            }
+        }
+    }
 }
 
 impl Client {
@@ -38,11 +69,16 @@ impl Client {
             .enable_all()
             .build()
             .map_err(|e| ClientError::Protocol(format!("cannot start the client runtime: {e}")))?;
-        let inner = match path {
-            Some(p) => rt.block_on(crate::Client::connect(p))?,
-            None => rt.block_on(crate::Client::connect_default())?,
+        // The fast path's answers are read by the calling threads
+        // themselves (fast.rs, `CallerFast`): no runtime thread between a
+        // caller and its answer.
+        let mode = (!crate::fast::disabled()).then_some(crate::fast::Mode::Callers);
+        let path = match path {
+            Some(p) => p.to_path_buf(),
+            None => crate::default_socket_path(),
         };
-        Ok(Client { rt: Arc::new(rt), inner })
+        let inner = rt.block_on(crate::Client::connect_mode(path, mode))?;
+        Ok(Client { rt: Arc::new(Runtime(Some(rt))), inner })
     }
 
     /// The async client (for futures passed to [`Client::block_on`]).
@@ -58,7 +94,7 @@ impl Client {
                 "blocking kvmesh call from inside an async runtime; use kvmesh_client::Client".into(),
             ));
         }
-        Ok(self.rt.block_on(f))
+        Ok(crate::fast::as_blocking_caller(|| self.rt.block_on(f)))
     }
 
     /// Runs a fallible call: `block_on` with the two error layers joined.

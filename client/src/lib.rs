@@ -726,6 +726,12 @@ impl Client {
     /// As [`Client::connect`]; `fast_path = false` sends every call over
     /// gRPC (for comparisons, or a daemon that should see one connection).
     pub async fn connect_with(path: impl AsRef<Path>, fast_path: bool) -> Result<Client> {
+        Client::connect_mode(path, fast_path.then_some(fast::Mode::Tasks)).await
+    }
+
+    /// As [`Client::connect_with`], with the fast path's way of waiting for
+    /// answers (`None`: no fast path).
+    pub(crate) async fn connect_mode(path: impl AsRef<Path>, fast_mode: Option<fast::Mode>) -> Result<Client> {
         let path = path.as_ref().to_path_buf();
         if !path.exists() {
             return Err(ClientError::Connect {
@@ -799,7 +805,10 @@ impl Client {
             };
             pools.push(PoolMap { mem, info: full.clone() });
         }
-        let fast = if fast_path { fast::Fast::open(&path, hello.instance_id).await.map(Arc::new) } else { None };
+        let fast = match fast_mode {
+            Some(mode) => fast::Fast::open(&path, hello.instance_id, mode).await.map(Arc::new),
+            None => None,
+        };
         let (tx, rx) = mpsc::unbounded_channel();
         let releases = Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx });
         tokio::spawn(release_loop(
@@ -815,6 +824,15 @@ impl Client {
     /// socket beside gRPC) rather than gRPC.
     pub fn fast_path(&self) -> bool {
         self.inner.fast.is_some()
+    }
+
+    /// How many fast-path answers were read by the very thread that waited
+    /// for them: `Some` only for the client of a [`blocking::Client`], whose
+    /// calling threads read their own answers (see `fast.rs`). For tests
+    /// and benches.
+    #[doc(hidden)]
+    pub fn fast_answers_read_by_caller(&self) -> Option<u64> {
+        self.inner.fast.as_ref().and_then(|f| f.answers_read_by_their_caller())
     }
 
     fn calls(&self) -> Calls {

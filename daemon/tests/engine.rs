@@ -558,3 +558,88 @@ async fn fast_path_answers_as_grpc_does_and_survives_bad_frames() {
     assert_eq!(f.lookup(&ns, &keys).await.unwrap().prefix_len, 64);
     assert_eq!(g.stats().await.unwrap().pins_outstanding, 0);
 }
+
+/// The blocking client (the C ABI's and Python's) reads its fast-path
+/// answers on the calling threads: a lone caller reads every one of its own
+/// answers; callers on many threads each get their own answer (content
+/// checked) while one of them reads for all; pins dropped without an unpin
+/// are released in the background; and a daemon that dies fails every
+/// caller, waiting or not, instead of leaving one blocked.
+#[test]
+fn blocking_callers_read_their_own_answers_and_share_the_connection() {
+    use kvmesh_client::blocking;
+    let mut d = Daemon::start("blockfast", &pool("p", "16MiB", "4KiB"));
+    let c = blocking::Client::connect(Some(&d.socket)).unwrap();
+    assert!(c.inner().fast_path(), "the client did not get the fast path");
+    let ns = c.call(c.inner().register_namespace("bf", 4096, "")).unwrap();
+    let keys: Vec<Key> = (0..64u128).map(Key).collect();
+    let data: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 4096)).collect();
+    let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+    c.call(c.inner().put(&ns, &items)).unwrap();
+
+    // One caller: every answer read by the thread that waited for it.
+    let own = || c.inner().fast_answers_read_by_caller().expect("the blocking client reads on its callers");
+    let before = own();
+    for i in 0..100u128 {
+        let probe = [Key(i % 64), Key(1000 + i)];
+        let r = c.call(c.inner().lookup(&ns, &probe)).unwrap();
+        assert_eq!(r.present, vec![true, false]);
+    }
+    assert_eq!(own() - before, 100, "a lone caller reads its own answers");
+
+    // Eight callers at once: answers go to the caller that asked.
+    std::thread::scope(|s| {
+        for t in 0..8u128 {
+            let (c, ns, data) = (c.clone(), ns.clone(), &data);
+            s.spawn(move || {
+                for i in 0..150u128 {
+                    let k = (t * 8 + i) % 64;
+                    let pins = c.call(c.inner().pin(&ns, &[Key(k), Key(5000 + t)])).unwrap();
+                    assert_eq!(&pins[0].as_ref().expect("hit")[..], &data[k as usize][..], "key {k} to thread {t}");
+                    assert!(pins[1].is_none());
+                    let held: Vec<_> = pins.into_iter().flatten().collect();
+                    assert_eq!(c.call(c.inner().unpin(held)).unwrap(), 1);
+                }
+            });
+        }
+    });
+    assert_eq!(c.call(c.inner().stats()).unwrap().pins_outstanding, 0);
+
+    // Pins dropped without an unpin: released by the background loop
+    // (a runtime task, which must not block on the socket itself).
+    let pins = c.call(c.inner().pin(&ns, &keys)).unwrap();
+    assert_eq!(c.call(c.inner().stats()).unwrap().pins_outstanding, 64);
+    drop(pins);
+    c.block_on(c.inner().flush_releases()).unwrap();
+    assert_eq!(c.call(c.inner().stats()).unwrap().pins_outstanding, 0);
+
+    // The daemon dies under four callers: each fails, none hangs.
+    let t0 = Instant::now();
+    std::thread::scope(|s| {
+        let callers: Vec<_> = (0..4)
+            .map(|_| {
+                let (c, ns, keys) = (c.clone(), ns.clone(), &keys);
+                s.spawn(move || {
+                    let mut ok = 0u32;
+                    loop {
+                        match c.call(c.inner().lookup(&ns, &keys[..4])) {
+                            Ok(_) => ok += 1,
+                            Err(e) => return (ok, e.to_string()),
+                        }
+                    }
+                })
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let _ = d.child.kill();
+        let _ = d.child.wait();
+        for h in callers {
+            let (ok, e) = h.join().unwrap();
+            assert!(ok > 0, "the caller made no call before the daemon died");
+            assert!(e.contains("closed"), "{e}");
+        }
+    });
+    assert!(t0.elapsed() < Duration::from_secs(20), "callers took {:?} to learn the daemon died", t0.elapsed());
+    // And a call after that is refused at once.
+    assert!(c.call(c.inner().lookup(&ns, &keys[..1])).is_err());
+}

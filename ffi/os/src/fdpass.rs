@@ -55,12 +55,50 @@ pub fn send_now(sock: BorrowedFd<'_>, buf: &[u8]) -> std::io::Result<usize> {
     Ok(send(sock.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL)?)
 }
 
+/// Writes all of `buf` to a socket, waiting while it is full (a blocking
+/// socket), and without SIGPIPE where the peer is gone: a process that
+/// links the client (a C or Python engine) keeps SIGPIPE's default, which
+/// would kill it. Interrupted sends are resumed.
+pub fn send_all(sock: BorrowedFd<'_>, mut buf: &[u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match send(sock.as_raw_fd(), buf, MsgFlags::MSG_NOSIGNAL) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use std::io::{Read, Write};
     use std::os::fd::AsFd;
     use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn send_all_writes_everything_and_reports_a_gone_peer() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        // More than a socket buffer: the reader drains while it waits.
+        let data: Vec<u8> = (0..1_000_000u32).map(|i| i as u8).collect();
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).unwrap();
+            got
+        });
+        send_all(a.as_fd(), &data).unwrap();
+        drop(a);
+        assert_eq!(reader.join().unwrap(), data);
+        // The peer gone: an error (EPIPE). (This test's binary ignores
+        // SIGPIPE, as every Rust program does; MSG_NOSIGNAL is for hosts
+        // that do not.)
+        let (a, b) = UnixStream::pair().unwrap();
+        drop(b);
+        let e = send_all(a.as_fd(), b"late").unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}");
+    }
 
     #[test]
     fn fds_travel_and_stay_usable() {
