@@ -88,6 +88,11 @@ impl Client {
 
     /// Runs `f` to completion on the calling thread. Fails (instead of
     /// panicking) when the caller is itself inside an async runtime.
+    ///
+    /// A lookup, pin or unpin on the fast path runs to its end within one
+    /// poll here (the thread blocks on the socket): a timeout or `select!`
+    /// around it inside `f` cannot cut it short, and two of them joined run
+    /// one after the other. (Calls over gRPC stay ordinary futures.)
     pub fn block_on<F: Future>(&self, f: F) -> Result<F::Output> {
         if tokio::runtime::Handle::try_current().is_ok() {
             return Err(ClientError::InvalidArgument(

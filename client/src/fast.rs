@@ -10,8 +10,8 @@
 //!   calling thread writes its frame itself and, when no other caller is
 //!   reading, reads the connection itself until its own answer comes,
 //!   handing any other caller's answer to it on the way (one reader at a
-//!   time; the others wait on a condition variable and take the turn when
-//!   the reader got its own). A lone caller thus blocks in `read` on the
+//!   time; the others park, and the reader unparks the one whose answer it
+//!   read, and one still waiting when it got its own: that one reads next). A lone caller thus blocks in `read` on the
 //!   socket and is woken by the daemon's answer: no runtime thread between
 //!   them (two thread wake-ups fewer per call than the task path).
 //!
@@ -26,7 +26,7 @@ use std::io::Read;
 use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kvmesh_common::handshake::{FAST_MAGIC, fast};
@@ -189,7 +189,19 @@ pub(crate) enum Mode {
 /// An open fast path.
 pub(crate) enum Fast {
     Tasks(TaskFast),
-    Callers(Arc<CallerFast>),
+    /// With the client's runtime, whose blocking pool takes calls made
+    /// where the thread must not block.
+    Callers(Arc<CallerFast>, tokio::runtime::Handle),
+}
+
+impl Drop for Fast {
+    /// The client is gone: a background call still blocked on the socket
+    /// (an unpin to a daemon that hangs) returns, and the session closes.
+    fn drop(&mut self) {
+        if let Fast::Callers(c, _) = self {
+            c.end(format!("{CLOSED}: the client was dropped"));
+        }
+    }
 }
 
 thread_local! {
@@ -228,7 +240,7 @@ impl Fast {
                     Ok(s)
                 });
                 match std {
-                    Ok(s) => Some(Fast::Callers(Arc::new(CallerFast::new(s)))),
+                    Ok(s) => Some(Fast::Callers(Arc::new(CallerFast::new(s)), tokio::runtime::Handle::current())),
                     Err(e) => {
                         tracing::debug!("kvmesh fast path: cannot make the socket blocking ({e}); using gRPC");
                         None
@@ -242,7 +254,7 @@ impl Fast {
     pub(crate) async fn call<Req: Message, Resp: Message + Default>(&self, method: u8, req: &Req) -> Result<Resp> {
         let body = match self {
             Fast::Tasks(t) => t.call(method, req).await?,
-            Fast::Callers(c) => {
+            Fast::Callers(c, rt) => {
                 let len = checked_len(req)?;
                 let id = c.next.fetch_add(1, Ordering::Relaxed);
                 let frame = fast::frame(id, method, len, |v| req.encode(v).expect("a Vec grows"));
@@ -250,7 +262,7 @@ impl Fast {
                     c.call(id, &frame)?
                 } else {
                     let c = Arc::clone(c);
-                    tokio::task::spawn_blocking(move || c.call(id, &frame))
+                    rt.spawn_blocking(move || c.call(id, &frame))
                         .await
                         .map_err(|e| ClientError::Protocol(format!("fast-path call task: {e}")))??
                 }
@@ -264,7 +276,7 @@ impl Fast {
     pub(crate) fn answers_read_by_their_caller(&self) -> Option<u64> {
         match self {
             Fast::Tasks(_) => None,
-            Fast::Callers(c) => Some(c.own_reads.load(Ordering::Relaxed)),
+            Fast::Callers(c, _) => Some(c.own_reads.load(Ordering::Relaxed)),
         }
     }
 }
@@ -276,20 +288,42 @@ pub(crate) struct CallerFast {
     sock: std::os::unix::net::UnixStream,
     write: Mutex<()>,
     state: Mutex<Readers>,
-    /// Signalled when an answer is handed to its caller, when the reader
-    /// gives up its turn while others wait, and when the connection ends.
-    turn: Condvar,
     next: AtomicU64,
     own_reads: AtomicU64,
+    /// The process that opened the connection: a child made by `fork`
+    /// shares the socket and the ids, and must not read the parent's
+    /// answers (nor write into its stream).
+    pid: u32,
+}
+
+/// A waiting caller: its answer once read, and its thread to wake.
+struct Waiter {
+    answer: Option<Answer>,
+    thread: std::thread::Thread,
+    /// Its frame is written and it waits in the loop (not still sending:
+    /// a sender may be stuck until someone reads, so the turn must go to
+    /// a caller that will look at it now).
+    parked: bool,
 }
 
 struct Readers {
-    /// The callers waiting, by frame id: `Some` once their answer was read.
-    answers: HashMap<u64, Option<Answer>>,
+    /// The callers waiting, by frame id.
+    waiting: HashMap<u64, Waiter>,
     /// A caller is reading the socket.
     reading: bool,
     /// Why the connection ended, once it did.
     closed: Option<String>,
+}
+
+impl Readers {
+    /// Wakes one caller that waits in the loop for its answer, to take the
+    /// turn. (Where none does, every caller without an answer is still
+    /// sending, and each finds the turn free when it comes to the loop.)
+    fn wake_one_waiting(&self) {
+        if let Some(w) = self.waiting.values().find(|w| w.parked && w.answer.is_none()) {
+            w.thread.unpark();
+        }
+    }
 }
 
 impl CallerFast {
@@ -297,10 +331,10 @@ impl CallerFast {
         CallerFast {
             sock,
             write: Mutex::new(()),
-            state: Mutex::new(Readers { answers: HashMap::new(), reading: false, closed: None }),
-            turn: Condvar::new(),
+            state: Mutex::new(Readers { waiting: HashMap::new(), reading: false, closed: None }),
             next: AtomicU64::new(1),
             own_reads: AtomicU64::new(0),
+            pid: std::process::id(),
         }
     }
 
@@ -310,13 +344,23 @@ impl CallerFast {
 
     /// Sends `frame` (whose id is `id`) and waits for its answer, reading
     /// the connection while no one else does. Blocks the calling thread.
+    ///
+    /// Waiting callers park; a caller is unparked when its answer was read
+    /// for it, when the reader got its own answer and it is the one to read
+    /// next, and when the connection ends. (A spurious return from `park`
+    /// only makes it look again.)
     fn call(&self, id: u64, frame: &[u8]) -> std::result::Result<Vec<u8>, tonic::Status> {
+        if std::process::id() != self.pid {
+            return Err(tonic::Status::unavailable(
+                "a kvmesh client cannot be used in a process forked from the one that made it (create a new client)",
+            ));
+        }
         {
             let mut r = self.readers();
             if let Some(why) = &r.closed {
                 return Err(tonic::Status::unavailable(why.clone()));
             }
-            r.answers.insert(id, None);
+            r.waiting.insert(id, Waiter { answer: None, thread: std::thread::current(), parked: false });
         }
         let written = {
             let _w = self.write.lock().unwrap_or_else(|e| e.into_inner());
@@ -327,49 +371,52 @@ impl CallerFast {
             // read or written on it.
             self.end(format!("{CLOSED}: write failed: {e}"));
         }
-        let mut r = self.readers();
         loop {
-            if let Some(Some(_)) = r.answers.get(&id) {
-                let answer = r.answers.remove(&id).flatten().expect("checked above");
-                return answer;
+            let mut r = self.readers();
+            if r.waiting.get(&id).is_some_and(|w| w.answer.is_some()) {
+                return r.waiting.remove(&id).and_then(|w| w.answer).expect("checked above");
             }
             if let Some(why) = &r.closed {
                 let why = why.clone();
-                r.answers.remove(&id);
+                r.waiting.remove(&id);
                 return Err(tonic::Status::unavailable(why));
             }
             if r.reading {
-                r = self.turn.wait(r).unwrap_or_else(|e| e.into_inner());
+                if let Some(w) = r.waiting.get_mut(&id) {
+                    w.parked = true;
+                }
+                drop(r);
+                std::thread::park();
                 continue;
             }
             // This caller's turn to read, until its own answer comes.
             r.reading = true;
+            if let Some(w) = r.waiting.get_mut(&id) {
+                w.parked = false;
+            }
             drop(r);
             loop {
                 match self.read_frame() {
                     Ok((got, answer)) => {
                         let mut g = self.readers();
                         if got == id {
-                            g.answers.remove(&id);
+                            g.waiting.remove(&id);
                             g.reading = false;
-                            if !g.answers.is_empty() {
-                                // Another caller waits: one of them reads next.
-                                self.turn.notify_all();
-                            }
+                            // Another caller waits for its answer: it reads next.
+                            g.wake_one_waiting();
                             self.own_reads.fetch_add(1, Ordering::Relaxed);
                             return answer;
                         }
-                        // Another caller's answer (one that is no longer
-                        // waited for is dropped).
-                        if let Some(slot) = g.answers.get_mut(&got) {
-                            *slot = Some(answer);
-                            self.turn.notify_all();
+                        // Another caller's answer (one no longer waited for
+                        // is dropped).
+                        if let Some(w) = g.waiting.get_mut(&got) {
+                            w.answer = Some(answer);
+                            w.thread.unpark();
                         }
                     }
                     Err(why) => {
                         self.end(why);
-                        r = self.readers();
-                        r.reading = false;
+                        self.readers().reading = false;
                         break;
                     }
                 }
@@ -385,7 +432,7 @@ impl CallerFast {
         let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
         let id = u64::from_le_bytes(head[4..12].try_into().expect("8 bytes"));
         if !(fast::HEAD..=fast::HEAD + fast::FRAME_MAX).contains(&len) {
-            return Err(format!("kvmeshd sent a fast-path frame of {len} bytes"));
+            return Err(format!("{CLOSED}: kvmeshd sent a fast-path frame of {len} bytes"));
         }
         let mut body = vec![0u8; len - fast::HEAD];
         s.read_exact(&mut body).map_err(|e| format!("{CLOSED}: {e}"))?;
@@ -400,12 +447,120 @@ impl CallerFast {
 
     /// Ends the connection for every caller, saying why (the first reason
     /// wins): a reader blocked in `read` returns, later calls are refused.
+    /// Not in a forked child: its `shutdown` would cut the parent's.
     fn end(&self, why: String) {
         let mut r = self.readers();
         if r.closed.is_none() {
             r.closed = Some(why);
         }
-        let _ = self.sock.shutdown(std::net::Shutdown::Both);
-        self.turn.notify_all();
+        if std::process::id() == self.pid {
+            let _ = self.sock.shutdown(std::net::Shutdown::Both);
+        }
+        for w in r.waiting.values() {
+            w.thread.unpark();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    /// Reads one request frame as the daemon would: (id, method, body).
+    fn read_request(s: &mut UnixStream) -> (u64, u8, Vec<u8>) {
+        let mut head = [0u8; 4 + fast::HEAD];
+        s.read_exact(&mut head).unwrap();
+        let len = u32::from_le_bytes(head[..4].try_into().unwrap()) as usize;
+        let mut body = vec![0u8; len - fast::HEAD];
+        s.read_exact(&mut body).unwrap();
+        (u64::from_le_bytes(head[4..12].try_into().unwrap()), head[12], body)
+    }
+
+    fn answer(s: &mut UnixStream, id: u64, body: &[u8]) {
+        s.write_all(&fast::frame(id, 0, body.len(), |v| v.extend_from_slice(body))).unwrap();
+    }
+
+    fn request(id: u64, body: &[u8]) -> Vec<u8> {
+        fast::frame(id, fast::LOOKUP, body.len(), |v| v.extend_from_slice(body))
+    }
+
+    /// Answers sent in the reverse order of the requests: whoever reads
+    /// hands each answer to the caller that asked, and each caller gets
+    /// its own body back.
+    #[test]
+    fn answers_out_of_order_reach_their_callers() {
+        let (ours, mut daemon) = UnixStream::pair().unwrap();
+        let c = Arc::new(CallerFast::new(ours));
+        let n = 6u64;
+        let callers: Vec<_> = (1..=n)
+            .map(|id| {
+                let c = Arc::clone(&c);
+                std::thread::spawn(move || c.call(id, &request(id, &id.to_le_bytes())).unwrap())
+            })
+            .collect();
+        let mut got = Vec::new();
+        for _ in 0..n {
+            got.push(read_request(&mut daemon));
+        }
+        got.sort_by_key(|r| std::cmp::Reverse(r.0));
+        for (id, method, body) in &got {
+            assert_eq!(*method, fast::LOOKUP);
+            assert_eq!(body, &id.to_le_bytes());
+            answer(&mut daemon, *id, &[body.as_slice(), b"-answer"].concat());
+        }
+        for (i, h) in callers.into_iter().enumerate() {
+            let id = i as u64 + 1;
+            assert_eq!(h.join().unwrap(), [id.to_le_bytes().as_slice(), b"-answer"].concat());
+        }
+        // Each reader read its own answer last; the rest were handed over.
+        let own = c.own_reads.load(Ordering::Relaxed);
+        assert!((1..=n).contains(&own), "{own}");
+        assert!(c.readers().waiting.is_empty());
+    }
+
+    /// The connection ends (a frame cut off, or one too large) while
+    /// several callers wait: each gets an error naming the closed
+    /// connection, and later calls are refused at once.
+    #[test]
+    fn a_broken_connection_fails_every_waiting_caller() {
+        for cut in [false, true] {
+            let (ours, mut daemon) = UnixStream::pair().unwrap();
+            let c = Arc::new(CallerFast::new(ours));
+            let callers: Vec<_> = (1..=4u64)
+                .map(|id| {
+                    let c = Arc::clone(&c);
+                    std::thread::spawn(move || c.call(id, &request(id, b"q")))
+                })
+                .collect();
+            for _ in 0..4 {
+                read_request(&mut daemon);
+            }
+            // One answer arrives whole, then the stream breaks.
+            answer(&mut daemon, 2, b"fine");
+            if cut {
+                let f = fast::frame(3, 0, 100, |v| v.extend_from_slice(&[7u8; 100]));
+                daemon.write_all(&f[..40]).unwrap();
+            } else {
+                daemon.write_all(&u32::MAX.to_le_bytes()).unwrap();
+                daemon.write_all(&[0u8; fast::HEAD]).unwrap();
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            drop(daemon);
+            for (i, h) in callers.into_iter().enumerate() {
+                let r = h.join().unwrap();
+                if i == 1 {
+                    assert_eq!(r.unwrap(), b"fine");
+                } else {
+                    let e = r.unwrap_err();
+                    assert!(e.message().contains("closed"), "{e:?}");
+                }
+            }
+            let e = c.call(9, &request(9, b"late")).unwrap_err();
+            assert!(e.message().contains("closed"), "{e:?}");
+            assert!(c.readers().waiting.is_empty());
+        }
     }
 }

@@ -606,7 +606,7 @@ fn blocking_callers_read_their_own_answers_and_share_the_connection() {
     assert_eq!(c.call(c.inner().stats()).unwrap().pins_outstanding, 0);
 
     // Pins dropped without an unpin: released by the background loop
-    // (a runtime task, which must not block on the socket itself).
+    // (a runtime task: its unpin goes through the blocking pool).
     let pins = c.call(c.inner().pin(&ns, &keys)).unwrap();
     assert_eq!(c.call(c.inner().stats()).unwrap().pins_outstanding, 64);
     drop(pins);
@@ -614,32 +614,33 @@ fn blocking_callers_read_their_own_answers_and_share_the_connection() {
     assert_eq!(c.call(c.inner().stats()).unwrap().pins_outstanding, 0);
 
     // The daemon dies under four callers: each fails, none hangs.
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    let calls: Vec<std::sync::Arc<std::sync::atomic::AtomicU32>> = (0..4).map(|_| Default::default()).collect();
+    for n in &calls {
+        let (c, ns, keys, n, done) = (c.clone(), ns.clone(), keys.clone(), n.clone(), done_tx.clone());
+        std::thread::spawn(move || {
+            let e = loop {
+                match c.call(c.inner().lookup(&ns, &keys[..4])) {
+                    Ok(_) => n.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+                    Err(e) => break e.to_string(),
+                };
+            };
+            let _ = done.send(e);
+        });
+    }
+    // Every caller is in its loop before the kill.
     let t0 = Instant::now();
-    std::thread::scope(|s| {
-        let callers: Vec<_> = (0..4)
-            .map(|_| {
-                let (c, ns, keys) = (c.clone(), ns.clone(), &keys);
-                s.spawn(move || {
-                    let mut ok = 0u32;
-                    loop {
-                        match c.call(c.inner().lookup(&ns, &keys[..4])) {
-                            Ok(_) => ok += 1,
-                            Err(e) => return (ok, e.to_string()),
-                        }
-                    }
-                })
-            })
-            .collect();
-        std::thread::sleep(Duration::from_millis(200));
-        let _ = d.child.kill();
-        let _ = d.child.wait();
-        for h in callers {
-            let (ok, e) = h.join().unwrap();
-            assert!(ok > 0, "the caller made no call before the daemon died");
-            assert!(e.contains("closed"), "{e}");
-        }
-    });
-    assert!(t0.elapsed() < Duration::from_secs(20), "callers took {:?} to learn the daemon died", t0.elapsed());
+    while calls.iter().any(|n| n.load(std::sync::atomic::Ordering::Relaxed) == 0) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "the callers did not start");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = d.child.kill();
+    let _ = d.child.wait();
+    for _ in 0..4 {
+        let e =
+            done_rx.recv_timeout(Duration::from_secs(30)).expect("a caller still blocked 30 s after the daemon died");
+        assert!(e.contains("closed"), "{e}");
+    }
     // And a call after that is refused at once.
     assert!(c.call(c.inner().lookup(&ns, &keys[..1])).is_err());
 }

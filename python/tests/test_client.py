@@ -404,6 +404,33 @@ def test_threads_share_one_client(client, ns):
     assert errors == []
 
 
+def test_a_forked_child_cannot_use_the_parents_client(client, ns):
+    """A child made by fork() shares the client's socket and its frame ids:
+    were it to read, it could take the parent's answers. Its calls are
+    refused at once, and the parent's client keeps working."""
+    import warnings
+
+    keys = fresh_keys(2)
+    client.put(ns, zip(keys, rand_blocks(2)))
+    assert client.lookup(ns, keys) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            client.lookup(ns, keys)
+        except kvmesh.DaemonUnavailable as e:
+            code = 0 if "forked" in str(e) else 2
+        except BaseException:  # noqa: BLE001 - the exit code says it
+            code = 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    for _ in range(20):
+        assert client.lookup(ns, keys) == 2
+
+
 def test_calls_release_the_gil(tmp_path):
     """While a call waits in native code, other Python threads run. The
     "daemon" here accepts the connection and says nothing for 1 s, so
