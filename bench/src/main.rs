@@ -921,6 +921,34 @@ fn round(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// The calls `rpc` times, in the order of its histograms.
+const CALLS: [&str; 5] = ["lookup", "pin", "unpin", "allocate", "commit"];
+
+/// `n` keys never used before, from the counter `next`.
+fn fresh_keys(next: &mut u128, n: usize) -> Vec<Key> {
+    let keys = (*next..*next + n as u128).map(Key).collect();
+    *next += n as u128;
+    keys
+}
+
+/// The writable blocks of an allocation of new keys (every key must get one).
+fn allocated(a: Vec<kvmesh_client::Allocation>) -> anyhow::Result<Vec<kvmesh_client::WritableBlock>> {
+    a.into_iter()
+        .map(|x| match x {
+            kvmesh_client::Allocation::Allocated(w) => Ok(w),
+            other => Err(anyhow::anyhow!("allocation of a new key: {other:?}")),
+        })
+        .collect()
+}
+
+/// Fails unless every block of a commit was committed.
+fn committed(c: &[kvmesh_client::CommitOutcome]) -> anyhow::Result<()> {
+    match c.iter().find(|o| !matches!(o, kvmesh_client::CommitOutcome::Committed { .. })) {
+        Some(o) => Err(anyhow::anyhow!("a commit did not commit: {o:?}")),
+        None => Ok(()),
+    }
+}
+
 async fn rpc(calls: usize) -> anyhow::Result<()> {
     let (_daemon, socket) =
         start_daemon("[[pools]]\nname = \"p\"\nbytes = \"64MiB\"\nslot_payload_bytes = \"16KiB\"\n")?;
@@ -948,10 +976,14 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
     };
     let rounds = 10;
     let mut rows = Vec::new();
+    // New keys for the puts: one range per client, never reused.
+    let mut fresh: u128 = 1 << 40;
+    let mut fresh_blocking: u128 = 1 << 60;
     for n in [1usize, 64, 512] {
-        // [path][lookup, pin, unpin]: gRPC, fast path, blocking client
+        // [path][lookup, pin, unpin, allocate, commit]: gRPC, fast path,
+        // blocking client
         let mut h: Vec<Vec<Histogram<u64>>> = (0..3)
-            .map(|_| (0..3).map(|_| Histogram::<u64>::new(3)).collect::<Result<_, _>>())
+            .map(|_| (0..CALLS.len()).map(|_| Histogram::<u64>::new(3)).collect::<Result<_, _>>())
             .collect::<Result<_, _>>()?;
         for round in 0..rounds {
             for (path, client) in [&grpc, &fast].into_iter().enumerate() {
@@ -969,12 +1001,27 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
                     let t = Instant::now();
                     client.unpin(p.into_iter().flatten().collect()).await?;
                     h[path][2].record(t.elapsed().as_nanos() as u64)?;
+                    // A put of n new keys: allocate, then commit (the
+                    // daemon checksums the n blocks); the pool is full, so
+                    // each allocation evicts.
+                    let new = fresh_keys(&mut fresh, n);
+                    let t = Instant::now();
+                    let a = client.allocate(&ns, &new).await?;
+                    h[path][3].record(t.elapsed().as_nanos() as u64)?;
+                    let w = allocated(a)?;
+                    let t = Instant::now();
+                    let c = client.commit(w).await?;
+                    h[path][4].record(t.elapsed().as_nanos() as u64)?;
+                    committed(&c)?;
                 }
             }
             let (b, ns, keys) = (blocking.clone(), ns.clone(), keys.clone());
             let (from, to) = (round * calls / rounds, (round + 1) * calls / rounds);
+            let mut bfresh = fresh_blocking;
+            fresh_blocking += (to - from) as u128 * n as u128;
             let hb = std::thread::spawn(move || -> anyhow::Result<Vec<Histogram<u64>>> {
-                let mut hb: Vec<Histogram<u64>> = (0..3).map(|_| Histogram::<u64>::new(3)).collect::<Result<_, _>>()?;
+                let mut hb: Vec<Histogram<u64>> =
+                    (0..CALLS.len()).map(|_| Histogram::<u64>::new(3)).collect::<Result<_, _>>()?;
                 for i in from..to {
                     let ks = &keys[(i * n) % 512..(i * n) % 512 + n];
                     let t = Instant::now();
@@ -989,6 +1036,15 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
                     let t = Instant::now();
                     b.call(b.inner().unpin(p.into_iter().flatten().collect()))?;
                     hb[2].record(t.elapsed().as_nanos() as u64)?;
+                    let new = fresh_keys(&mut bfresh, n);
+                    let t = Instant::now();
+                    let a = b.call(b.inner().allocate(&ns, &new))?;
+                    hb[3].record(t.elapsed().as_nanos() as u64)?;
+                    let w = allocated(a)?;
+                    let t = Instant::now();
+                    let c = b.call(b.inner().commit(w))?;
+                    hb[4].record(t.elapsed().as_nanos() as u64)?;
+                    committed(&c)?;
                 }
                 Ok(hb)
             })
@@ -998,7 +1054,7 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
                 h[2][m].add(x)?;
             }
         }
-        for (m, name) in ["lookup", "pin", "unpin"].iter().enumerate() {
+        for (m, name) in CALLS.iter().enumerate() {
             let us = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1e3;
             let (g, f, bl) = (&h[0][m], &h[1][m], &h[2][m]);
             println!(

@@ -1,6 +1,7 @@
 //! The client side of the engine fast path (see the daemon's `fast`
-//! module): lookup, pin and unpin as framed protobuf messages over a second
-//! Unix-socket connection, without HTTP/2. Calls may overlap: each frame
+//! module): lookup, pin and unpin — and allocate, commit and abort where
+//! the daemon's `Hello` says `fast_path_writes` — as framed protobuf
+//! messages over a second Unix-socket connection, without HTTP/2. Calls may overlap: each frame
 //! carries an id, and every answer is handed to its caller by id.
 //!
 //! Two ways to wait for answers, chosen when the client connects:
@@ -16,7 +17,8 @@
 //!   them (two thread wake-ups fewer per call than the task path).
 //!
 //! The connection is its own session in the daemon, so every pin made here
-//! is released here (the client routes all pins and unpins through it).
+//! is released here (the client routes all pins and unpins through it),
+//! and every allocation made here is committed or aborted here.
 //! When the daemon does not offer it (or `KVMESH_FAST_PATH=off`), the client
 //! uses gRPC for everything.
 

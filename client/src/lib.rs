@@ -812,7 +812,7 @@ impl Client {
         let (tx, rx) = mpsc::unbounded_channel();
         let releases = Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx });
         tokio::spawn(release_loop(
-            Calls { rpc: rpc.clone(), fast: fast.clone() },
+            Calls { rpc: rpc.clone(), fast: fast.clone(), writes: hello.fast_path_writes },
             rx,
             Arc::downgrade(&releases),
             hello.batch_keys_max.max(1) as usize,
@@ -836,7 +836,7 @@ impl Client {
     }
 
     fn calls(&self) -> Calls {
-        Calls { rpc: self.rpc(), fast: self.inner.fast.clone() }
+        Calls { rpc: self.rpc(), fast: self.inner.fast.clone(), writes: self.inner.hello.fast_path_writes }
     }
 
     fn rpc(&self) -> EngineClient<Channel> {
@@ -1078,7 +1078,7 @@ impl Client {
     ) -> Result<Vec<Allocation>> {
         self.check_batch(keys.len())?;
         let r = pb::AllocateRequest { namespace_id: ns.id, keys: pb_keys(keys), lease_ms, overwrite };
-        let resp = self.rpc().allocate(r).await?.into_inner();
+        let resp = self.calls().allocate(r).await?;
         if resp.allocations.len() != keys.len() {
             return Err(ClientError::Protocol("allocate answered a different number of keys".into()));
         }
@@ -1127,7 +1127,7 @@ impl Client {
             refs.push(b.slot.into());
             // dropping `b` here releases the write claim before the commit
         }
-        let resp = self.rpc().commit(pb::CommitRequest { slots: refs }).await?.into_inner();
+        let resp = self.calls().commit(pb::CommitRequest { slots: refs }).await?;
         Ok(resp
             .status
             .iter()
@@ -1171,7 +1171,7 @@ impl Client {
             b.release = None;
             refs.push(b.slot.into());
         }
-        Ok(self.rpc().abort(pb::AbortRequest { slots: refs }).await?.into_inner().aborted)
+        Ok(self.calls().abort(pb::AbortRequest { slots: refs }).await?.aborted)
     }
 
     /// Stores whole blocks: allocate, copy into the pool, commit. Keys
@@ -1287,11 +1287,15 @@ fn pb_keys(keys: &[Key]) -> Vec<pb::Key> {
 }
 
 /// The calls that go over the fast path when there is one (pins taken on
-/// it must be released on it: it is their session).
+/// it must be released on it: it is their session; so must allocations be
+/// committed or aborted on the connection that made them).
 #[derive(Clone)]
 struct Calls {
     rpc: EngineClient<Channel>,
     fast: Option<Arc<fast::Fast>>,
+    /// The daemon takes allocate, commit and abort on the fast path too
+    /// (`Hello.fast_path_writes`); an older one only over gRPC.
+    writes: bool,
 }
 
 impl Calls {
@@ -1311,6 +1315,28 @@ impl Calls {
         match &self.fast {
             Some(f) => f.call(kvmesh_common::handshake::fast::UNPIN, &r).await,
             None => Ok(self.rpc.unpin(r).await?.into_inner()),
+        }
+    }
+    /// The fast path where it takes writes.
+    fn writes(&self) -> Option<&fast::Fast> {
+        self.fast.as_deref().filter(|_| self.writes)
+    }
+    async fn allocate(&mut self, r: pb::AllocateRequest) -> Result<pb::AllocateResponse> {
+        match self.writes() {
+            Some(f) => f.call(kvmesh_common::handshake::fast::ALLOCATE, &r).await,
+            None => Ok(self.rpc.allocate(r).await?.into_inner()),
+        }
+    }
+    async fn commit(&mut self, r: pb::CommitRequest) -> Result<pb::CommitResponse> {
+        match self.writes() {
+            Some(f) => f.call(kvmesh_common::handshake::fast::COMMIT, &r).await,
+            None => Ok(self.rpc.commit(r).await?.into_inner()),
+        }
+    }
+    async fn abort(&mut self, r: pb::AbortRequest) -> Result<pb::AbortResponse> {
+        match self.writes() {
+            Some(f) => f.call(kvmesh_common::handshake::fast::ABORT, &r).await,
+            None => Ok(self.rpc.abort(r).await?.into_inner()),
         }
     }
 }
@@ -1348,7 +1374,7 @@ async fn release_loop(
             }
         }
         for chunk in aborts.chunks(batch_max) {
-            if let Err(e) = calls.rpc.abort(pb::AbortRequest { slots: chunk.to_vec() }).await {
+            if let Err(e) = calls.abort(pb::AbortRequest { slots: chunk.to_vec() }).await {
                 tracing::debug!("background abort failed: {e}");
             }
         }

@@ -159,6 +159,13 @@ pub mod fast {
     pub const PIN: u8 = 2;
     /// `UnpinRequest` -> `UnpinResponse`.
     pub const UNPIN: u8 = 3;
+    /// `AllocateRequest` -> `AllocateResponse` (daemons whose `Hello` says
+    /// `fast_path_writes`, as the next two).
+    pub const ALLOCATE: u8 = 4;
+    /// `CommitRequest` -> `CommitResponse`.
+    pub const COMMIT: u8 = 5;
+    /// `AbortRequest` -> `AbortResponse`.
+    pub const ABORT: u8 = 6;
     /// Bytes of a frame after its length.
     pub const HEAD: usize = 9;
     /// Largest frame body either side accepts.

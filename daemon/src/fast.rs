@@ -1,4 +1,5 @@
-//! The engine fast path: the hot calls (lookup, pin, unpin) over a plain
+//! The engine fast path: the hot calls (lookup, pin, unpin; allocate,
+//! commit and abort where the client sees `Hello.fast_path_writes`) over a plain
 //! framed Unix-socket connection beside gRPC, served by a thread of its own
 //! per connection. gRPC (HTTP/2 framing, tonic's tasks, a tokio wake-up on
 //! each side) costs about as much as the store work of a pin of 64 blocks
@@ -8,7 +9,8 @@
 //! handed to the runtime, answering when it ends. Answers carry the
 //! request's id, so calls of one connection may overlap.
 //!
-//! The connection is a session of its own (its pins die with it), served by
+//! The connection is a session of its own (its pins and uncommitted
+//! allocations die with it), served by
 //! exactly the handlers gRPC calls, so limits, draining and errors are the
 //! same. Framing: [`kvmesh_common::handshake::FAST_MAGIC`].
 
@@ -312,6 +314,9 @@ fn read_calls<G: Send + Sync + 'static>(
             fast::LOOKUP => "lookup",
             fast::PIN => "pin",
             fast::UNPIN => "unpin",
+            fast::ALLOCATE => "allocate",
+            fast::COMMIT => "commit",
+            fast::ABORT => "abort",
             _ => "unknown",
         };
         let call = call(ctx.service.clone(), session, id, method, body);
@@ -389,6 +394,18 @@ async fn call(svc: EngineService, session: u64, id: u64, method: u8, body: Vec<u
         fast::UNPIN => {
             let m = pb::UnpinRequest::decode(&body[..]).map_err(bad)?;
             ok_frame(id, &svc.unpin(req(m, session)).await?.into_inner())
+        }
+        fast::ALLOCATE => {
+            let m = pb::AllocateRequest::decode(&body[..]).map_err(bad)?;
+            ok_frame(id, &svc.allocate(req(m, session)).await?.into_inner())
+        }
+        fast::COMMIT => {
+            let m = pb::CommitRequest::decode(&body[..]).map_err(bad)?;
+            ok_frame(id, &svc.commit(req(m, session)).await?.into_inner())
+        }
+        fast::ABORT => {
+            let m = pb::AbortRequest::decode(&body[..]).map_err(bad)?;
+            ok_frame(id, &svc.abort(req(m, session)).await?.into_inner())
         }
         other => return Err(Status::unimplemented(format!("fast-path method {other}"))),
     })

@@ -138,6 +138,7 @@ impl pb::engine_server::Engine for EngineService {
             lease_ms_max: l.lease_ms_max,
             session_id: session,
             instance_id: st.instance_id,
+            fast_path_writes: true,
         }))
     }
 

@@ -644,3 +644,104 @@ fn blocking_callers_read_their_own_answers_and_share_the_connection() {
     // And a call after that is refused at once.
     assert!(c.call(c.inner().lookup(&ns, &keys[..1])).is_err());
 }
+
+/// Allocate, commit and abort over the fast path: the daemon says it takes
+/// them, answers them as gRPC would, and the allocations belong to the
+/// fast connection's session (released when it closes). The client routes
+/// its puts and the background abort of dropped allocations through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_path_takes_allocate_commit_and_abort() {
+    use kvmesh_common::handshake::{FAST_MAGIC, fast};
+    use kvmesh_proto::engine::v1 as pb;
+    use prost::Message;
+    use std::io::{Read, Write};
+    let d = Daemon::start("fastw", &pool("p", "16MiB", "4KiB"));
+    let f = d.client().await;
+    assert!(f.fast_path() && f.hello().fast_path_writes, "the daemon does not take writes on the fast path");
+    let g = Client::connect_with(&d.socket, false).await.unwrap();
+    let ns = g.register_namespace("fastw", 4096, "").await.unwrap();
+    let outstanding = || async { g.stats().await.unwrap().allocations_outstanding };
+
+    // Raw frames on a fast connection of our own.
+    let open = || {
+        let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.write_all(FAST_MAGIC).unwrap();
+        let mut back = [0u8; FAST_MAGIC.len() + 16];
+        s.read_exact(&mut back).unwrap();
+        s
+    };
+    fn call<Req: Message, Resp: Message + Default>(
+        s: &mut std::os::unix::net::UnixStream,
+        id: u64,
+        method: u8,
+        r: &Req,
+    ) -> Resp {
+        s.write_all(&fast::frame(id, method, r.encoded_len(), |v| r.encode(v).unwrap())).unwrap();
+        let mut head = [0u8; 4 + fast::HEAD];
+        s.read_exact(&mut head).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(head[..4].try_into().unwrap()) as usize - fast::HEAD];
+        s.read_exact(&mut body).unwrap();
+        assert_eq!(u64::from_le_bytes(head[4..12].try_into().unwrap()), id);
+        assert_eq!(head[12], 0, "error answer: {}", String::from_utf8_lossy(&body));
+        Resp::decode(&body[..]).unwrap()
+    }
+    let pk = |k: u128| pb::Key { hi: Key(k).hi(), lo: Key(k).lo() };
+    let mut s = tokio::task::block_in_place(open);
+    let a: pb::AllocateResponse = tokio::task::block_in_place(|| {
+        call(
+            &mut s,
+            1,
+            fast::ALLOCATE,
+            &pb::AllocateRequest { namespace_id: ns.id, keys: vec![pk(100), pk(101)], lease_ms: 0, overwrite: false },
+        )
+    });
+    assert_eq!(a.allocations.len(), 2);
+    assert!(a.allocations.iter().all(|x| x.status == pb::AllocateStatus::Allocated as i32), "{a:?}");
+    assert_eq!(outstanding().await, 2);
+    let slot = |i: usize| a.allocations[i].slot.unwrap();
+    let c: pb::CommitResponse =
+        tokio::task::block_in_place(|| call(&mut s, 2, fast::COMMIT, &pb::CommitRequest { slots: vec![slot(0)] }));
+    assert_eq!(c.status, vec![pb::CommitStatus::Committed as i32]);
+    let ab: pb::AbortResponse =
+        tokio::task::block_in_place(|| call(&mut s, 3, fast::ABORT, &pb::AbortRequest { slots: vec![slot(1)] }));
+    assert_eq!(ab.aborted, 1);
+    assert_eq!(g.lookup(&ns, &[Key(100), Key(101)]).await.unwrap().present, vec![true, false]);
+    assert_eq!(outstanding().await, 0);
+    // An allocation left open dies with its (fast) connection.
+    let a: pb::AllocateResponse = tokio::task::block_in_place(|| {
+        call(
+            &mut s,
+            4,
+            fast::ALLOCATE,
+            &pb::AllocateRequest { namespace_id: ns.id, keys: vec![pk(102)], lease_ms: 0, overwrite: false },
+        )
+    });
+    assert_eq!(a.allocations[0].status, pb::AllocateStatus::Allocated as i32);
+    assert_eq!(outstanding().await, 1);
+    drop(s);
+    let t0 = Instant::now();
+    while outstanding().await != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the closed connection's allocation was not released");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // The client: puts through the fast path, every byte read back.
+    let keys: Vec<Key> = (200..216u128).map(Key).collect();
+    let data: Vec<Vec<u8>> = keys.iter().map(|&k| block_bytes(k, 4096)).collect();
+    let items: Vec<(Key, &[u8])> = keys.iter().copied().zip(data.iter().map(|d| &d[..])).collect();
+    assert_eq!(f.put(&ns, &items).await.unwrap().stored, 16);
+    let pins = g.pin(&ns, &keys).await.unwrap();
+    for (p, want) in pins.iter().zip(&data) {
+        assert_eq!(&p.as_ref().expect("hit")[..], &want[..]);
+    }
+    drop(pins);
+    // Allocations dropped unwritten: aborted in the background, on the
+    // fast connection that holds them.
+    let held = f.allocate(&ns, &[Key(300), Key(301)]).await.unwrap();
+    assert_eq!(outstanding().await, 2);
+    drop(held);
+    f.flush_releases().await;
+    assert_eq!(outstanding().await, 0);
+    assert!(!g.lookup(&ns, &[Key(300)]).await.unwrap().present[0]);
+}
