@@ -49,6 +49,23 @@ fn held_session<T>(req: &Request<T>) -> Result<(SessionId, Option<Arc<dyn std::a
 /// thread, so no tokio worker is held for long.
 const INLINE_CHECKSUM_BYTES_MAX: u64 = 256 << 10;
 
+/// A commit's outcome per slot: its checksum and version, or `None` for a
+/// slot that was no allocation of the session.
+type CommitResults = Vec<Option<(u64, Result<u64, String>)>>;
+
+/// Finishes a commit on a daemon without peers: the checksummed slots become
+/// visible, each with the version the store gives it.
+fn finish_local(store: &Mutex<Store>, sums: Vec<Option<(SlotRef, u64)>>) -> CommitResults {
+    let done: Vec<_> = sums.iter().flatten().copied().collect();
+    let versions = {
+        let mut st = store.lock();
+        st.finish_commit(&done);
+        done.iter().map(|(r, _)| st.version_of(*r)).collect::<Vec<_>>()
+    };
+    let mut vs = versions.into_iter();
+    sums.into_iter().map(|s| s.map(|(_, c)| (c, Ok(vs.next().expect("one version per commit"))))).collect()
+}
+
 /// The engine service.
 #[derive(Clone)]
 pub struct EngineService {
@@ -320,61 +337,59 @@ impl pb::engine_server::Engine for EngineService {
         let (session, _hold) = held_session(&req)?;
         let r = req.into_inner();
         let jobs = self.store.lock().begin_commit(session, &refs(&r.slots))?;
-        // The slots now belong to this commit, not to the session: finish it
-        // in a task of its own so a client that disconnects mid-call cannot
-        // strand them in the committing state.
-        let store = Arc::clone(&self.store);
-        let cluster = self.cluster.clone();
-        let task = tokio::spawn(async move {
-            let total: u64 = jobs.iter().flatten().map(|j| j.len).sum();
-            let gpu = jobs.iter().flatten().any(|j| j.memory.is_gpu());
-            let sums = move || {
-                jobs.into_iter()
-                    .map(|j| {
-                        j.map(|j| {
-                            // A GPU that fails here is fatal (the panic hook
-                            // aborts): no block is made visible unchecked.
-                            (j.slot, j.memory.checksum(j.offset, j.len).expect("commit checksum of a pool region"))
-                        })
+        let total: u64 = jobs.iter().flatten().map(|j| j.len).sum();
+        let gpu = jobs.iter().flatten().any(|j| j.memory.is_gpu());
+        let sums = move || {
+            jobs.into_iter()
+                .map(|j| {
+                    j.map(|j| {
+                        // A GPU that fails here is fatal (the panic hook
+                        // aborts): no block is made visible unchecked.
+                        (j.slot, j.memory.checksum(j.offset, j.len).expect("commit checksum of a pool region"))
                     })
-                    .collect::<Vec<_>>()
-            };
-            // GPU checksums wait for the device: never on a runtime thread.
-            let sums = if gpu || total > INLINE_CHECKSUM_BYTES_MAX {
-                tokio::task::spawn_blocking(sums).await.expect("checksum task panicked")
-            } else {
-                sums()
-            };
-            let done: Vec<_> = sums.iter().flatten().copied().collect();
-            let Some(cluster) = cluster else {
-                let versions = {
-                    let mut st = store.lock();
-                    st.finish_commit(&done);
-                    done.iter().map(|(r, _)| st.version_of(*r)).collect::<Vec<_>>()
-                };
-                let mut vs = versions.into_iter();
-                return sums
-                    .into_iter()
-                    .map(|s| s.map(|(_, c)| (c, Ok(vs.next().expect("one version per commit")))))
-                    .collect::<Vec<_>>();
-            };
-            // Clustered: the key's home assigns the version once no other
-            // daemon serves the previous one.
-            let items: Vec<(SlotRef, u64, Key, u64)> = {
-                let st = store.lock();
-                done.iter()
-                    .map(|&(r, c)| {
-                        let (fp, key) = st.slot_block(r);
-                        (r, fp, key, c)
-                    })
-                    .collect()
-            };
-            let mut results = cluster.publish(&items).await.into_iter();
-            sums.into_iter()
-                .map(|s| s.map(|(_, c)| (c, results.next().expect("one result per publish"))))
+                })
                 .collect::<Vec<_>>()
-        });
-        let sums = task.await.map_err(|e| Error::Internal(format!("commit task failed: {e}")))?;
+        };
+        let sums = if self.cluster.is_none() && !gpu && total <= INLINE_CHECKSUM_BYTES_MAX {
+            // A small commit without peers ends here, with no await between
+            // taking the slots and finishing them: a client that goes
+            // mid-call cannot strand them (and no task wakes a worker).
+            finish_local(&self.store, sums())
+        } else {
+            // The slots now belong to this commit, not to the session:
+            // finish it in a task of its own so a client that disconnects
+            // mid-call cannot strand them in the committing state.
+            let store = Arc::clone(&self.store);
+            let cluster = self.cluster.clone();
+            let task = tokio::spawn(async move {
+                // GPU checksums wait for the device: never on a runtime thread.
+                let sums = if gpu || total > INLINE_CHECKSUM_BYTES_MAX {
+                    tokio::task::spawn_blocking(sums).await.expect("checksum task panicked")
+                } else {
+                    sums()
+                };
+                let Some(cluster) = cluster else {
+                    return finish_local(&store, sums);
+                };
+                // Clustered: the key's home assigns the version once no other
+                // daemon serves the previous one.
+                let done: Vec<_> = sums.iter().flatten().copied().collect();
+                let items: Vec<(SlotRef, u64, Key, u64)> = {
+                    let st = store.lock();
+                    done.iter()
+                        .map(|&(r, c)| {
+                            let (fp, key) = st.slot_block(r);
+                            (r, fp, key, c)
+                        })
+                        .collect()
+                };
+                let mut results = cluster.publish(&items).await.into_iter();
+                sums.into_iter()
+                    .map(|s| s.map(|(_, c)| (c, results.next().expect("one result per publish"))))
+                    .collect::<Vec<_>>()
+            });
+            task.await.map_err(|e| Error::Internal(format!("commit task failed: {e}")))?
+        };
         let mut out = pb::CommitResponse::default();
         for s in sums {
             let (status, checksum, version, error) = match s {
