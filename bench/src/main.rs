@@ -1002,8 +1002,8 @@ async fn rpc(calls: usize) -> anyhow::Result<()> {
                     client.unpin(p.into_iter().flatten().collect()).await?;
                     h[path][2].record(t.elapsed().as_nanos() as u64)?;
                     // A put of n new keys: allocate, then commit (the
-                    // daemon checksums the n blocks); the pool is full, so
-                    // each allocation evicts.
+                    // daemon checksums the n blocks); the pool fills during
+                    // the one-key rows, and from then on allocations evict.
                     let new = fresh_keys(&mut fresh, n);
                     let t = Instant::now();
                     let a = client.allocate(&ns, &new).await?;

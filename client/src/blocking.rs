@@ -6,7 +6,8 @@
 //! each call to completion on the calling thread with
 //! [`Client::block_on`]. Any number of threads may call through one
 //! `Client` at once (it is `Send + Sync`); each call blocks only its
-//! caller. Lookups, pins and unpins on the fast path are written and their
+//! caller. Calls on the fast path (lookups, pins, unpins, and the put's
+//! allocate, commit and abort) are written and their
 //! answers read by the calling thread itself (one reader at a time, which
 //! hands other callers their answers), so a call wakes no runtime thread. Calling from inside an async runtime is refused (it would block
 //! that runtime's thread): use the async [`crate::Client`] there.
@@ -89,7 +90,7 @@ impl Client {
     /// Runs `f` to completion on the calling thread. Fails (instead of
     /// panicking) when the caller is itself inside an async runtime.
     ///
-    /// A lookup, pin or unpin on the fast path runs to its end within one
+    /// A call on the fast path (lookup, pin, unpin, allocate, commit, abort) runs to its end within one
     /// poll here (the thread blocks on the socket): a timeout or `select!`
     /// around it inside `f` cannot cut it short, and two of them joined run
     /// one after the other. (Calls over gRPC stay ordinary futures.)

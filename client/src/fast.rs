@@ -43,8 +43,7 @@ use crate::{ClientError, Result};
 type Answer = std::result::Result<Vec<u8>, tonic::Status>;
 
 /// What a call says once the connection is gone.
-const CLOSED: &str =
-    "the fast-path connection to kvmeshd closed (the pins taken over it were released; create a new client)";
+const CLOSED: &str = "the fast-path connection to kvmeshd closed (the pins and unfinished puts taken over it were released; create a new client)";
 
 /// Writes whole frames in order until the client or the connection goes.
 async fn write_frames(mut w: OwnedWriteHalf, mut frames: tokio::sync::mpsc::UnboundedReceiver<Vec<u8>>) {

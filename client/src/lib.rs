@@ -718,7 +718,8 @@ impl Client {
 
     /// Connects to the daemon at `path`, receives and maps its pools.
     /// Lookups, pins and unpins use the fast path when the daemon offers it
-    /// (unless `KVMESH_FAST_PATH=off`).
+    /// (unless `KVMESH_FAST_PATH=off`), and so do allocations, commits and
+    /// aborts where its `Hello` says `fast_path_writes`.
     pub async fn connect(path: impl AsRef<Path>) -> Result<Client> {
         Client::connect_with(path, !fast::disabled()).await
     }
@@ -821,7 +822,8 @@ impl Client {
     }
 
     /// Whether lookups, pins and unpins use the fast path (a framed Unix
-    /// socket beside gRPC) rather than gRPC.
+    /// socket beside gRPC) rather than gRPC (allocations, commits and aborts
+    /// too where `hello().fast_path_writes`).
     pub fn fast_path(&self) -> bool {
         self.inner.fast.is_some()
     }

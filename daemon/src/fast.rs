@@ -5,8 +5,9 @@
 //! each side) costs about as much as the store work of a pin of 64 blocks
 //! on a small machine; here a request is read by a blocking thread and run
 //! at once: the service's own handler is polled on that thread, and only a
-//! call that has to wait (a remote fetch through the coherence driver) is
-//! handed to the runtime, answering when it ends. Answers carry the
+//! call that has to wait (a remote fetch through the coherence driver, a
+//! commit that runs in a task of its own) is handed to the runtime,
+//! answering when it ends. Answers carry the
 //! request's id, so calls of one connection may overlap.
 //!
 //! The connection is a session of its own (its pins and uncommitted

@@ -744,4 +744,24 @@ async fn fast_path_takes_allocate_commit_and_abort() {
     f.flush_releases().await;
     assert_eq!(outstanding().await, 0);
     assert!(!g.lookup(&ns, &[Key(300)]).await.unwrap().present[0]);
+
+    // The writes really take the fast path: the blocking client counts the
+    // fast-path answers its callers read (a put of one block: allocate and
+    // commit).
+    let socket = d.socket.clone();
+    let ns2 = ns.clone();
+    // (On a thread outside the test's runtime, as the blocking client asks.)
+    let t = std::thread::spawn(move || {
+        let b = kvmesh_client::blocking::Client::connect(Some(&socket)).unwrap();
+        let read = || b.inner().fast_answers_read_by_caller().expect("the blocking client reads on its callers");
+        let before = read();
+        for k in 400..410u128 {
+            let block = block_bytes(Key(k), 4096);
+            assert_eq!(b.call(b.inner().put(&ns2, &[(Key(k), &block[..])])).unwrap().stored, 1);
+        }
+        assert_eq!(read() - before, 20, "allocate and commit of each put over the fast path");
+        drop(b);
+    });
+    tokio::task::block_in_place(|| t.join()).unwrap();
+    assert_eq!(g.lookup(&ns, &(400..410u128).map(Key).collect::<Vec<_>>()).await.unwrap().prefix_len, 10);
 }
