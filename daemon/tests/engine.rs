@@ -482,13 +482,27 @@ fn print_topology_reports_devices_or_their_absence() {
     assert!(text.contains("device") || text.contains("UCX will use"), "{text}");
 }
 
+/// A raw fast-path connection to the daemon at `socket`, its magic
+/// exchanged (reads time out after 10 s).
+fn open_fast(socket: &std::path::Path) -> std::os::unix::net::UnixStream {
+    use kvmesh_common::handshake::FAST_MAGIC;
+    use std::io::{Read, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(socket).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(FAST_MAGIC).unwrap();
+    let mut back = [0u8; FAST_MAGIC.len() + 16];
+    s.read_exact(&mut back).unwrap();
+    assert_eq!(&back[..FAST_MAGIC.len()], FAST_MAGIC);
+    s
+}
+
 /// The fast path (a framed Unix-socket connection beside gRPC) serves
 /// lookups, pins and unpins with the same answers and the same errors as
 /// gRPC; a malformed frame ends only that connection, an unknown method is
 /// answered UNIMPLEMENTED, and the daemon keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fast_path_answers_as_grpc_does_and_survives_bad_frames() {
-    use kvmesh_common::handshake::{FAST_MAGIC, fast};
+    use kvmesh_common::handshake::fast;
     use std::io::{Read, Write};
     let d = Daemon::start("fast", &pool("p", "16MiB", "4KiB"));
     let f = d.client().await;
@@ -518,15 +532,7 @@ async fn fast_path_answers_as_grpc_does_and_survives_bad_frames() {
     let too_many: Vec<Key> = (0..100_000u128).map(Key).collect();
     assert!(f.pin(&ns, &too_many).await.is_err());
 
-    let open = || {
-        let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        s.write_all(FAST_MAGIC).unwrap();
-        let mut back = [0u8; FAST_MAGIC.len() + 16];
-        s.read_exact(&mut back).unwrap();
-        assert_eq!(&back[..FAST_MAGIC.len()], FAST_MAGIC);
-        s
-    };
+    let open = || open_fast(&d.socket);
     // An unknown method: UNIMPLEMENTED (12), the connection stays.
     let mut s = open();
     let mut frame = ((fast::HEAD) as u32).to_le_bytes().to_vec();
@@ -651,7 +657,7 @@ fn blocking_callers_read_their_own_answers_and_share_the_connection() {
 /// its puts and the background abort of dropped allocations through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fast_path_takes_allocate_commit_and_abort() {
-    use kvmesh_common::handshake::{FAST_MAGIC, fast};
+    use kvmesh_common::handshake::fast;
     use kvmesh_proto::engine::v1 as pb;
     use prost::Message;
     use std::io::{Read, Write};
@@ -663,14 +669,7 @@ async fn fast_path_takes_allocate_commit_and_abort() {
     let outstanding = || async { g.stats().await.unwrap().allocations_outstanding };
 
     // Raw frames on a fast connection of our own.
-    let open = || {
-        let mut s = std::os::unix::net::UnixStream::connect(&d.socket).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.write_all(FAST_MAGIC).unwrap();
-        let mut back = [0u8; FAST_MAGIC.len() + 16];
-        s.read_exact(&mut back).unwrap();
-        s
-    };
+    let open = || open_fast(&d.socket);
     fn call<Req: Message, Resp: Message + Default>(
         s: &mut std::os::unix::net::UnixStream,
         id: u64,
