@@ -72,13 +72,14 @@ pub(crate) fn run(
     block_kib: &[u64],
     calls: usize,
     batch: usize,
+    blocking: bool,
 ) -> anyhow::Result<()> {
     let mut rows = Vec::new();
     for t in transports {
         for &kib in block_kib {
             for b in [1usize, batch] {
                 let n = if b == 1 { calls } else { (calls / 4).max(100) };
-                rows.push(measure(t, kib << 10, b, n)?);
+                rows.push(measure(t, kib << 10, b, n, blocking)?);
             }
         }
     }
@@ -149,7 +150,7 @@ pub(crate) fn run(
     Ok(())
 }
 
-fn measure(transport: &str, size: u64, batch: usize, calls: usize) -> anyhow::Result<Row> {
+fn measure(transport: &str, size: u64, batch: usize, calls: usize, blocking: bool) -> anyhow::Result<Row> {
     let mport = crate::transfer::free_port()?;
     let pools = format!(
         "[[pools]]\nname = \"p\"\nbytes = \"{}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n",
@@ -186,7 +187,40 @@ fn measure(transport: &str, size: u64, batch: usize, calls: usize) -> anyhow::Re
         let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
         let mut total = Duration::ZERO;
         let mut next = 0usize;
-        for _ in 0..calls {
+        if blocking {
+            // The same loop through the blocking client, on a thread
+            // outside this runtime (as a C or Python engine calls).
+            let (sock, keys, transport) = (sock_b.clone(), keys.clone(), transport.to_string());
+            (hist, total) = std::thread::spawn(move || -> anyhow::Result<(Histogram<u64>, Duration)> {
+                let b = kvmesh_client::blocking::Client::connect(Some(std::path::Path::new(&sock)))?;
+                let nb = b.call(b.inner().namespace("bd"))?;
+                let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
+                let mut total = Duration::ZERO;
+                for _ in 0..calls {
+                    let ks: Vec<Key> = (0..batch)
+                        .map(|_| {
+                            next += 1;
+                            keys[next % keys.len()]
+                        })
+                        .collect();
+                    let t = Instant::now();
+                    let got = b.call(b.inner().pin(&nb, &ks))?;
+                    let dt = t.elapsed();
+                    if got.iter().any(|g| g.is_none()) {
+                        bail!("a remote get over {transport} missed");
+                    }
+                    total += dt;
+                    hist.record(dt.as_micros().max(1) as u64)?;
+                    drop(got);
+                    b.block_on(b.inner().flush_releases())?;
+                    b.call(b.inner().remove(&nb, &ks))?;
+                }
+                Ok((hist, total))
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("the blocking client's thread panicked"))??;
+        }
+        for _ in 0..if blocking { 0 } else { calls } {
             let ks: Vec<Key> = (0..batch)
                 .map(|_| {
                     next += 1;

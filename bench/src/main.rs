@@ -243,6 +243,10 @@ enum Cmd {
         /// Keys per batch in the batched rows.
         #[arg(long, default_value_t = 32)]
         batch: usize,
+        /// The engine's pins through the blocking client (the C ABI's and
+        /// Python's path), on a thread of its own, instead of the async one.
+        #[arg(long)]
+        blocking_client: bool,
     },
     /// Daemons all holding the same keys; one call invalidates them all:
     /// ack batching, invalidate -> ack latency, wrong reads (baseline: the
@@ -469,8 +473,8 @@ fn main() -> anyhow::Result<()> {
         Cmd::Peers { json, systems, block_kib, batches, samples, rounds } => {
             peers::run(peers::Opts { json, systems, block_kib, batches, samples, rounds })
         }
-        Cmd::Breakdown { json, transports, block_kib, calls, batch } => {
-            breakdown::run(json, &transports, &block_kib, calls, batch)
+        Cmd::Breakdown { json, transports, block_kib, calls, batch, blocking_client } => {
+            breakdown::run(json, &transports, &block_kib, calls, batch, blocking_client)
         }
         Cmd::Coherence { json, daemons, keys, invalidate_window, no_baseline } => {
             coherence::run(json, daemons, keys, invalidate_window, !no_baseline)

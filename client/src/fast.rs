@@ -295,6 +295,32 @@ pub(crate) struct CallerFast {
     /// shares the socket and the ids, and must not read the parent's
     /// answers (nor write into its stream).
     pid: u32,
+    /// How long a reader polls for its answer before it blocks.
+    spin: Duration,
+}
+
+/// Default of `KVMESH_CLIENT_SPIN_US`.
+pub(crate) const SPIN_US_DEFAULT: u64 = 20;
+/// Largest `KVMESH_CLIENT_SPIN_US` taken.
+pub(crate) const SPIN_US_MAX: u64 = 1_000;
+
+/// How long a blocking caller polls the socket for its answer before it
+/// sleeps in `read`: `KVMESH_CLIENT_SPIN_US` (default 20 µs, at most
+/// 1,000; 0 never polls). A local call is answered within it, so the
+/// caller's CPU never halts between request and answer; a call that
+/// waits longer (a remote fetch) costs at most that much CPU more.
+fn spin_from_env() -> Duration {
+    let us = match std::env::var("KVMESH_CLIENT_SPIN_US") {
+        Err(_) => SPIN_US_DEFAULT,
+        Ok(v) => match v.trim().parse::<u64>() {
+            Ok(us) => us.min(SPIN_US_MAX),
+            Err(_) => {
+                tracing::warn!("KVMESH_CLIENT_SPIN_US={v:?} is not a number of microseconds; using {SPIN_US_DEFAULT}");
+                SPIN_US_DEFAULT
+            }
+        },
+    };
+    Duration::from_micros(us)
 }
 
 /// A waiting caller: its answer once read, and its thread to wake.
@@ -336,6 +362,7 @@ impl CallerFast {
             next: AtomicU64::new(1),
             own_reads: AtomicU64::new(0),
             pid: std::process::id(),
+            spin: spin_from_env(),
         }
     }
 
@@ -397,6 +424,7 @@ impl CallerFast {
             }
             drop(r);
             loop {
+                self.spin_for_answer();
                 match self.read_frame() {
                     Ok((got, answer)) => {
                         let mut g = self.readers();
@@ -421,6 +449,24 @@ impl CallerFast {
                         break;
                     }
                 }
+            }
+        }
+    }
+
+    /// Before a blocking read, polls the socket for up to `spin` (see
+    /// [`spin_from_env`]): an answer that comes within it is read without
+    /// the thread going to sleep, so the daemon's answer needs no wake-up
+    /// of a halted CPU.
+    fn spin_for_answer(&self) {
+        if self.spin.is_zero() {
+            return;
+        }
+        let t0 = std::time::Instant::now();
+        let mut b = [0u8; 1];
+        while t0.elapsed() < self.spin {
+            match kvmesh_ffi_os::fdpass::peek(self.sock.as_fd(), &mut b) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                _ => return,
             }
         }
     }
