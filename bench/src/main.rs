@@ -615,8 +615,14 @@ pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(Dae
     std::fs::create_dir_all(&dir)?;
     let socket = dir.join("kvmeshd.sock");
     let metrics = if pools.contains("[metrics]") { "" } else { "[metrics]\nlisten = \"\"\n" };
+    // `KVMESH_BENCH_FAST_PATH_POLL_US`: the daemon's `server.fast_path_poll_us`
+    // (for comparisons; its default otherwise).
+    let poll = match std::env::var("KVMESH_BENCH_FAST_PATH_POLL_US") {
+        Ok(us) => format!("fast_path_poll_us = {}\n", us.trim().parse::<u64>().context("KVMESH_BENCH_FAST_PATH_POLL_US")?),
+        Err(_) => String::new(),
+    };
     let cfg = format!(
-        "[server]\nsocket = {:?}\n{metrics}[limits]\nbatch_keys_max = 4096\n[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n{pools}",
+        "[server]\nsocket = {:?}\n{poll}{metrics}[limits]\nbatch_keys_max = 4096\n[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n{pools}",
         socket.display().to_string()
     );
     let cfg_path = dir.join("kvmeshd.toml");

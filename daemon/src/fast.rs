@@ -224,6 +224,9 @@ pub struct FastPath {
     /// This daemon instance (the client checks it against `Hello`'s, so it
     /// never pairs pools of one daemon with pins of another).
     pub instance_id: u64,
+    /// After a call answered at once, how long the connection's thread
+    /// polls for the next before it sleeps (`server.fast_path_poll_us`).
+    pub poll: Duration,
 }
 
 /// Counts a served connection until dropped (also when its thread panics).
@@ -296,11 +299,24 @@ fn read_calls<G: Send + Sync + 'static>(
     guard: &Arc<G>,
 ) -> io::Result<()> {
     let mut head = [0u8; 4 + fast::HEAD];
+    // When the last call was answered at once (`Some`): the engine's next
+    // may follow within microseconds (see `FastPath::poll`). Polled for
+    // only while this engine's last gap between an answer and its next
+    // call was within the bound: one slower to call again (an async
+    // client, a remote fetch in between) is not polled for at all.
+    let mut answered_at: Option<Instant> = None;
+    let mut quick = true;
     loop {
+        if answered_at.is_some() && quick && !ctx.poll.is_zero() {
+            poll_for_call(reader, ctx.poll);
+        }
         match reader.read_exact(&mut head) {
             Ok(()) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
+        }
+        if let Some(t) = answered_at.take() {
+            quick = t.elapsed() < ctx.poll;
         }
         let len = u32::from_le_bytes(head[..4].try_into().expect("4 bytes")) as usize;
         let id = u64::from_le_bytes(head[4..12].try_into().expect("8 bytes"));
@@ -328,9 +344,12 @@ fn read_calls<G: Send + Sync + 'static>(
         match call.as_mut().poll(&mut cx) {
             Poll::Ready(r) => {
                 ctx.metrics.count_fast_answer(FastAnswer::Connection);
-                writer.write(answer(&ctx.metrics, label, id, r, started))?
+                writer.write(answer(&ctx.metrics, label, id, r, started))?;
+                answered_at = Some(Instant::now());
             }
             Poll::Pending => {
+                // The engine waits for this one (a remote fetch): no
+                // polling, which would hold a core the fetch's hops need.
                 let (w, m, g) = (Arc::clone(writer), Arc::clone(&ctx.metrics), Arc::clone(guard));
                 // Continued by the thread that wakes it: mostly the
                 // data-plane thread, which writes the answer itself.
@@ -365,6 +384,21 @@ fn read_calls<G: Send + Sync + 'static>(
                     }
                 });
             }
+        }
+    }
+}
+
+/// Polls `reader` for the next call for up to `limit` (non-blocking peeks),
+/// returning as soon as something (or an error) is there: the caller then
+/// reads without its thread having slept.
+fn poll_for_call(reader: &UnixStream, limit: Duration) {
+    use std::os::fd::AsFd;
+    let t0 = Instant::now();
+    let mut b = [0u8; 1];
+    while t0.elapsed() < limit {
+        match kvmesh_ffi_os::fdpass::peek(reader.as_fd(), &mut b) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            _ => return,
         }
     }
 }

@@ -611,6 +611,7 @@ pub async fn run_with(
 ) -> anyhow::Result<()> {
     let mut live_cfg = cfg.clone();
     let cfg_drain_ms = cfg.server.drain_timeout_ms;
+    let fast_poll = Duration::from_micros(cfg.server.fast_path_poll_us);
     let (path, default_location) = match &cfg.server.socket {
         Some(p) => (p.clone(), false),
         None => (default_socket_path(), true),
@@ -950,6 +951,7 @@ pub async fn run_with(
         rt: tokio::runtime::Handle::current(),
         open: Default::default(),
         instance_id: store.lock().instance_id,
+        poll: fast_poll,
     }));
     let svc = kvmesh_proto::engine::v1::engine_server::EngineServer::new(engine)
         .max_decoding_message_size(16 << 20)
