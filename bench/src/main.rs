@@ -618,7 +618,9 @@ pub(crate) fn start_daemon_tagged(tag: &str, extra: &str) -> anyhow::Result<(Dae
     // `KVMESH_BENCH_FAST_PATH_POLL_US`: the daemon's `server.fast_path_poll_us`
     // (for comparisons; its default otherwise).
     let poll = match std::env::var("KVMESH_BENCH_FAST_PATH_POLL_US") {
-        Ok(us) => format!("fast_path_poll_us = {}\n", us.trim().parse::<u64>().context("KVMESH_BENCH_FAST_PATH_POLL_US")?),
+        Ok(us) => {
+            format!("fast_path_poll_us = {}\n", us.trim().parse::<u64>().context("KVMESH_BENCH_FAST_PATH_POLL_US")?)
+        }
         Err(_) => String::new(),
     };
     let cfg = format!(
