@@ -301,9 +301,15 @@ fn read_calls<G: Send + Sync + 'static>(
     let mut head = [0u8; 4 + fast::HEAD];
     // When the last call was answered at once (`Some`): the engine's next
     // may follow within microseconds (see `FastPath::poll`). Polled for
-    // only while this engine's last gap between an answer and its next
-    // call was within the bound: one slower to call again (an async
-    // client, a remote fetch in between) is not polled for at all.
+    // (after the first such answer) only while this engine's last gap
+    // between an answer and its next call was within the bound, so one
+    // slower to call again (an async client, a remote fetch in between) is
+    // polled for once and then no more until it is quick again. A gap
+    // measured without polling includes this thread's own wake-up, so an
+    // engine that takes more than about half the bound to call again may
+    // not be polled for again (twice the bound was tried: it polled for an
+    // async client often enough to slow it by 5-8%). No poll right after a
+    // call that waits.
     let mut answered_at: Option<Instant> = None;
     let mut quick = true;
     loop {
