@@ -253,6 +253,8 @@ impl DeviceRange {
     /// `ptr .. ptr + len` must be device memory (or memory mapped for the
     /// device) that stays allocated while any operation using the range
     /// runs.
+    // SAFETY: an `unsafe fn` — its callers uphold the `# Safety` contract
+    // above; the body's own unsafe blocks state what they rely on.
     pub unsafe fn from_raw(ptr: u64, len: usize) -> Self {
         DeviceRange { ptr, len }
     }

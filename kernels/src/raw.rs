@@ -64,6 +64,8 @@ pub fn gpu(ordinal: usize) -> Result<Arc<Gpu>, GpuError> {
 /// `slot_bytes`; the memory written (slots for a gather, the pages for a
 /// scatter) must be writable and not overlap what is read, and nothing else
 /// may write any of it during the call.
+// SAFETY: an `unsafe fn` — its callers uphold the `# Safety` contract
+// above; the body's own unsafe blocks state what they rely on.
 pub unsafe fn move_pages(
     shape: &PagedKv,
     mem: Memory,
@@ -162,6 +164,8 @@ pub unsafe fn move_pages(
 /// # Safety
 /// `ptr .. ptr + len` must be readable memory of the kind `mem` says, not
 /// written by anyone during the call.
+// SAFETY: an `unsafe fn` — its callers uphold the `# Safety` contract
+// above; the body's own unsafe blocks state what they rely on.
 pub unsafe fn kvsum64(mem: Memory, ptr: u64, len: usize) -> Result<u64, GpuError> {
     if ptr == 0 && len > 0 {
         return Err(GpuError::Invalid("pointer is NULL".into()));

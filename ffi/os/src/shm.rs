@@ -351,6 +351,9 @@ fn huge_bytes_in_smaps(smaps: &str, addr: usize) -> u64 {
 /// # Safety
 /// `ptr..ptr + len` must lie inside one live read-write mapping of this
 /// process.
+// SAFETY: an `unsafe fn` — every caller shows the range inside one live
+// read-write mapping of this process (the `# Safety` contract above); the
+// body's own unsafe blocks state what they rely on.
 pub unsafe fn advise_huge_and_prefault(ptr: NonNull<u8>, len: usize) -> Result<(), ShmError> {
     use nix::sys::mman::{MmapAdvise, madvise};
     // SAFETY: the caller's range; MADV_HUGEPAGE changes neither contents

@@ -942,6 +942,9 @@ impl Drop for PendingSend {
 /// # Safety
 /// `ep` is an open endpoint, and its worker may be called on this thread
 /// (its own thread, or any thread for a multi-threaded worker).
+// SAFETY: an `unsafe fn` — every caller shows `ep` open and its worker
+// callable on that thread (the `# Safety` contract above); the body's own
+// unsafe blocks state what they rely on.
 unsafe fn am_send_eager(ep: sys::ucp_ep_h, id: u16, data: Vec<u8>) -> (sys::ucs_status_ptr_t, Box<[u8]>) {
     let param = sys::ucp_request_param_t {
         op_attr_mask: sys::ucp_op_attr_t::UCP_OP_ATTR_FIELD_FLAGS.0,
