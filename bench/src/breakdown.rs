@@ -150,6 +150,32 @@ pub(crate) fn run(
     Ok(())
 }
 
+/// The next `batch` keys of a round robin over `keys`.
+fn next_batch(keys: &[Key], next: &mut usize, batch: usize) -> Vec<Key> {
+    (0..batch)
+        .map(|_| {
+            *next += 1;
+            keys[*next % keys.len()]
+        })
+        .collect()
+}
+
+/// Records one timed pin (`dt`); fails where it missed a block.
+fn record_pin<B>(
+    hist: &mut Histogram<u64>,
+    total: &mut Duration,
+    dt: Duration,
+    got: &[Option<B>],
+    transport: &str,
+) -> anyhow::Result<()> {
+    if got.iter().any(|g| g.is_none()) {
+        bail!("a remote get over {transport} missed");
+    }
+    *total += dt;
+    hist.record(dt.as_micros().max(1) as u64)?;
+    Ok(())
+}
+
 fn measure(transport: &str, size: u64, batch: usize, calls: usize, blocking: bool) -> anyhow::Result<Row> {
     let mport = crate::transfer::free_port()?;
     let pools = format!(
@@ -197,20 +223,10 @@ fn measure(transport: &str, size: u64, batch: usize, calls: usize, blocking: boo
                 let mut hist = Histogram::<u64>::new_with_bounds(1, 600_000_000, 3)?;
                 let mut total = Duration::ZERO;
                 for _ in 0..calls {
-                    let ks: Vec<Key> = (0..batch)
-                        .map(|_| {
-                            next += 1;
-                            keys[next % keys.len()]
-                        })
-                        .collect();
+                    let ks = next_batch(&keys, &mut next, batch);
                     let t = Instant::now();
                     let got = b.call(b.inner().pin(&nb, &ks))?;
-                    let dt = t.elapsed();
-                    if got.iter().any(|g| g.is_none()) {
-                        bail!("a remote get over {transport} missed");
-                    }
-                    total += dt;
-                    hist.record(dt.as_micros().max(1) as u64)?;
+                    record_pin(&mut hist, &mut total, t.elapsed(), &got, &transport)?;
                     drop(got);
                     b.block_on(b.inner().flush_releases())?;
                     b.call(b.inner().remove(&nb, &ks))?;
@@ -221,20 +237,10 @@ fn measure(transport: &str, size: u64, batch: usize, calls: usize, blocking: boo
             .map_err(|_| anyhow::anyhow!("the blocking client's thread panicked"))??;
         }
         for _ in 0..if blocking { 0 } else { calls } {
-            let ks: Vec<Key> = (0..batch)
-                .map(|_| {
-                    next += 1;
-                    keys[next % keys.len()]
-                })
-                .collect();
+            let ks = next_batch(&keys, &mut next, batch);
             let t = Instant::now();
             let got = cb.pin(&nb, &ks).await?;
-            let dt = t.elapsed();
-            if got.iter().any(|g| g.is_none()) {
-                bail!("a remote get over {transport} missed");
-            }
-            total += dt;
-            hist.record(dt.as_micros().max(1) as u64)?;
+            record_pin(&mut hist, &mut total, t.elapsed(), &got, transport)?;
             drop(got);
             cb.flush_releases().await;
             cb.remove(&nb, &ks).await?;
