@@ -27,6 +27,7 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -392,6 +393,18 @@ class Child:
             pass
 
 
+def on_server_cpus(argv):
+    """argv run under taskset on the serving side's CPUs when the bench
+    splits them (`kvmesh-bench peers --split-cpus SERVER:CLIENT`)."""
+    cpus = os.environ.get("KVMESH_PEERS_SERVER_CPUS")
+    if not cpus:
+        return list(argv)
+    taskset = shutil.which("taskset")
+    if not taskset:
+        raise Fatal("KVMESH_PEERS_SERVER_CPUS is set but taskset (util-linux) is not installed")
+    return [taskset, "--cpu-list", cpus] + list(argv)
+
+
 def pdeathsig_launcher(argv):
     """argv prefixed with a tiny python launcher that sets PR_SET_PDEATHSIG
     and then execs argv (so the master dies with us even on SIGKILL)."""
@@ -471,7 +484,7 @@ class Bench:
                          "--http_metadata_server_host=127.0.0.1",
                          "--http_metadata_server_port=%d" % http]
             log("starting master:", " ".join(argv))
-            self.master = Child("master", pdeathsig_launcher(argv))
+            self.master = Child("master", pdeathsig_launcher(on_server_cpus(argv)))
             ok = wait_port(rpc, self.master, a.start_timeout)
             if ok and a.metadata == "http":
                 ok = wait_port(http, self.master, a.start_timeout)
@@ -493,7 +506,7 @@ class Bench:
                 "--local-buffer-mib", str(a.local_buffer_mib)]
         if a.verbose:
             argv.append("--verbose")
-        self.holder = Child("holder", argv, proto=True)
+        self.holder = Child("holder", on_server_cpus(argv), proto=True)
         r = self.holder.recv(a.start_timeout)
         if not r.get("ready"):
             raise Fatal(r.get("error") or "holder failed to start: %r" % r)

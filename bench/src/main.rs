@@ -224,6 +224,14 @@ enum Cmd {
         /// Interleaved rounds.
         #[arg(long, default_value_t = 4)]
         rounds: usize,
+        /// `SERVER:CLIENT` CPU lists (taskset syntax, e.g. `1:0`): every
+        /// system's serving side (the holding daemon, redis-server,
+        /// Mooncake's master and holding client) runs on SERVER, its
+        /// reading side (this process, which is the engine, the redis
+        /// client and the one timing; the getter daemon; Mooncake's reader)
+        /// on CLIENT, as on two nodes. Unset: the scheduler places them.
+        #[arg(long)]
+        split_cpus: Option<String>,
     },
     /// Where the time of a remote get goes, hop by hop: the getter daemon's
     /// stage histograms (/metrics) beside the engine's Pin call.
@@ -470,8 +478,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Transfer { json, pool_mib, block_kib, transports, bytes_mib, no_perftest } => {
             transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest)
         }
-        Cmd::Peers { json, systems, block_kib, batches, samples, rounds } => {
-            peers::run(peers::Opts { json, systems, block_kib, batches, samples, rounds })
+        Cmd::Peers { json, systems, block_kib, batches, samples, rounds, split_cpus } => {
+            let split = split_cpus.as_deref().map(peers::Split::parse).transpose()?;
+            peers::run(peers::Opts { json, systems, block_kib, batches, samples, rounds, split })
         }
         Cmd::Breakdown { json, transports, block_kib, calls, batch, blocking_client } => {
             breakdown::run(json, &transports, &block_kib, calls, batch, blocking_client)

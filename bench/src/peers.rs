@@ -78,6 +78,42 @@ const DATA_BYTES: u64 = 320 << 20;
 /// Untimed calls per system and row before the rounds.
 const WARM_UP_CALLS: usize = 20;
 
+/// `--split-cpus SERVER:CLIENT`: where each side of every system runs.
+#[derive(Clone, Debug)]
+pub(crate) struct Split {
+    server: String,
+    client: String,
+}
+
+impl Split {
+    pub(crate) fn parse(s: &str) -> anyhow::Result<Split> {
+        let (server, client) = s
+            .split_once(':')
+            .with_context(|| format!("--split-cpus {s:?}: expected SERVER:CLIENT CPU lists, e.g. 1:0"))?;
+        for l in [server, client] {
+            if l.is_empty() || !l.chars().all(|c| c.is_ascii_digit() || c == ',' || c == '-') {
+                bail!("--split-cpus {s:?}: {l:?} is not a CPU list (taskset syntax: 0,2-3)");
+            }
+        }
+        Ok(Split { server: server.to_string(), client: client.to_string() })
+    }
+}
+
+/// Binds every thread of process `pid` (and the threads it makes later)
+/// to `cpus` with util-linux's `taskset`.
+fn pin(pid: u32, cpus: &str, what: &str) -> anyhow::Result<()> {
+    let out = Command::new("taskset")
+        .args(["--all-tasks", "--cpu-list", "--pid", cpus, &pid.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .context("run taskset (util-linux) for --split-cpus")?;
+    if !out.status.success() {
+        bail!("taskset -a -c {cpus} -p {pid} ({what}): {}", String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(())
+}
+
 /// Two kvmesh daemons on loopback: A holds the blocks, the engine of B
 /// pins them (each pin a remote get; the copies are removed, untimed,
 /// after each call so the next one fetches again).
@@ -91,7 +127,7 @@ struct KvPair {
 }
 
 impl KvPair {
-    async fn start(transport: &str, size: u64, batch: usize) -> anyhow::Result<KvPair> {
+    async fn start(transport: &str, size: u64, batch: usize, split: Option<&Split>) -> anyhow::Result<KvPair> {
         let pool_bytes = DATA_BYTES.max(size * batch as u64 * 4) + (16 << 20);
         let pools = format!(
             "[[pools]]\nname = \"p\"\nbytes = \"{}MiB\"\nslot_payload_bytes = \"{}KiB\"\nmlock = false\n",
@@ -100,9 +136,18 @@ impl KvPair {
         );
         let tag = format!("peers-{transport}-{}", size >> 10);
         let (a, sock_a, b, sock_b) = crate::transfer::start_pair(&tag, transport, &pools, "")?;
+        if let Some(sp) = split {
+            pin(a.pid(), &sp.server, "holding daemon")?;
+            pin(b.pid(), &sp.client, "getter daemon")?;
+        }
         let ca = Client::connect(&sock_a).await?;
         let cb = Client::connect(&sock_b).await?;
         crate::transfer::wait_pair(&ca, &cb, transport).await?;
+        if let Some(sp) = split {
+            // Again, for threads made while the peers connected.
+            pin(a.pid(), &sp.server, "holding daemon")?;
+            pin(b.pid(), &sp.client, "getter daemon")?;
+        }
         let na = ca.register_namespace("peers", size, "bench").await?;
         let nb = cb.register_namespace("peers", size, "bench").await?;
         let keys = (DATA_BYTES / size).max(batch as u64 * 2);
@@ -160,13 +205,16 @@ struct Redis {
 }
 
 impl Redis {
-    async fn start() -> anyhow::Result<Redis> {
+    async fn start(split: Option<&Split>) -> anyhow::Result<Redis> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
         let child = Command::new("redis-server")
             .args(["--bind", "127.0.0.1", "--port", &port.to_string(), "--save", "", "--appendonly", "no"])
             .stdout(Stdio::null())
             .spawn()
             .context("start redis-server (Debian package redis-server; or leave redis out of --systems)")?;
+        if let Some(sp) = split {
+            pin(child.id(), &sp.server, "redis-server")?;
+        }
         let t0 = Instant::now();
         while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
             if t0.elapsed() > Duration::from_secs(10) {
@@ -235,7 +283,7 @@ struct Mooncake {
 }
 
 impl Mooncake {
-    fn start(repo: &Path) -> anyhow::Result<Mooncake> {
+    fn start(repo: &Path, split: Option<&Split>) -> anyhow::Result<Mooncake> {
         let dir = repo.join("bench/mooncake");
         let venv = std::env::var_os("KVMESH_MOONCAKE_VENV").map(PathBuf::from).unwrap_or_else(|| {
             PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/kvmesh/mooncake-venv")
@@ -248,12 +296,21 @@ impl Mooncake {
                 bail!("bench/mooncake/setup.sh failed (pip install mooncake-transfer-engine-non-cuda)");
             }
         }
-        let mut child = Command::new(&python)
+        let mut cmd = Command::new(&python);
+        if let Some(sp) = split {
+            // The driver is the reader; it starts its master and holding
+            // client under `taskset` on these CPUs.
+            cmd.env("KVMESH_PEERS_SERVER_CPUS", &sp.server);
+        }
+        let mut child = cmd
             .arg(dir.join("driver.py"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
             .with_context(|| format!("start {}", python.display()))?;
+        if let Some(sp) = split {
+            pin(child.id(), &sp.client, "Mooncake reader")?;
+        }
         let stdin = child.stdin.take().context("driver stdin")?;
         let stdout = BufReader::new(child.stdout.take().context("driver stdout")?);
         let mut m = Mooncake { child, stdin, stdout, version: String::new() };
@@ -315,7 +372,7 @@ impl Drop for Mooncake {
 }
 
 enum System {
-    Kvmesh { transport: String, pairs: Vec<((u64, usize), KvPair)> },
+    Kvmesh { transport: String, pairs: Vec<((u64, usize), KvPair)>, split: Option<Split> },
     Redis(Box<Redis>),
     Mooncake(Box<Mooncake>),
 }
@@ -331,12 +388,12 @@ impl System {
 
     async fn run(&mut self, size: u64, batch: usize, samples: usize, acc: &mut Acc) -> anyhow::Result<()> {
         match self {
-            System::Kvmesh { transport, pairs } => {
+            System::Kvmesh { transport, pairs, split } => {
                 // One daemon pair per block size (pools are cut per size).
                 let i = match pairs.iter().position(|((s, _), _)| *s == size) {
                     Some(i) => i,
                     None => {
-                        pairs.push(((size, batch), KvPair::start(transport, size, batch).await?));
+                        pairs.push(((size, batch), KvPair::start(transport, size, batch, split.as_ref()).await?));
                         pairs.len() - 1
                     }
                 };
@@ -355,10 +412,15 @@ pub(crate) struct Opts {
     pub batches: Vec<usize>,
     pub samples: usize,
     pub rounds: usize,
+    pub split: Option<Split>,
 }
 
 pub(crate) fn run(o: Opts) -> anyhow::Result<()> {
     let repo = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    if let Some(sp) = &o.split {
+        // This process is every system's engine (or client) and the clock.
+        pin(std::process::id(), &sp.client, "this bench")?;
+    }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let rounds = o.rounds.max(1);
     let per_round = o.samples.div_ceil(rounds).max(1);
@@ -370,11 +432,15 @@ pub(crate) fn run(o: Opts) -> anyhow::Result<()> {
         for s in &o.systems {
             systems.push(match s.as_str() {
                 "kvmesh-tcp" | "kvmesh-sm" => {
-                    System::Kvmesh { transport: s.trim_start_matches("kvmesh-").to_string(), pairs: Vec::new() }
+                    System::Kvmesh {
+                        transport: s.trim_start_matches("kvmesh-").to_string(),
+                        pairs: Vec::new(),
+                        split: o.split.clone(),
+                    }
                 }
-                "redis" => System::Redis(Box::new(Redis::start().await?)),
+                "redis" => System::Redis(Box::new(Redis::start(o.split.as_ref()).await?)),
                 "mooncake-tcp" => {
-                    let m = Mooncake::start(&repo)?;
+                    let m = Mooncake::start(&repo, o.split.as_ref())?;
                     mooncake_version = Some(m.version.clone());
                     System::Mooncake(Box::new(m))
                 }
@@ -442,7 +508,7 @@ pub(crate) fn run(o: Opts) -> anyhow::Result<()> {
         let wrong: u64 = accs.iter().flatten().map(|a| a.wrong).sum();
         println!(
             "{}",
-            serde_json::json!({"bench": "peers", "rounds": rounds, "mooncake_version": mooncake_version, "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": out})
+            serde_json::json!({"bench": "peers", "rounds": rounds, "split_cpus": o.split.as_ref().map(|sp| format!("{}:{}", sp.server, sp.client)), "mooncake_version": mooncake_version, "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": out})
         );
         if wrong > 0 {
             bail!("{wrong} wrong bytes read (see the rows)");
