@@ -78,6 +78,7 @@ pub fn stats_json(s: &crate::Stats) -> String {
             v["pushes_used"] = c.pushes_used.into();
             v["pushes_unused"] = c.pushes_unused.into();
             v["pushes_sent"] = c.pushes_sent.into();
+            v["pushes_landed_first"] = c.pushes_landed_first.into();
             v["timer_kicks"] = c.timer_kicks.into();
             v
         }),

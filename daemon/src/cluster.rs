@@ -168,6 +168,13 @@ struct Inner {
     /// ran): an input only has to wake it when the core's next timeout
     /// became earlier than that ([`Cluster::kick_timer`]).
     timer_armed: u64,
+    /// Bytes of pushed reads that had landed before the core started them
+    /// and were checked under this lock in the current input
+    /// ([`LANDED_INLINE_BYTES_MAX`]); reset at each input.
+    landed_inline_bytes: u64,
+    /// A read reported within the current input was the last in flight:
+    /// flush when the input is done (as [`Cluster::read_ended`] does).
+    flush_after_input: bool,
 }
 
 /// One read the core asked for, with the local slot reserved for it.
@@ -193,6 +200,12 @@ const POST_NOW_READS_MAX: usize = 64;
 /// outcomes to a task, which hashes the copies on the other core while the
 /// data-plane thread goes on copying.
 const INLINE_DONE_READS_MAX: usize = 4;
+
+/// Bytes of pushed reads, already landed when the core starts them, that
+/// one input checks (xxh3) under the core lock and reports in the same
+/// input (push.rs, `read_pushed`): ~15–30 µs of hashing at most, against
+/// a task's wake-up per read. Past it, reads take their task as before.
+const LANDED_INLINE_BYTES_MAX: u64 = 1 << 20;
 
 /// Counters of the driver (the core counts the protocol).
 #[derive(Default)]
@@ -467,6 +480,8 @@ impl Cluster {
                 table_delay: crate::peers::test_hook_ms("delay-table-apply-ms").map(Duration::from_millis),
                 push: push::PushState::default(),
                 timer_armed: u64::MAX,
+                landed_inline_bytes: 0,
+                flush_after_input: false,
             }),
             store,
             peers,
@@ -553,6 +568,7 @@ impl Cluster {
     /// Feeds at a given time: the events of one input unit (an engine call's
     /// keys) share one instant, so no flush window ends in the middle.
     fn feed_locked_at(self: &Arc<Self>, g: &mut Inner, ev: Event, now: u64) {
+        g.landed_inline_bytes = 0;
         let mut queue = VecDeque::from([ev]);
         while let Some(ev) = queue.pop_front() {
             let actions = g.node.handle(now, ev);
@@ -565,6 +581,9 @@ impl Cluster {
             }
         }
         self.dispatch_reads(g);
+        if std::mem::take(&mut g.flush_after_input) && self.cfg.flush_when_idle {
+            self.flush_locked(g);
+        }
     }
 
     /// Sends the reads started by the input just handled to the data plane:
@@ -677,7 +696,7 @@ impl Cluster {
                 // The holder pushed the slot with its grant (push.rs).
                 let read = self
                     .begin_read(g, Read { op, from, remote, expect, dest: p.dest, deadline, started: Instant::now() });
-                self.read_pushed(from, read, p);
+                self.read_pushed(g, from, read, p, queue);
             }
             Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
                 Some(dest) => {
@@ -1019,6 +1038,21 @@ impl Cluster {
         r: Read,
         result: Result<SlotImage, TransferError>,
     ) {
+        let (ev, last) = self.read_outcome(&mut g, r, result);
+        self.feed_locked(&mut g, ev);
+        // The last read of a burst ended: its registrations and grant
+        // releases leave now, together.
+        if last && self.cfg.flush_when_idle {
+            self.flush_locked(&mut g);
+        }
+        self.kick_timer_locked(&g);
+        drop(g);
+    }
+
+    /// The bookkeeping of a read that ended (quarantine on timeout, the
+    /// count in flight, the get's timing): the event that tells the core,
+    /// and whether it was the last read in flight.
+    fn read_outcome(&self, g: &mut Inner, r: Read, result: Result<SlotImage, TransferError>) -> (Event, bool) {
         let (dest, result) = match result {
             Ok(image) => (Some(r.dest), Ok(image)),
             Err(TransferError::Timeout) => {
@@ -1037,14 +1071,7 @@ impl Cluster {
         if let Some(w) = g.waiters.get_mut(&r.op) {
             w.read_done = Some(Instant::now());
         }
-        self.feed_locked(&mut g, Event::TransferDone { op: r.op, dest, result });
-        // The last read of a burst ended: its registrations and grant
-        // releases leave now, together.
-        if last && self.cfg.flush_when_idle {
-            self.flush_locked(&mut g);
-        }
-        self.kick_timer_locked(&g);
-        drop(g);
+        (Event::TransferDone { op: r.op, dest, result }, last)
     }
 
     /// Moves the holder's whole slots into the reserved local slots, and
@@ -1681,6 +1708,22 @@ impl Cluster {
         // answers of the batch beside them.
         let answered = !f.push_answers.is_empty();
         if answered {
+            // Test-only (`KVMESH_TEST_HOOK=delay-push-answers-ms:N`, read
+            // once): a frame with push answers that came on a stream is
+            // handled N ms late (on this runtime thread, before the core
+            // lock), so the pushed blocks land before the core starts
+            // their reads.
+            static DELAY_MS: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+            let delay = *DELAY_MS.get_or_init(|| {
+                let ms = crate::peers::test_hook_ms("delay-push-answers-ms");
+                if let Some(ms) = ms {
+                    tracing::warn!("TEST HOOK ACTIVE: push answers from streams are handled {ms} ms late");
+                }
+                ms
+            });
+            if let Some(ms) = delay {
+                std::thread::sleep(Duration::from_millis(ms));
+            }
             self.on_push_answers(&mut self.inner.lock(), from, &f.push_answers);
         }
         match f.body {
@@ -2350,6 +2393,7 @@ impl Cluster {
             pushes_used: self.push_counters.used.load(Ordering::Relaxed),
             pushes_unused: self.push_counters.unused.load(Ordering::Relaxed),
             pushes_sent: self.push_counters.sent.load(Ordering::Relaxed),
+            pushes_landed_first: self.push_counters.landed_inline.load(Ordering::Relaxed),
             timer_kicks: self.counters.timer_kicks.load(Ordering::Relaxed),
         }
     }

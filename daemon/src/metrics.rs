@@ -515,6 +515,11 @@ impl prometheus_client::collector::Collector for Snapshot {
                     c.pushes_sent,
                 ),
                 (
+                    "coherence_pushes_landed_first",
+                    "Pushed slots that had landed before the core started their read, checked and reported in the input that started it (no task).",
+                    c.pushes_landed_first,
+                ),
+                (
                     "coherence_timer_kicks",
                     "Times an input woke the coherence timer task because the core's next timeout moved earlier (other inputs leave it asleep).",
                     c.timer_kicks,

@@ -883,6 +883,64 @@ async fn pushed_slots_are_read_and_unused_ones_freed_tcp_active_messages() {
     pushed_slots_are_read_and_unused_ones_freed("ucx").await;
 }
 
+/// A pushed block can land before the core starts its read (the core
+/// handled the grant after the bytes came: on one endpoint with active
+/// messages, or from a stream behind a busy core). Its read is then
+/// checked and reported within the input that started it (push.rs,
+/// `read_pushed`), not by a task. The getter's test hook handles push
+/// answers 100 ms late, so every block here has landed first: the bytes
+/// are checked, and a block the holder corrupted (its test hook) is
+/// refused on that path as on every other.
+async fn pushes_that_landed_first(corrupt: bool) {
+    let ports = [free_port(), free_port()];
+    let tag = if corrupt { "landed-corrupt" } else { "landed" };
+    let holder: &[(&str, &str)] = if corrupt { &[("KVMESH_TEST_HOOK", "corrupt-granted-slots")] } else { &[] };
+    let a = Daemon::start_with(&format!("{tag}-a"), &peer_config(1, &ports, "tcp", &pools()), holder);
+    let b = Daemon::start_with(
+        &format!("{tag}-b"),
+        &peer_config(2, &ports, "tcp", &pools()),
+        &[("KVMESH_TEST_HOOK", "delay-push-answers-ms:100")],
+    );
+    let (ca, cb) = clients(&a, &b).await;
+    let (sa, _) = namespaces(&ca).await;
+    let (sb, _) = namespaces(&cb).await;
+    let keys: Vec<Key> = (0..8u128).map(|i| Key(0x1a4d_0000 + i)).collect();
+    put_all(&ca, &sa, &keys).await;
+    // One at a time: each get's answer starts one read.
+    for &k in &keys {
+        if corrupt {
+            let got = cb.pin(&sb, &[k]).await.unwrap();
+            assert!(got[0].is_none(), "a block from a reused slot reached the client ({k})");
+        } else {
+            pin_verified(&cb, &sb, &[k]).await;
+        }
+    }
+    let kb = stats_coherence(&b);
+    let n = |f: &str| kb[f].as_u64().unwrap();
+    assert_eq!(n("pushes_used"), 8, "every read used its pushed slot: {kb}");
+    assert_eq!(n("pushes_landed_first"), 8, "every pushed block had landed before its read started: {kb}");
+    let s = cb.stats().await.unwrap();
+    if corrupt {
+        assert_eq!(s.remote_validation_failures, 8, "{s:?}");
+        assert_eq!(s.remote_fetched, 0, "{s:?}");
+        assert_eq!(s.pools[0].valid, 0, "nothing was committed: {s:?}");
+        assert_eq!(s.allocations_outstanding, 0, "rejected slots were freed: {s:?}");
+    } else {
+        assert_eq!(s.remote_validation_failures, 0, "{s:?}");
+        assert_eq!(s.remote_fetched, 8, "{s:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pushed_block_that_landed_first_is_read_in_the_same_input_tcp() {
+    pushes_that_landed_first(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_pushed_block_that_landed_first_is_refused_tcp() {
+    pushes_that_landed_first(true).await;
+}
+
 async fn pushed_slots_are_read_and_unused_ones_freed(control: &str) {
     let ports = [free_port(), free_port()];
     // `peer_config_tls` writes its last argument as `peer.tls`'s value: the

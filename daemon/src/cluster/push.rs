@@ -141,7 +141,7 @@ impl PushState {
 }
 
 /// Counters (stats: `push_invites`, `pushes_used`, `pushes_unused`,
-/// `pushes_sent`).
+/// `pushes_sent`, `pushes_landed_first`).
 #[derive(Default)]
 pub struct PushCounters {
     /// Receives posted with an invitation.
@@ -152,6 +152,9 @@ pub struct PushCounters {
     pub unused: AtomicU64,
     /// Slots this daemon sent on an invitation.
     pub sent: AtomicU64,
+    /// Pushed slots used by a read that had landed before the core started
+    /// it, checked and reported within the input that started it.
+    pub landed_inline: AtomicU64,
 }
 
 impl Cluster {
@@ -290,19 +293,69 @@ impl Cluster {
     /// Getter: reads `read` (whose slot is `p.dest`) from what the peer
     /// pushed: reported to the core as any read (validated against the
     /// grant). A read deadline before the receive's cancels it then.
-    pub(super) fn read_pushed(self: &Arc<Self>, from: NodeId, read: Read, p: Push) {
+    ///
+    /// A block that landed before the core started its read (its bytes
+    /// came with, or ahead of, the answer the core is handling) is checked
+    /// here, under the core lock, and reported within the same input
+    /// (`queue`) — up to [`LANDED_INLINE_BYTES_MAX`] per input; past it a
+    /// task reports it as before. A receive that already ended otherwise
+    /// (failed, timed out) is reported here too.
+    pub(super) fn read_pushed(
+        self: &Arc<Self>,
+        g: &mut Inner,
+        from: NodeId,
+        read: Read,
+        p: Push,
+        queue: &mut VecDeque<Event>,
+    ) {
+        let Push { landing, mut posted, until, id: p_id, .. } = p;
+        // Posted before the core asked for the read: no post time (one
+        // observation per batch, as for every batch of reads).
+        self.remote_metrics.transfer_post_seconds.observe(0.0);
+        let stride = posted.geometry.first().map_or(u64::MAX, |(stride, _, _)| *stride);
+        if g.landed_inline_bytes + stride <= LANDED_INLINE_BYTES_MAX
+            && let Ok((k, outcome)) = posted.rx.try_recv()
+        {
+            // (Taken from the channel: whatever it says is reported here.)
+            let (mut moved, mut validating) = (0, Duration::ZERO);
+            let result = match outcome {
+                TransferOutcome::Done => {
+                    g.landed_inline_bytes += stride;
+                    let (stride, cap, dest) = &mut posted.geometry[k];
+                    moved = *stride;
+                    let d = to_store(read.dest);
+                    let tv = Instant::now();
+                    let r = match dest.take() {
+                        Some(Dest::Pool(mapping)) => {
+                            landed_in_pool(&mapping, d.slot, *stride, *cap, read.expect.key.ns)
+                        }
+                        _ => Err(TransferError::NoSpace),
+                    };
+                    validating = tv.elapsed();
+                    self.push_counters.landed_inline.fetch_add(1, Ordering::Relaxed);
+                    r
+                }
+                TransferOutcome::TimedOut => Err(TransferError::Timeout),
+                TransferOutcome::Failed(e) => {
+                    tracing::debug!(peer = from, "pushed slot: receive failed: {e}");
+                    Err(TransferError::PeerGone)
+                }
+            };
+            tracing::trace!(from, "slot read (landed before its read)");
+            self.read_batch_done(posted.t_post, validating, moved);
+            let (ev, last) = self.read_outcome(g, read, result);
+            g.flush_after_input |= last;
+            queue.push_back(ev);
+            return;
+        }
         let deadline = self.instant_of(read.deadline);
-        if deadline < p.until {
-            let (dp, id) = (Arc::clone(self.peers.dataplane()), p.id);
+        if deadline < until {
+            let (dp, id) = (Arc::clone(self.peers.dataplane()), p_id);
             tokio::spawn(async move {
                 tokio::time::sleep_until(deadline.into()).await;
                 dp.cancel(id);
             });
         }
-        // Posted before the core asked for the read: no post time (one
-        // observation per batch, as for every batch of reads).
-        self.remote_metrics.transfer_post_seconds.observe(0.0);
-        let Push { landing, mut posted, .. } = p;
         // Not landed yet (the usual case: the answer was sent first): the
         // data-plane thread checks and reports it as it lands.
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
