@@ -516,3 +516,19 @@ pub(crate) fn run(o: Opts) -> anyhow::Result<()> {
         Ok(())
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Split;
+
+    #[test]
+    fn split_cpus_take_two_cpu_lists() {
+        let s = Split::parse("1:0").unwrap();
+        assert_eq!((s.server.as_str(), s.client.as_str()), ("1", "0"));
+        let s = Split::parse("2-3,6:0,1").unwrap();
+        assert_eq!((s.server.as_str(), s.client.as_str()), ("2-3,6", "0,1"));
+        for bad in ["", "1", "1:", ":0", "a:0", "1:0:2", "1;0", "0 :1"] {
+            assert!(Split::parse(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+}
