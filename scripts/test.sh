@@ -116,6 +116,17 @@ if [[ $(grep -o '"wrong_bytes":0' <<<"$out" | wc -l) -ne 6 ]]; then
     echo "peers bench: a row missing or with wrong bytes" >&2
     exit 1
 fi
+echo "== peers and transfer with --split-cpus 0:0 (the placement path: taskset on every process; fails on wrong bytes)" >&2
+out=$(cargo run --locked -q -p kvmesh-bench -- peers --json --systems kvmesh-sm,redis --block-kib 64 --batches 1 --samples 10 --rounds 1 --split-cpus 0:0 | tail -1)
+if [[ $(grep -o '"wrong_bytes":0' <<<"$out" | wc -l) -ne 2 || $out != *'"split_cpus":"0:0"'* ]]; then
+    echo "peers bench with --split-cpus: $out" >&2
+    exit 1
+fi
+out=$(cargo run --locked -q -p kvmesh-bench -- transfer --json --transports sm --block-kib 64 --bytes-mib 8 --pool-mib 16 --no-perftest --split-cpus 0:0 | tail -1)
+if [[ $out != *'"split_cpus":"0:0"'* || $out != *'"ratio_raw"'* ]]; then
+    echo "transfer bench with --split-cpus: $out" >&2
+    exit 1
+fi
 echo "== rpc benchmark smoke run (gRPC and the fast path on one daemon; fails if the fast path is not offered)" >&2
 cargo run --locked -q -p kvmesh-bench -- rpc --calls 20 | tail -1 | cut -c1-200 >&2
 # KV events under a paced put load: the bench fails on any gap in the sequence numbers.

@@ -14,6 +14,7 @@ mod coherence;
 mod events;
 mod lookup;
 mod peers;
+mod placement;
 mod replay;
 mod scale;
 mod transfer;
@@ -201,6 +202,19 @@ enum Cmd {
         /// Skip ucx_perftest.
         #[arg(long)]
         no_perftest: bool,
+        /// `SERVER:CLIENT` CPU lists (taskset syntax): the raw loop's
+        /// target and the holding daemon on SERVER; this process (the raw
+        /// loop's reader, the engine) and the getter daemon on CLIENT, as
+        /// on two nodes (see `peers --split-cpus`).
+        #[arg(long)]
+        split_cpus: Option<String>,
+        /// How long the raw loop's two sides poll UCX after it last made
+        /// progress before they sleep on the worker's event fd. The default
+        /// (a second) never sleeps mid-transfer: the strongest loop, as
+        /// before this option; 100 is the daemon's `peer.poll_idle_us`
+        /// default, for the same policy on both sides.
+        #[arg(long, default_value_t = 1_000_000)]
+        raw_poll_idle_us: u64,
     },
     /// Remote gets side by side, interleaved rounds in one run: kvmesh over
     /// tcp and shared memory, Redis (GET/MGET), Mooncake Store over TCP
@@ -412,6 +426,8 @@ enum Cmd {
         transport: String,
         #[arg(long)]
         bytes: u64,
+        #[arg(long)]
+        poll_idle_us: u64,
     },
     /// Runs a daemon in this process (used by `local`).
     #[command(hide = true)]
@@ -475,11 +491,23 @@ fn main() -> anyhow::Result<()> {
             };
             rt.block_on(kvmeshd::server::run(cfg, std::future::pending(), true))
         }
-        Cmd::Transfer { json, pool_mib, block_kib, transports, bytes_mib, no_perftest } => {
-            transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest)
+        Cmd::Transfer {
+            json,
+            pool_mib,
+            block_kib,
+            transports,
+            bytes_mib,
+            no_perftest,
+            split_cpus,
+            raw_poll_idle_us,
+        } => {
+            let split = split_cpus.as_deref().map(placement::Split::parse).transpose()?;
+            let raw_poll_idle = Duration::from_micros(raw_poll_idle_us);
+            let opts = transfer::Placed { split: split.as_ref(), raw_poll_idle };
+            transfer::run(json, pool_mib, &block_kib, &transports, bytes_mib, !no_perftest, opts)
         }
         Cmd::Peers { json, systems, block_kib, batches, samples, rounds, split_cpus } => {
-            let split = split_cpus.as_deref().map(peers::Split::parse).transpose()?;
+            let split = split_cpus.as_deref().map(placement::Split::parse).transpose()?;
             peers::run(peers::Opts { json, systems, block_kib, batches, samples, rounds, split })
         }
         Cmd::Breakdown { json, transports, block_kib, calls, batch, blocking_client } => {
@@ -573,7 +601,9 @@ fn main() -> anyhow::Result<()> {
         Cmd::Scale { json, blocks, samples, idle_s, block_kib } => {
             scale::run(json, &blocks, samples, idle_s, block_kib)
         }
-        Cmd::UcxTarget { transport, bytes } => transfer::ucx_target(&transport, bytes),
+        Cmd::UcxTarget { transport, bytes, poll_idle_us } => {
+            transfer::ucx_target(&transport, bytes, Duration::from_micros(poll_idle_us))
+        }
         Cmd::Rpc { calls } => {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
             rt.block_on(rpc(calls))

@@ -37,7 +37,35 @@ fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
 }
 
 /// The raw-UCX target: a registered memfd pool and a progressing worker.
-pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
+/// Progresses `worker` until `done()`, with the daemon's data-plane policy
+/// (`peer.poll_idle_us`): it polls while UCX made progress within
+/// `poll_idle`, then sleeps on the worker's event fd (1 ms at most) and
+/// leaves the CPU to whoever must run for the transfer to go on — on tcp,
+/// the kernel's own work and the other side. A loop that never sleeps
+/// (`poll_idle` of an hour) is the old ceiling, which on two CPUs starves
+/// the kernel's TCP processing for stretches.
+fn progress_until(
+    worker: &Worker,
+    poll_idle: Duration,
+    mut done: impl FnMut() -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    let efd = worker.event_fd()?;
+    let mut active_at = Instant::now();
+    loop {
+        if worker.progress() > 0 {
+            active_at = Instant::now();
+        }
+        if done()? {
+            return Ok(());
+        }
+        if active_at.elapsed() < poll_idle || !worker.arm()? {
+            continue;
+        }
+        kvmesh_ffi_os::with_raw_fd(efd, |fd| kvmesh_ffi_os::poll_readable(&[fd], 1))?;
+    }
+}
+
+pub(crate) fn ucx_target(transport: &str, bytes: u64, poll_idle: Duration) -> anyhow::Result<()> {
     let t = transports_of(transport)?;
     let ctx = Context::new(&t)?;
     let mr = if transport == "sm" {
@@ -72,10 +100,12 @@ pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
     let mut next = 0u64;
     loop {
         worker.progress();
-        let line = match lines.try_recv() {
+        // Idle: nothing of ours in flight; UCX is progressed every 200 µs
+        // (connection set-up) and a command is taken as it comes.
+        let line = match lines.recv_timeout(Duration::from_micros(200)) {
             Ok(l) => l,
-            Err(std::sync::mpsc::TryRecvError::Empty) => continue,
-            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Ok(()), // parent closed stdin
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Ok(()), // parent closed stdin
         };
         let words: Vec<&str> = line.split_whitespace().collect();
         match words.as_slice() {
@@ -90,12 +120,7 @@ pub(crate) fn ucx_target(transport: &str, bytes: u64) -> anyhow::Result<()> {
                     next += 1;
                     reqs.push(e.tag_send(&mr, off as usize, size as usize, tag)?);
                 }
-                loop {
-                    worker.progress();
-                    if reqs.iter_mut().all(|r| r.poll().is_some()) {
-                        break;
-                    }
-                }
+                progress_until(&worker, poll_idle, || Ok(reqs.iter_mut().all(|r| r.poll().is_some())))?;
             }
             _ => {}
         }
@@ -110,13 +135,19 @@ fn raw_ucx(
     sizes: &[u64],
     batches: &[usize],
     bytes_target: u64,
+    opts: &Placed<'_>,
 ) -> anyhow::Result<Vec<f64>> {
+    let (split, poll_idle) = (opts.split, opts.raw_poll_idle);
     let t = transports_of(transport)?;
     let mut child = Command::new(std::env::current_exe()?)
         .args(["ucx-target", "--transport", transport, "--bytes", &pool_bytes.to_string()])
+        .args(["--poll-idle-us", &poll_idle.as_micros().to_string()])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()?;
+    if let Some(sp) = split {
+        crate::placement::pin(child.id(), &sp.server, "ucx-target")?;
+    }
     let mut line = String::new();
     BufReader::new(child.stdout.take().context("stdout")?).read_line(&mut line)?;
     let parts: Vec<&str> = line.split_whitespace().collect();
@@ -160,8 +191,7 @@ fn raw_ucx(
                 if tag_mode {
                     writeln!(target_in, "send {size} {batch}")?;
                 }
-                loop {
-                    worker.progress();
+                progress_until(&worker, poll_idle, || {
                     let mut all = true;
                     for r in reqs.iter_mut() {
                         match r.poll() {
@@ -170,10 +200,8 @@ fn raw_ucx(
                             Some(Ok(())) => {}
                         }
                     }
-                    if all {
-                        break;
-                    }
-                }
+                    Ok(all)
+                })?;
             }
             out.push((rounds * batch) as f64 * size as f64 / t0.elapsed().as_secs_f64() / 1e9);
         }
@@ -246,6 +274,14 @@ struct Row {
     perf_am: Option<f64>,
 }
 
+/// Where `transfer` runs its processes, and how its raw loop polls.
+pub(crate) struct Placed<'a> {
+    /// `--split-cpus`.
+    pub(crate) split: Option<&'a crate::placement::Split>,
+    /// `--raw-poll-idle-us`.
+    pub(crate) raw_poll_idle: Duration,
+}
+
 pub(crate) fn run(
     json: bool,
     pool_mib: u64,
@@ -253,7 +289,13 @@ pub(crate) fn run(
     transports: &[String],
     bytes_mib: u64,
     with_perftest: bool,
+    opts: Placed<'_>,
 ) -> anyhow::Result<()> {
+    let (split, raw_poll_idle) = (opts.split, opts.raw_poll_idle);
+    if let Some(sp) = split {
+        // This process reads: the raw loop's initiator and the engine.
+        crate::placement::pin(std::process::id(), &sp.client, "this bench")?;
+    }
     let pool_bytes = pool_mib << 20;
     let bytes_target = bytes_mib << 20;
     let sizes: Vec<u64> = block_kib.iter().map(|k| k << 10).collect();
@@ -263,8 +305,8 @@ pub(crate) fn run(
     for t in transports {
         // The raw loop uses the operation the daemon uses on this transport:
         // one-sided get on shared memory, tag rendezvous on tcp.
-        let raw = raw_ucx(t, t == "tcp", pool_bytes, &sizes, &batches, bytes_target)?;
-        let daemon = daemon_gets(t, pool_mib, &sizes, &batches, bytes_target)?;
+        let raw = raw_ucx(t, t == "tcp", pool_bytes, &sizes, &batches, bytes_target, &opts)?;
+        let daemon = daemon_gets(t, pool_mib, &sizes, &batches, bytes_target, split)?;
         for (si, &size) in sizes.iter().enumerate() {
             let (pg, pa) = if with_perftest {
                 (perftest(t, "ucp_get", size), perftest(t, "ucp_am_bw", size))
@@ -325,7 +367,7 @@ pub(crate) fn run(
     }
     println!(
         "{}",
-        serde_json::json!({ "bench": "transfer", "pool_mib": pool_mib, "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": rows_json })
+        serde_json::json!({ "bench": "transfer", "pool_mib": pool_mib, "split_cpus": split.map(|sp| format!("{}:{}", sp.server, sp.client)), "raw_poll_idle_us": raw_poll_idle.as_micros() as u64, "shmem_huge_pages": kvmesh_ffi_os::shm::shmem_huge_mode(), "rows": rows_json })
     );
     Ok(())
 }
@@ -390,6 +432,7 @@ fn daemon_gets(
     sizes: &[u64],
     batches: &[usize],
     bytes_target: u64,
+    split: Option<&crate::placement::Split>,
 ) -> anyhow::Result<Vec<(f64, u64, u64, u64)>> {
     let mut pools = String::new();
     for s in sizes {
@@ -399,12 +442,22 @@ fn daemon_gets(
             s >> 10
         ));
     }
-    let (_a, sock_a, _b, sock_b) = start_pair(transport, transport, &pools, "")?;
+    let (a, sock_a, b, sock_b) = start_pair(transport, transport, &pools, "")?;
+    let pin_pair = || -> anyhow::Result<()> {
+        if let Some(sp) = split {
+            crate::placement::pin(a.pid(), &sp.server, "holding daemon")?;
+            crate::placement::pin(b.pid(), &sp.client, "getter daemon")?;
+        }
+        Ok(())
+    };
+    pin_pair()?;
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     rt.block_on(async {
         let ca = Client::connect(&sock_a).await?;
         let cb = Client::connect(&sock_b).await?;
         wait_pair(&ca, &cb, transport).await?;
+        // Again, for threads made while the peers connected.
+        pin_pair()?;
         let mut out = Vec::new();
         for &size in sizes {
             let name = format!("xfer-{}", size >> 10);
