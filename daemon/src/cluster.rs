@@ -170,11 +170,11 @@ struct Inner {
     timer_armed: u64,
     /// Bytes of pushed reads that had landed before the core started them
     /// and were checked under this lock in the current input
-    /// ([`LANDED_INLINE_BYTES_MAX`]); reset at each input.
+    /// ([`LANDED_INLINE_BYTES_MAX`]); reset at each outermost input.
     landed_inline_bytes: u64,
-    /// A read reported within the current input was the last in flight:
-    /// flush when the input is done (as [`Cluster::read_ended`] does).
-    flush_after_input: bool,
+    /// Inputs being fed, nested (a flush inside an input feeds what it
+    /// produced): the budget above resets only at the outermost.
+    feed_depth: u32,
 }
 
 /// One read the core asked for, with the local slot reserved for it.
@@ -201,10 +201,12 @@ const POST_NOW_READS_MAX: usize = 64;
 /// data-plane thread goes on copying.
 const INLINE_DONE_READS_MAX: usize = 4;
 
-/// Bytes of pushed reads, already landed when the core starts them, that
-/// one input checks (xxh3) under the core lock and reports in the same
-/// input (push.rs, `read_pushed`): ~15–30 µs of hashing at most, against
-/// a task's wake-up per read. Past it, reads take their task as before.
+/// Slot bytes (a block with its header and trailer) of pushed reads,
+/// already landed when the core starts them, that one input (a peer's
+/// batch) checks (xxh3) under the core lock and reports in the same input
+/// (push.rs, `read_pushed`): ~15–30 µs of hashing at most, against a
+/// task's wake-up per read. Past it — always for blocks of 1 MiB and more,
+/// whose slot is larger — reads take their task as before.
 const LANDED_INLINE_BYTES_MAX: u64 = 1 << 20;
 
 /// Counters of the driver (the core counts the protocol).
@@ -481,7 +483,7 @@ impl Cluster {
                 push: push::PushState::default(),
                 timer_armed: u64::MAX,
                 landed_inline_bytes: 0,
-                flush_after_input: false,
+                feed_depth: 0,
             }),
             store,
             peers,
@@ -568,7 +570,10 @@ impl Cluster {
     /// Feeds at a given time: the events of one input unit (an engine call's
     /// keys) share one instant, so no flush window ends in the middle.
     fn feed_locked_at(self: &Arc<Self>, g: &mut Inner, ev: Event, now: u64) {
-        g.landed_inline_bytes = 0;
+        if g.feed_depth == 0 {
+            g.landed_inline_bytes = 0;
+        }
+        g.feed_depth += 1;
         let mut queue = VecDeque::from([ev]);
         while let Some(ev) = queue.pop_front() {
             let actions = g.node.handle(now, ev);
@@ -581,9 +586,7 @@ impl Cluster {
             }
         }
         self.dispatch_reads(g);
-        if std::mem::take(&mut g.flush_after_input) && self.cfg.flush_when_idle {
-            self.flush_locked(g);
-        }
+        g.feed_depth -= 1;
     }
 
     /// Sends the reads started by the input just handled to the data plane:

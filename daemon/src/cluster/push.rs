@@ -297,9 +297,10 @@ impl Cluster {
     /// A block that landed before the core started its read (its bytes
     /// came with, or ahead of, the answer the core is handling) is checked
     /// here, under the core lock, and reported within the same input
-    /// (`queue`) — up to [`LANDED_INLINE_BYTES_MAX`] per input; past it a
-    /// task reports it as before. A receive that already ended otherwise
-    /// (failed, timed out) is reported here too.
+    /// (`queue`) — up to [`LANDED_INLINE_BYTES_MAX`] of slots per input;
+    /// past it a task reports it as before. A receive that already ended
+    /// otherwise (failed, timed out) is reported here too (not counted as
+    /// landed first).
     pub(super) fn read_pushed(
         self: &Arc<Self>,
         g: &mut Inner,
@@ -313,7 +314,7 @@ impl Cluster {
         // observation per batch, as for every batch of reads).
         self.remote_metrics.transfer_post_seconds.observe(0.0);
         let stride = posted.geometry.first().map_or(u64::MAX, |(stride, _, _)| *stride);
-        if g.landed_inline_bytes + stride <= LANDED_INLINE_BYTES_MAX
+        if g.landed_inline_bytes.saturating_add(stride) <= LANDED_INLINE_BYTES_MAX
             && let Ok((k, outcome)) = posted.rx.try_recv()
         {
             // (Taken from the channel: whatever it says is reported here.)
@@ -343,8 +344,11 @@ impl Cluster {
             };
             tracing::trace!(from, "slot read (landed before its read)");
             self.read_batch_done(posted.t_post, validating, moved);
-            let (ev, last) = self.read_outcome(g, read, result);
-            g.flush_after_input |= last;
+            // (The last read in flight needs no flush of its own here, as
+            // `read_ended` gives it: the inputs that start pushed reads,
+            // a peer's batch on a stream or as active messages, flush
+            // when their burst is handled; elsewhere the flush timer does.)
+            let (ev, _last) = self.read_outcome(g, read, result);
             queue.push_back(ev);
             return;
         }
