@@ -952,9 +952,9 @@ unsafe fn am_send_eager(ep: sys::ucp_ep_h, id: u16, data: Vec<u8>) -> (sys::ucs_
         ..empty_param()
     };
     let buf = data.into_boxed_slice();
-    // SAFETY: the caller vouches for `ep`; `buf` (returned to the caller,
-    // who keeps it until completion) holds the bytes UCX reads; `param`
-    // lives for the call.
+    // (`buf` is returned to the caller, who keeps it until completion.)
+    // SAFETY: the caller vouches for `ep`; `buf` holds the bytes UCX
+    // reads until completion; `param` lives for the call.
     let p = unsafe {
         sys::ucp_am_send_nbx(ep, id as u32, ptr::null(), 0, buf.as_ptr() as *const c_void, buf.len(), &param)
     };
@@ -1046,9 +1046,9 @@ impl<'w> Endpoint<'w> {
     /// Sends `data` as active message `id`, eagerly (no rendezvous: the
     /// receiver's handler gets the bytes in its callback).
     pub fn am_send(&self, id: u16, data: Vec<u8>) -> Result<Request<'w>, UcxError> {
-        // SAFETY: the endpoint is open (closed only in Drop) and used on its
-        // worker's thread (it borrows the !Send worker); buf is owned by
-        // the returned Request until it completes.
+        // (The endpoint borrows the !Send worker: used on its thread.)
+        // SAFETY: the endpoint is open (closed only in Drop), on its worker's
+        // thread; buf is owned by the returned Request until it completes.
         let (p, buf) = unsafe { am_send_eager(self.h, id, data) };
         let mut r = Request::from_status_ptr("ucp_am_send_nbx", p, self.worker, None)?;
         r._buf = Some(buf);
