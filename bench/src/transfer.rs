@@ -36,14 +36,13 @@ fn unhex(s: &str) -> anyhow::Result<Vec<u8>> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).context("hex")).collect()
 }
 
-/// The raw-UCX target: a registered memfd pool and a progressing worker.
 /// Progresses `worker` until `done()`, with the daemon's data-plane policy
 /// (`peer.poll_idle_us`): it polls while UCX made progress within
 /// `poll_idle`, then sleeps on the worker's event fd (1 ms at most) and
 /// leaves the CPU to whoever must run for the transfer to go on — on tcp,
-/// the kernel's own work and the other side. A loop that never sleeps
-/// (`poll_idle` of an hour) is the old ceiling, which on two CPUs starves
-/// the kernel's TCP processing for stretches.
+/// the kernel's own work and the other side. With `poll_idle` longer than
+/// any transfer (the default, a second) it never sleeps mid-transfer: the
+/// loop as it was before the option.
 fn progress_until(
     worker: &Worker,
     poll_idle: Duration,
@@ -65,6 +64,7 @@ fn progress_until(
     }
 }
 
+/// The raw-UCX target: a registered memfd pool and a progressing worker.
 pub(crate) fn ucx_target(transport: &str, bytes: u64, poll_idle: Duration) -> anyhow::Result<()> {
     let t = transports_of(transport)?;
     let ctx = Context::new(&t)?;

@@ -458,16 +458,8 @@ impl CallerFast {
     /// the thread going to sleep, so the daemon's answer needs no wake-up
     /// of a halted CPU.
     fn spin_for_answer(&self) {
-        if self.spin.is_zero() {
-            return;
-        }
-        let t0 = std::time::Instant::now();
-        let mut b = [0u8; 1];
-        while t0.elapsed() < self.spin {
-            match kvmesh_ffi_os::fdpass::peek(self.sock.as_fd(), &mut b) {
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
-                _ => return,
-            }
+        if !self.spin.is_zero() {
+            kvmesh_ffi_os::fdpass::spin_until_readable(self.sock.as_fd(), self.spin);
         }
     }
 

@@ -314,7 +314,7 @@ fn read_calls<G: Send + Sync + 'static>(
     let mut quick = true;
     loop {
         if answered_at.is_some() && quick && !ctx.poll.is_zero() {
-            poll_for_call(reader, ctx.poll);
+            kvmesh_ffi_os::fdpass::spin_until_readable(std::os::fd::AsFd::as_fd(&*reader), ctx.poll);
         }
         match reader.read_exact(&mut head) {
             Ok(()) => {}
@@ -390,21 +390,6 @@ fn read_calls<G: Send + Sync + 'static>(
                     }
                 });
             }
-        }
-    }
-}
-
-/// Polls `reader` for the next call for up to `limit` (non-blocking peeks),
-/// returning as soon as something (or an error) is there: the caller then
-/// reads without its thread having slept.
-fn poll_for_call(reader: &UnixStream, limit: Duration) {
-    use std::os::fd::AsFd;
-    let t0 = Instant::now();
-    let mut b = [0u8; 1];
-    while t0.elapsed() < limit {
-        match kvmesh_ffi_os::fdpass::peek(reader.as_fd(), &mut b) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
-            _ => return,
         }
     }
 }

@@ -48,6 +48,21 @@ pub fn peek(sock: BorrowedFd<'_>, buf: &mut [u8]) -> std::io::Result<usize> {
     Ok(recv(sock.as_raw_fd(), buf, MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT)?)
 }
 
+/// Polls `sock` (non-blocking peeks) for up to `limit` until something
+/// can be read (or the socket reports an error or its end): a thread that
+/// then reads finds it there without having slept. Returns whether it did.
+pub fn spin_until_readable(sock: BorrowedFd<'_>, limit: std::time::Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    let mut b = [0u8; 1];
+    while t0.elapsed() < limit {
+        match peek(sock, &mut b) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            _ => return true,
+        }
+    }
+    false
+}
+
 /// Writes as much of `buf` as the socket takes at once, without waiting
 /// (MSG_DONTWAIT; no SIGPIPE). Returns the bytes written (possibly fewer
 /// than asked); `WouldBlock` when it takes none.
@@ -98,6 +113,22 @@ mod tests {
         drop(b);
         let e = send_all(a.as_fd(), b"late").unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::BrokenPipe, "{e}");
+    }
+
+    #[test]
+    fn spin_until_readable_waits_for_bytes_or_the_end_and_consumes_nothing() {
+        let (a, mut b) = UnixStream::pair().unwrap();
+        let limit = std::time::Duration::from_millis(5);
+        let t0 = std::time::Instant::now();
+        assert!(!spin_until_readable(a.as_fd(), limit), "nothing was sent");
+        assert!(t0.elapsed() >= limit);
+        b.write_all(b"x").unwrap();
+        assert!(spin_until_readable(a.as_fd(), limit));
+        let mut got = [0u8; 1];
+        (&a).read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"x", "the peeked byte is still there to read");
+        drop(b);
+        assert!(spin_until_readable(a.as_fd(), limit), "the peer's end is readable");
     }
 
     #[test]
