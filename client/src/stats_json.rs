@@ -30,6 +30,8 @@ pub fn stats_json(s: &crate::Stats) -> String {
         "transfer_failures": s.transfer_failures,
         "transfer_timeouts": s.transfer_timeouts,
         "slots_quarantined": s.slots_quarantined,
+        "slots_fenced": s.slots_fenced,
+        "fences_forced": s.fences_forced,
         "grants_given": s.grants_given,
         "event_watchers": s.event_watchers,
         "event_watchers_cut_off": s.event_watchers_cut_off,
@@ -93,7 +95,7 @@ pub fn pool_json(p: &kvmesh_proto::engine::v1::PoolStats) -> serde_json::Value {
         "name": p.name, "device": p.device, "bytes": p.bytes, "slot_payload_bytes": p.slot_payload_bytes,
         "slots": p.slots, "free": p.free, "valid": p.valid, "pending": p.pending, "pinned": p.pinned,
         "zombie": p.zombie, "mlocked": p.mlocked, "quarantined": p.quarantined,
-        "huge_page_bytes": p.huge_page_bytes,
+        "fenced": p.fenced, "huge_page_bytes": p.huge_page_bytes,
     })
 }
 

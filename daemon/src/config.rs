@@ -503,6 +503,14 @@ pub struct LimitsConfig {
     pub lease_ms_max: u64,
     /// How often expired leases are reclaimed.
     pub reaper_interval_ms: u64,
+    /// Longest an allocation's slots stay fenced after it ended without its
+    /// writer saying it stopped writing (its lease passed while the engine
+    /// was still connected, or its connection closed while the engine's
+    /// process lives): the engine may still be writing them, so they are
+    /// not reused until it commits or aborts them, or its process exits, or
+    /// this much time passed (then they are reused anyway, counted as
+    /// `fences_forced`). 0: no fence (freed at once, as before 2026-12-07).
+    pub fence_ms_max: u64,
 }
 
 impl Default for LimitsConfig {
@@ -516,6 +524,7 @@ impl Default for LimitsConfig {
             lease_ms_default: 30_000,
             lease_ms_max: 600_000,
             reaper_interval_ms: 50,
+            fence_ms_max: 600_000,
         }
     }
 }
@@ -996,6 +1005,8 @@ impl Config {
                 ("reaper_interval_ms", l.reaper_interval_ms, 60_000),
             ],
         )?;
+        // 0 is taken: no fences.
+        check_max("limits", "fence_ms_max", l.fence_ms_max, LEASE_MS_MAX)?;
         // A slot counts its pins in 32 bits: every engine session pinning
         // one block as often as it may must leave room for the internal
         // sessions' pins, or the count wraps (release builds) and a pinned
@@ -1203,6 +1214,9 @@ mod tests {
         // A bound whose 0 means something: never poll while waiting.
         let c = Config::parse(&config("peer", "poll_idle_us", 0), "t.toml").expect("peer.poll_idle_us = 0 is taken");
         assert_eq!(c.peer.poll_idle_us, 0);
+        let c =
+            Config::parse(&config("limits", "fence_ms_max", 0), "t.toml").expect("limits.fence_ms_max = 0 is taken");
+        assert_eq!(c.limits.fence_ms_max, 0);
         // Leases and intervals: the bound is a day; their cross-field rules
         // (a grant outlives a read, keepalives a third of the lease) must
         // not overflow on the way to refusing.
@@ -1212,6 +1226,7 @@ mod tests {
             ("coherence", "keepalive_ms"),
             ("coherence", "drift_margin_ms"),
             ("limits", "lease_ms_max"),
+            ("limits", "fence_ms_max"),
         ] {
             for bad in [LEASE_MS_MAX + 1, u64::MAX] {
                 let e = Config::parse(&config(section, field, bad), "t.toml").unwrap_err();

@@ -305,6 +305,16 @@ impl prometheus_client::collector::Collector for Snapshot {
             ("transfer_failures", "Data-plane transfers that failed.", s.transfer_failures),
             ("transfer_timeouts", "Data-plane transfers that timed out.", s.transfer_timeouts),
             ("slots_quarantined", "Slots quarantined after a failed transfer.", s.slots_quarantined),
+            (
+                "slots_fenced",
+                "Slots fenced: an allocation ended while its engine could still write it.",
+                s.slots_fenced,
+            ),
+            (
+                "fences_forced",
+                "Fenced slots reused after limits.fence_ms_max while their engine could still write.",
+                s.fences_forced,
+            ),
             ("grants_given", "Read grants given to peers.", s.grants_given),
             (
                 "event_watchers_cut_off",
@@ -326,6 +336,9 @@ impl prometheus_client::collector::Collector for Snapshot {
             ("pool_zombie_slots", "Removed slots still pinned.", |p| p.zombie as u64),
             ("pool_quarantined_slots", "Slots reserved until restart after a timed-out transfer.", |p| {
                 p.quarantined as u64
+            }),
+            ("pool_fenced_slots", "Slots fenced: an engine whose allocation ended may still write them.", |p| {
+                p.fenced as u64
             }),
             ("pool_huge_page_bytes", "Bytes of the pool mapped with huge pages when it was made.", |p| {
                 p.huge_page_bytes

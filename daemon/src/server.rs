@@ -167,11 +167,42 @@ impl Drop for Unpublished {
 struct SessionGuard {
     session: SessionId,
     store: Arc<Mutex<Store>>,
+    /// The engine's process (SO_PEERCRED pid, held by a pidfd taken as the
+    /// connection was accepted): while it lives, the allocations it left
+    /// unfinished stay fenced ([`Store::release_session_of`]). `None`
+    /// where the kernel gives no pid or no pidfd (another pid namespace,
+    /// Linux before 5.3): they are freed at once, as before.
+    writer: Option<Arc<dyn crate::store::WriterProbe>>,
+}
+
+/// An engine's process, as the store's fence watches it.
+struct EngineProcess(kvmesh_ffi_os::Process);
+
+impl crate::store::WriterProbe for EngineProcess {
+    fn gone(&self) -> bool {
+        self.0.exited()
+    }
+}
+
+/// The process at the other end of an engine connection, if the kernel
+/// names it.
+fn engine_process(stream: &UnixStream) -> Option<Arc<dyn crate::store::WriterProbe>> {
+    let pid = stream.peer_cred().ok()?.pid()?;
+    match kvmesh_ffi_os::Process::open(pid) {
+        Ok(p) => Some(Arc::new(EngineProcess(p))),
+        Err(e) => {
+            tracing::debug!(
+                pid,
+                "no pidfd for the engine's process ({e}): its unfinished allocations are freed at disconnect"
+            );
+            None
+        }
+    }
 }
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        let (pins, allocs) = self.store.lock().release_session(self.session);
+        let (pins, allocs) = self.store.lock().release_session_of(self.session, self.writer.take());
         if pins + allocs > 0 {
             tracing::info!(
                 session = self.session,
@@ -345,7 +376,8 @@ async fn classify(
         return;
     }
     let session = next_session.fetch_add(1, Ordering::Relaxed);
-    let guard = Arc::new(SessionGuard { session, store });
+    let writer = engine_process(&stream);
+    let guard = Arc::new(SessionGuard { session, store, writer });
     if first == FAST_MAGIC[0] {
         // A fast-path connection: a session of its own, served by a thread.
         let Some(ctx) = fast.get() else {

@@ -601,6 +601,7 @@ impl EngineService {
                     mlocked: p.mlocked,
                     quarantined: p.quarantined,
                     huge_page_bytes: p.huge_page_bytes,
+                    fenced: p.fenced,
                 })
                 .collect(),
             namespaces: s.namespaces,
@@ -624,6 +625,8 @@ impl EngineService {
             transfer_failures,
             transfer_timeouts,
             slots_quarantined: c.quarantined,
+            slots_fenced: c.fenced,
+            fences_forced: c.fences_forced,
             grants_given: c.grants_given,
             peers_connected,
             remote_misses,

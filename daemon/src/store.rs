@@ -115,6 +115,9 @@ pub struct Pool {
     /// Of `pending`: slots quarantined (a timed-out transfer may still
     /// write them), reserved until restart.
     quarantined: u32,
+    /// Of `pending`: slots fenced (an engine whose allocation ended may
+    /// still write them; see [`Store::fence`]).
+    fenced: u32,
     /// Bytes mapped with huge pages when the pool was made.
     huge_page_bytes: u64,
 }
@@ -230,6 +233,26 @@ struct Session {
     pin_total: u64,
     /// Pending allocations: slot -> lease id.
     allocs: HashMap<SlotRef, u64>,
+    /// Allocations whose lease passed while the session was open: fenced
+    /// until the session commits or aborts them, or closes.
+    fenced: HashSet<SlotRef>,
+}
+
+/// Tells whether the process that wrote through a session can still write
+/// (its mapping of the pools lives as long as it does).
+pub trait WriterProbe: Send + Sync {
+    /// The process has exited: nothing of it writes any more.
+    fn gone(&self) -> bool;
+}
+
+/// A slot kept from reuse because the engine that allocated it may still
+/// be writing it.
+struct Fence {
+    since: Instant,
+    /// Whose allocation it was, while that session is open.
+    session: Option<SessionId>,
+    /// Once the session closed: the engine's process, while it lives.
+    writer: Option<Arc<dyn WriterProbe>>,
 }
 
 /// One lease covers the pins (or allocations) of one request. `live`
@@ -272,6 +295,12 @@ pub struct Counters {
     pub remote_fetched: u64,
     /// Slots held forever because a timed-out transfer may still write them.
     pub quarantined: u64,
+    /// Slots fenced: their allocation ended (lease passed, or connection
+    /// closed with its process alive) while its engine may still write.
+    pub fenced: u64,
+    /// Fences lifted because `limits.fence_ms_max` passed while the engine
+    /// could still write (the slot is reused anyway).
+    pub fences_forced: u64,
     /// Read grants given to peers.
     pub grants_given: u64,
     /// Event watchers cut off (behind the ring, or not reading).
@@ -349,6 +378,8 @@ pub struct PoolStats {
     pub mlocked: bool,
     /// Slots reserved for good after a timed-out transfer.
     pub quarantined: u32,
+    /// Slots fenced: an engine whose allocation ended may still write them.
+    pub fenced: u32,
     /// Bytes mapped with huge pages when the pool was made.
     pub huge_page_bytes: u64,
 }
@@ -378,6 +409,8 @@ pub struct Store {
     ns_by_fingerprint: HashMap<u64, u32>,
     index: HashMap<IndexKey, (u32, u32)>,
     sessions: HashMap<SessionId, Session>,
+    /// Fenced slots (see [`Store::fence`]).
+    fences: HashMap<SlotRef, Fence>,
     leases: HashMap<u64, Lease>,
     deadlines: BTreeSet<(Instant, u64)>,
     lease_seq: u64,
@@ -605,6 +638,7 @@ impl Store {
                 pinned: 0,
                 zombie: 0,
                 quarantined: 0,
+                fenced: 0,
                 huge_page_bytes,
             });
         }
@@ -622,6 +656,7 @@ impl Store {
                 prometheus_client::metrics::histogram::exponential_buckets(0.01, 2.0, 17),
             )),
             sessions: HashMap::default(),
+            fences: HashMap::default(),
             leases: HashMap::default(),
             deadlines: BTreeSet::new(),
             lease_seq: 0,
@@ -1521,6 +1556,60 @@ impl Store {
         self.free_slot(r.pool, r.slot);
     }
 
+    /// Ends an allocation whose engine may still be writing its slot (its
+    /// lease passed, or its connection closed while its process lives):
+    /// the key leaves the index as on an abort, but the slot is kept from
+    /// reuse — a late write would otherwise land in another block, after
+    /// that block's commit, and be served as it — until the engine says it
+    /// stopped (commits or aborts it: see [`Store::begin_commit`],
+    /// [`Store::abort`]), its process exits, or `limits.fence_ms_max`
+    /// passes ([`Store::expire`]). With `fence_ms_max = 0`, freed at once.
+    fn fence(&mut self, r: SlotRef, now: Instant, session: Option<SessionId>, writer: Option<Arc<dyn WriterProbe>>) {
+        if self.cfg.limits.fence_ms_max == 0 {
+            self.drop_pending(r);
+            return;
+        }
+        let pool = &mut self.pools[r.pool as usize];
+        let slot = &pool.slots[r.slot as usize];
+        assert!(matches!(slot.state, State::Pending { .. }), "fencing a slot that is not pending: {r:?}");
+        let (ns, key) = (slot.ns, slot.key);
+        pool.fenced += 1;
+        self.allocs_outstanding -= 1;
+        let removed = self.unindex(ns, key, r.pool, r.slot);
+        assert!(removed || self.coherent, "index out of sync with pending slot {r:?}");
+        self.counters.aborts += 1;
+        self.counters.fenced += 1;
+        self.fences.insert(r, Fence { since: now, session, writer });
+    }
+
+    /// Lifts a fence: the slot is free again.
+    fn unfence(&mut self, r: SlotRef, forced: bool) {
+        let Some(f) = self.fences.remove(&r) else {
+            return;
+        };
+        if let Some(sess) = f.session.and_then(|s| self.sessions.get_mut(&s)) {
+            sess.fenced.remove(&r);
+        }
+        if forced {
+            self.counters.fences_forced += 1;
+            tracing::warn!(
+                ?r,
+                held_ms = f.since.elapsed().as_millis() as u64,
+                "fenced slot reused after limits.fence_ms_max: the engine that allocated it neither finished \
+                 nor exited (a late write of it would land in another block)"
+            );
+        }
+        let pool = &mut self.pools[r.pool as usize];
+        pool.pending -= 1;
+        pool.fenced -= 1;
+        self.free_slot(r.pool, r.slot);
+    }
+
+    /// Slots fenced now.
+    pub fn fenced_slots(&self) -> usize {
+        self.fences.len()
+    }
+
     /// Frees uncommitted allocations of `session`; returns (aborted, unknown).
     pub fn abort(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<(u32, u32), Error> {
         self.check_batch(refs.len())?;
@@ -1532,7 +1621,14 @@ impl Store {
                     self.drop_pending(*r);
                     aborted += 1;
                 }
-                None => unknown += 1,
+                None => {
+                    // Its lease passed (already aborted): the engine says it
+                    // stopped writing it, so its fence lifts.
+                    if self.sessions.get(&session).is_some_and(|s| s.fenced.contains(r)) {
+                        self.unfence(*r, false);
+                    }
+                    unknown += 1;
+                }
             }
         }
         Ok((aborted, unknown))
@@ -1555,7 +1651,14 @@ impl Store {
                     slot.state = State::Committing;
                     out.push(Some(CommitJob { slot: *r, memory: pool.memory.clone(), offset, len: slot.payload_len }));
                 }
-                None => out.push(None),
+                None => {
+                    // Its lease passed: the commit fails, and the engine,
+                    // which wrote before committing, is done with the slot.
+                    if self.sessions.get(&session).is_some_and(|s| s.fenced.contains(r)) {
+                        self.unfence(*r, false);
+                    }
+                    out.push(None);
+                }
             }
         }
         Ok(out)
@@ -1651,11 +1754,22 @@ impl Store {
         }
     }
 
-    /// Releases everything `session` holds (its connection closed).
+    /// Releases everything `session` holds (its connection closed), as
+    /// [`Store::release_session_of`] with no process to watch.
     pub fn release_session(&mut self, session: SessionId) -> (u64, u64) {
+        self.release_session_of(session, None)
+    }
+
+    /// Releases everything `session` holds (its connection closed). Where
+    /// `writer` (the engine's process) still lives, its unfinished
+    /// allocations — and those whose lease passed — stay fenced until it
+    /// exits (or `limits.fence_ms_max`); otherwise they are freed now.
+    pub fn release_session_of(&mut self, session: SessionId, writer: Option<Arc<dyn WriterProbe>>) -> (u64, u64) {
         let Some(sess) = self.sessions.remove(&session) else {
             return (0, 0);
         };
+        let writer = writer.filter(|w| !w.gone());
+        let now = Instant::now();
         let (mut pins, mut allocs) = (0u64, 0u64);
         for (r, (count, lease)) in sess.pins {
             self.lease_unref(lease);
@@ -1666,8 +1780,20 @@ impl Store {
         }
         for (r, lease) in sess.allocs {
             self.lease_unref(lease);
-            self.drop_pending(r);
+            match &writer {
+                Some(w) => self.fence(r, now, None, Some(Arc::clone(w))),
+                None => self.drop_pending(r),
+            }
             allocs += 1;
+        }
+        for r in sess.fenced {
+            match (&writer, self.fences.get_mut(&r)) {
+                (Some(w), Some(f)) => {
+                    f.session = None;
+                    f.writer = Some(Arc::clone(w));
+                }
+                _ => self.unfence(r, false),
+            }
         }
         self.counters.session_releases += pins + allocs;
         (pins, allocs)
@@ -1702,7 +1828,12 @@ impl Store {
                     LeaseKind::Alloc => {
                         if sess.allocs.get(&r) == Some(&id) {
                             sess.allocs.remove(&r);
-                            self.drop_pending(r);
+                            // The engine may still be writing (it is late,
+                            // not necessarily gone): fenced, not freed.
+                            if self.cfg.limits.fence_ms_max > 0 {
+                                sess.fenced.insert(r);
+                            }
+                            self.fence(r, now, Some(lease.session), None);
                             n += 1;
                         }
                     }
@@ -1711,7 +1842,32 @@ impl Store {
             self.sessions.insert(lease.session, sess);
         }
         self.counters.lease_expirations += n;
+        self.lift_fences(now);
         n
+    }
+
+    /// Lifts the fences whose engine process exited, and those older than
+    /// `limits.fence_ms_max` (forced). O(fences): they are rare (an engine
+    /// late past its lease, or gone from a process that lives on).
+    fn lift_fences(&mut self, now: Instant) {
+        if self.fences.is_empty() {
+            return;
+        }
+        let max = Duration::from_millis(self.cfg.limits.fence_ms_max);
+        let (mut done, mut forced) = (Vec::new(), Vec::new());
+        for (r, f) in &self.fences {
+            if f.writer.as_ref().is_some_and(|w| w.gone()) {
+                done.push(*r);
+            } else if now.saturating_duration_since(f.since) >= max {
+                forced.push(*r);
+            }
+        }
+        for r in done {
+            self.unfence(r, false);
+        }
+        for r in forced {
+            self.unfence(r, true);
+        }
     }
 
     /// Registers a session (a new engine connection), if under the limit.
@@ -1745,11 +1901,12 @@ impl Store {
                     slots: p.slot_count(),
                     free: p.free.len() as u32,
                     valid: p.valid,
-                    pending: p.pending.saturating_sub(p.quarantined),
+                    pending: p.pending.saturating_sub(p.quarantined + p.fenced),
                     pinned: p.pinned,
                     zombie: p.zombie,
                     mlocked: p.memory.mlocked(),
                     quarantined: p.quarantined,
+                    fenced: p.fenced,
                     huge_page_bytes: p.huge_page_bytes,
                 })
                 .collect(),
@@ -1856,6 +2013,25 @@ impl Store {
         if (session_allocs as u64) > self.allocs_outstanding {
             return Err("allocations: sessions hold more than the counter".into());
         }
+        let pool_fenced: u64 = self.pools.iter().map(|p| u64::from(p.fenced)).sum();
+        if pool_fenced != self.fences.len() as u64 {
+            return Err(format!("fences: pools count {pool_fenced}, {} recorded", self.fences.len()));
+        }
+        for (r, f) in &self.fences {
+            if !matches!(self.pools[r.pool as usize].slots[r.slot as usize].state, State::Pending { .. }) {
+                return Err(format!("fence of {r:?}: slot not pending"));
+            }
+            if let Some(sid) = f.session
+                && !self.sessions.get(&sid).is_some_and(|s| s.fenced.contains(r))
+            {
+                return Err(format!("fence of {r:?}: session {sid} does not record it"));
+            }
+        }
+        for (sid, sess) in &self.sessions {
+            if let Some(r) = sess.fenced.iter().find(|r| self.fences.get(r).is_none_or(|f| f.session != Some(*sid))) {
+                return Err(format!("session {sid}: fenced {r:?} not fenced for it"));
+            }
+        }
         Ok(())
     }
 }
@@ -1921,6 +2097,135 @@ mod tests {
         assert!(p.small.len() <= cap.0 && p.main.len() <= cap.1.max(p.main.len()), "queues grew: {}", p.small.len());
         assert_eq!((p.small.capacity(), p.main.capacity()), cap, "a queue regrew");
         assert_eq!(st.counters.evictions, 0, "the test is about a pool that does not evict");
+    }
+
+    /// Allocates `key` for `session` with a lease of `lease_ms`; `None`
+    /// when no slot is left.
+    fn alloc(st: &mut Store, session: SessionId, ns: u32, key: Key, lease_ms: u64, now: Instant) -> Option<SlotRef> {
+        st.open_session(session).unwrap();
+        match st.allocate(session, ns, &[key], lease_ms, now) {
+            Ok((out, _)) => match out[0] {
+                AllocOutcome::Allocated { slot, .. } => Some(slot),
+                ref o => panic!("{o:?}"),
+            },
+            Err(Error::ResourceExhausted(_)) => None,
+            Err(e) => panic!("{e:?}"),
+        }
+    }
+
+    /// An engine late past its allocation's lease may still be writing the
+    /// slot: it is not handed to anyone else (a late write would land in
+    /// their block after its commit) until the engine commits or aborts it
+    /// — then it is free. The key itself is free for another put at once.
+    #[test]
+    fn an_allocation_past_its_lease_is_fenced_until_its_engine_commits_or_aborts() {
+        let mut st = store(4, "");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let t0 = Instant::now();
+        let a = alloc(&mut st, 1, ns, Key(1), 10, t0).unwrap();
+        let b = alloc(&mut st, 1, ns, Key(2), 10, t0).unwrap();
+        assert_eq!(st.expire(t0 + Duration::from_millis(20)), 2);
+        st.check_invariants().unwrap();
+        assert_eq!((st.fenced_slots(), st.counters.fenced), (2, 2));
+        let p = &st.stats().pools[0];
+        assert_eq!((p.fenced, p.pending, p.free), (2, 0, 2), "{p:?}");
+        // Another engine gets the two free slots, not the fenced ones; the
+        // keys themselves are free again.
+        let t1 = t0 + Duration::from_millis(30);
+        let c = alloc(&mut st, 2, ns, Key(1), 0, t1).unwrap();
+        let d = alloc(&mut st, 2, ns, Key(3), 0, t1).unwrap();
+        assert!(alloc(&mut st, 2, ns, Key(4), 0, t1).is_none(), "a fenced slot was handed out");
+        for r in [c, d] {
+            assert!(r.slot != a.slot && r.slot != b.slot, "{r:?} reuses a fenced slot");
+        }
+        st.check_invariants().unwrap();
+        // The late engine commits one (refused: its lease passed) and
+        // aborts the other: it stopped writing both.
+        assert!(st.begin_commit(1, &[a]).unwrap()[0].is_none());
+        assert_eq!(st.fenced_slots(), 1);
+        assert_eq!(st.abort(1, &[b]).unwrap(), (0, 1));
+        assert_eq!(st.fenced_slots(), 0);
+        st.check_invariants().unwrap();
+        assert!(alloc(&mut st, 2, ns, Key(4), 0, t1).is_some());
+        assert!(alloc(&mut st, 2, ns, Key(5), 0, t1).is_some());
+        assert_eq!(st.counters.fences_forced, 0);
+        st.check_invariants().unwrap();
+    }
+
+    /// A probe the test flips.
+    struct Probe(std::sync::atomic::AtomicBool);
+
+    impl WriterProbe for Probe {
+        fn gone(&self) -> bool {
+            self.0.load(std::sync::atomic::Ordering::Relaxed)
+        }
+    }
+
+    /// A connection that closes while its process lives leaves its
+    /// unfinished allocations (and those past their lease) fenced until
+    /// the process exits; one whose process is gone frees them at once.
+    #[test]
+    fn a_closed_session_whose_process_lives_keeps_its_slots_fenced_until_it_exits() {
+        let mut st = store(4, "");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let t0 = Instant::now();
+        alloc(&mut st, 1, ns, Key(1), 10, t0).unwrap();
+        alloc(&mut st, 1, ns, Key(2), 60_000, t0).unwrap();
+        alloc(&mut st, 1, ns, Key(3), 60_000, t0).unwrap();
+        st.expire(t0 + Duration::from_millis(20));
+        assert_eq!(st.fenced_slots(), 1);
+        let probe = Arc::new(Probe(std::sync::atomic::AtomicBool::new(false)));
+        assert_eq!(st.release_session_of(1, Some(probe.clone() as Arc<dyn WriterProbe>)), (0, 2));
+        st.check_invariants().unwrap();
+        assert_eq!(st.fenced_slots(), 3, "the process lives: all three may still be written");
+        assert_eq!(st.stats().allocations_outstanding, 0);
+        st.expire(t0 + Duration::from_secs(1));
+        assert_eq!(st.fenced_slots(), 3);
+        assert_eq!(st.stats().pools[0].free, 1);
+        probe.0.store(true, std::sync::atomic::Ordering::Relaxed);
+        st.expire(t0 + Duration::from_secs(1));
+        assert_eq!(st.fenced_slots(), 0, "the process exited: nothing of it writes");
+        assert_eq!(st.stats().pools[0].free, 4);
+        assert_eq!(st.counters.fences_forced, 0);
+        st.check_invariants().unwrap();
+        // Gone before its connection closed (a crash): freed at once.
+        alloc(&mut st, 3, ns, Key(1), 60_000, t0).unwrap();
+        assert_eq!(st.release_session_of(3, Some(probe as Arc<dyn WriterProbe>)), (0, 1));
+        assert_eq!((st.fenced_slots(), st.stats().pools[0].free), (0, 4));
+        // No process known (another pid namespace): freed at once, as before.
+        alloc(&mut st, 4, ns, Key(1), 60_000, t0).unwrap();
+        assert_eq!(st.release_session(4), (0, 1));
+        assert_eq!((st.fenced_slots(), st.stats().pools[0].free), (0, 4));
+        st.check_invariants().unwrap();
+    }
+
+    /// A fence lasts at most `limits.fence_ms_max` (then the slot is reused,
+    /// counted); 0 turns fences off.
+    #[test]
+    fn fences_end_at_fence_ms_max_and_zero_turns_them_off() {
+        let mut st = store(4, "[limits]\nfence_ms_max = 100\n");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let t0 = Instant::now();
+        alloc(&mut st, 1, ns, Key(1), 10, t0).unwrap();
+        st.expire(t0 + Duration::from_millis(20));
+        assert_eq!(st.fenced_slots(), 1);
+        st.expire(t0 + Duration::from_millis(110));
+        assert_eq!(st.fenced_slots(), 1, "fenced for 90 ms of 100");
+        st.expire(t0 + Duration::from_millis(121));
+        assert_eq!((st.fenced_slots(), st.counters.fences_forced), (0, 1));
+        assert_eq!(st.stats().pools[0].free, 4);
+        st.check_invariants().unwrap();
+        // The session's record of it went too: its late commit is refused
+        // as before and touches nothing.
+        assert!(st.begin_commit(1, &[SlotRef { pool: 0, slot: 0, generation: 0 }]).unwrap()[0].is_none());
+        st.check_invariants().unwrap();
+
+        let mut st = store(4, "[limits]\nfence_ms_max = 0\n");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        alloc(&mut st, 1, ns, Key(1), 10, t0).unwrap();
+        st.expire(t0 + Duration::from_millis(20));
+        assert_eq!((st.fenced_slots(), st.stats().pools[0].free, st.counters.fenced), (0, 4, 0));
+        st.check_invariants().unwrap();
     }
 
     /// A peer that asks for the same block again and again without ever

@@ -222,7 +222,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                 println!("{}", serde_json::Value::Array(v));
             } else {
                 println!(
-                    "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6}",
+                    "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6}",
                     "POOL",
                     "DEVICE",
                     "BYTES",
@@ -234,12 +234,13 @@ async fn run(args: Args) -> Result<(), Failure> {
                     "PINNED",
                     "ZOMBIE",
                     "QUARANT",
+                    "FENCED",
                     "USED"
                 );
                 for p in &s.pools {
                     let used = if p.slots == 0 { 0.0 } else { 100.0 * (p.slots - p.free) as f64 / p.slots as f64 };
                     println!(
-                        "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.1}%",
+                        "{:<12} {:<8} {:>10} {:>10} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8} {:>5.1}%",
                         p.name,
                         p.device,
                         p.bytes,
@@ -251,6 +252,7 @@ async fn run(args: Args) -> Result<(), Failure> {
                         p.pinned,
                         p.zombie,
                         p.quarantined,
+                        p.fenced,
                         used
                     );
                 }
@@ -736,7 +738,7 @@ fn print_top(a: &kvmesh_client::Stats, b: &kvmesh_client::Stats, dt: f64, json: 
 fn print_stats(s: &kvmesh_client::Stats) {
     for p in &s.pools {
         println!(
-            "pool {} ({}): {} slots of {} B, {} free, {} valid, {} pending, {} pinned, {} zombie, {} quarantined{}",
+            "pool {} ({}): {} slots of {} B, {} free, {} valid, {} pending, {} pinned, {} zombie, {} quarantined, {} fenced{}",
             p.name,
             p.device,
             p.slots,
@@ -747,6 +749,7 @@ fn print_stats(s: &kvmesh_client::Stats) {
             p.pinned,
             p.zombie,
             p.quarantined,
+            p.fenced,
             if p.mlocked { ", mlocked" } else { "" }
         );
     }
@@ -768,7 +771,7 @@ fn print_stats(s: &kvmesh_client::Stats) {
     );
     println!(
         "peers connected {}  remote fetched {}  remote misses {}  validation failures {}  transfer failures {}  \
-         timeouts {}  quarantined slots {}  grants given {}",
+         timeouts {}  quarantined slots {}  fenced slots {} ({} forced)  grants given {}",
         s.peers_connected,
         s.remote_fetched,
         s.remote_misses,
@@ -776,6 +779,8 @@ fn print_stats(s: &kvmesh_client::Stats) {
         s.transfer_failures,
         s.transfer_timeouts,
         s.slots_quarantined,
+        s.slots_fenced,
+        s.fences_forced,
         s.grants_given
     );
     if let Some(c) = &s.coherence {

@@ -62,10 +62,68 @@ pub fn poll_readable(fds: &[std::os::fd::BorrowedFd<'_>], timeout_ms: u16) -> st
     Ok(pfds.iter().map(|p| p.revents().is_some_and(|r| !r.is_empty())).collect())
 }
 
+/// A process, held by a pidfd (Linux 5.3 and later): unlike its pid, the
+/// handle never names another process once this one has exited.
+pub struct Process(std::os::fd::OwnedFd);
+
+impl Process {
+    /// A handle on process `pid`. Taken while a connection from it is open
+    /// (its SO_PEERCRED pid), the pid cannot yet have been reused: the
+    /// connection keeps the process from being reaped only while it runs,
+    /// so open it as the connection is accepted.
+    pub fn open(pid: i32) -> std::io::Result<Process> {
+        if pid <= 0 {
+            return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
+        }
+        // SAFETY: pidfd_open(2) takes a pid and flags (no pointers) and
+        // returns a new descriptor or -1; it touches no memory of ours.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let raw = std::os::fd::RawFd::try_from(fd).map_err(|_| std::io::Error::other("pidfd out of range"))?;
+        // SAFETY: `raw` is the descriptor the kernel just returned to us:
+        // open, and owned by nothing else in this process.
+        Ok(Process(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(raw) }))
+    }
+
+    /// The process has exited (its pidfd polls readable). An error of the
+    /// poll says "not known to have exited".
+    pub fn exited(&self) -> bool {
+        use std::os::fd::AsFd;
+        poll_readable(&[self.0.as_fd()], 0).is_ok_and(|r| r[0])
+    }
+}
+
 /// Borrows a raw descriptor owned elsewhere (e.g. a UCX worker's event fd)
 /// for polling.
 pub fn with_raw_fd<R>(fd: std::os::fd::RawFd, f: impl FnOnce(std::os::fd::BorrowedFd<'_>) -> R) -> R {
     // SAFETY: the caller passes a descriptor that stays open for the call
     // (the UCX worker owning it outlives the poll).
     f(unsafe { std::os::fd::BorrowedFd::borrow_raw(fd) })
+}
+
+#[cfg(test)]
+mod process_tests {
+    use super::Process;
+
+    /// A child's handle says "running" until the child exits (reaped or
+    /// not), and a pid that names nothing is refused.
+    #[test]
+    fn a_process_handle_tells_when_its_process_exited() {
+        let mut child = std::process::Command::new("sleep").arg("0.3").spawn().expect("spawn sleep");
+        let p = Process::open(child.id() as i32).expect("pidfd_open");
+        assert!(!p.exited(), "the child runs");
+        let t0 = std::time::Instant::now();
+        while !p.exited() {
+            assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the child's exit was never seen");
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        child.wait().expect("reap");
+        assert!(p.exited(), "still exited once reaped");
+        assert!(Process::open(0).is_err());
+        assert!(Process::open(-1).is_err());
+        let me = Process::open(std::process::id() as i32).expect("own pidfd");
+        assert!(!me.exited(), "this process runs");
+    }
 }
