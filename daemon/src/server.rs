@@ -167,10 +167,11 @@ impl Drop for Unpublished {
 struct SessionGuard {
     session: SessionId,
     store: Arc<Mutex<Store>>,
-    /// The engine's process (SO_PEERCRED pid, held by a pidfd taken as the
-    /// connection was accepted): while it lives, the allocations it left
-    /// unfinished stay fenced ([`Store::release_session_of`]). `None`
-    /// where the kernel gives no pid or no pidfd (another pid namespace,
+    /// The engine's process (a pidfd: SO_PEERPIDFD, or of the SO_PEERCRED
+    /// pid before Linux 6.5, taken as the connection is accepted): while it
+    /// lives, the allocations it left unfinished stay fenced
+    /// ([`Store::release_session_of`]). `None` where the kernel names no
+    /// process (an engine in a pid namespace the daemon cannot see into,
     /// Linux before 5.3): they are freed at once, as before.
     writer: Option<Arc<dyn crate::store::WriterProbe>>,
 }
@@ -187,12 +188,10 @@ impl crate::store::WriterProbe for EngineProcess {
 /// The process at the other end of an engine connection, if the kernel
 /// names it.
 fn engine_process(stream: &UnixStream) -> Option<Arc<dyn crate::store::WriterProbe>> {
-    let pid = stream.peer_cred().ok()?.pid()?;
-    match kvmesh_ffi_os::Process::open(pid) {
+    match kvmesh_ffi_os::Process::of_peer(std::os::fd::AsFd::as_fd(stream)) {
         Ok(p) => Some(Arc::new(EngineProcess(p))),
         Err(e) => {
             tracing::debug!(
-                pid,
                 "no pidfd for the engine's process ({e}): its unfinished allocations are freed at disconnect"
             );
             None
@@ -202,7 +201,7 @@ fn engine_process(stream: &UnixStream) -> Option<Arc<dyn crate::store::WriterPro
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        let (pins, allocs) = self.store.lock().release_session_of(self.session, self.writer.take());
+        let (pins, allocs) = self.store.lock().release_session_of(self.session, self.writer.take(), Instant::now());
         if pins + allocs > 0 {
             tracing::info!(
                 session = self.session,
@@ -358,6 +357,9 @@ async fn classify(
     to_grpc: mpsc::Sender<io::Result<TrackedStream>>,
     fast: Arc<std::sync::OnceLock<Arc<crate::fast::FastPath>>>,
 ) {
+    // Before anything else: the longer it waits, the likelier a pid (on
+    // kernels without SO_PEERPIDFD) names another process.
+    let writer = engine_process(&stream);
     let first = match tokio::time::timeout(FIRST_BYTE_TIMEOUT, peek_first(&stream)).await {
         Ok(Ok(b)) => b,
         Ok(Err(e)) => {
@@ -376,7 +378,6 @@ async fn classify(
         return;
     }
     let session = next_session.fetch_add(1, Ordering::Relaxed);
-    let writer = engine_process(&stream);
     let guard = Arc::new(SessionGuard { session, store, writer });
     if first == FAST_MAGIC[0] {
         // A fast-path connection: a session of its own, served by a thread.

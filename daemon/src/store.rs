@@ -251,8 +251,15 @@ struct Fence {
     since: Instant,
     /// Whose allocation it was, while that session is open.
     session: Option<SessionId>,
-    /// Once the session closed: the engine's process, while it lives.
-    writer: Option<Arc<dyn WriterProbe>>,
+    /// Once the session closed: the engine's process, while it lives (its
+    /// key in `Store::fence_writers`).
+    writer: Option<usize>,
+}
+
+/// The key of a process in `Store::fence_writers` (its probe's address:
+/// unique while the map holds the probe).
+fn writer_key(w: &Arc<dyn WriterProbe>) -> usize {
+    Arc::as_ptr(w).cast::<()>() as usize
 }
 
 /// One lease covers the pins (or allocations) of one request. `live`
@@ -411,6 +418,12 @@ pub struct Store {
     sessions: HashMap<SessionId, Session>,
     /// Fenced slots (see [`Store::fence`]).
     fences: HashMap<SlotRef, Fence>,
+    /// The same, oldest first (`limits.fence_ms_max` lifts from the front).
+    fence_order: BTreeSet<(Instant, SlotRef)>,
+    /// Fences held for a process whose connection closed, by process: each
+    /// is asked whether it exited once per reaper pass, however many slots
+    /// it left.
+    fence_writers: HashMap<usize, (Arc<dyn WriterProbe>, HashSet<SlotRef>)>,
     leases: HashMap<u64, Lease>,
     deadlines: BTreeSet<(Instant, u64)>,
     lease_seq: u64,
@@ -509,6 +522,15 @@ impl Store {
     pub fn reload_limits(&mut self, limits: crate::config::LimitsConfig, eviction: crate::config::EvictionConfig) {
         self.cfg.limits = limits;
         self.cfg.eviction = eviction;
+        if self.cfg.limits.fence_ms_max == 0 && !self.fences.is_empty() {
+            // Fences turned off by the operator: lifted now, not counted as
+            // forced (nor alerted on).
+            let all: Vec<SlotRef> = self.fences.keys().copied().collect();
+            tracing::info!(slots = all.len(), "limits.fence_ms_max = 0: fenced slots freed");
+            for r in all {
+                self.unfence(r, false);
+            }
+        }
     }
 
     /// Records the reloaded log settings (so the running config reads true).
@@ -657,6 +679,8 @@ impl Store {
             )),
             sessions: HashMap::default(),
             fences: HashMap::default(),
+            fence_order: BTreeSet::new(),
+            fence_writers: HashMap::default(),
             leases: HashMap::default(),
             deadlines: BTreeSet::new(),
             lease_seq: 0,
@@ -1452,12 +1476,14 @@ impl Store {
     ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
         let nsd = self.namespace(ns)?.clone();
         self.check_batch(keys.len())?;
-        let held = self.sessions.get(&session).map_or(0, |s| s.allocs.len());
+        // Fenced ones count: an engine that lets its allocations lapse may
+        // not fence more of the pool than it may allocate.
+        let held = self.sessions.get(&session).map_or(0, |s| s.allocs.len() + s.fenced.len());
         if held + keys.len() > self.cfg.limits.allocations_per_session_max as usize {
             self.counters.resource_exhausted += 1;
             return Err(Error::ResourceExhausted(format!(
-                "session holds {held} uncommitted allocations; {} more would exceed \
-                 limits.allocations_per_session_max ({})",
+                "session holds {held} uncommitted allocations (those past their lease not yet committed or \
+                 aborted included); {} more would exceed limits.allocations_per_session_max ({})",
                 keys.len(),
                 self.cfg.limits.allocations_per_session_max
             )));
@@ -1579,25 +1605,43 @@ impl Store {
         assert!(removed || self.coherent, "index out of sync with pending slot {r:?}");
         self.counters.aborts += 1;
         self.counters.fenced += 1;
-        self.fences.insert(r, Fence { since: now, session, writer });
+        self.fences.insert(r, Fence { since: now, session, writer: None });
+        self.fence_order.insert((now, r));
+        if let Some(w) = writer {
+            self.fence_for_writer(r, w);
+        }
     }
 
-    /// Lifts a fence: the slot is free again.
+    /// Hands a fence over to the engine's process (its session closed).
+    fn fence_for_writer(&mut self, r: SlotRef, w: Arc<dyn WriterProbe>) {
+        let Some(f) = self.fences.get_mut(&r) else {
+            return;
+        };
+        let key = writer_key(&w);
+        f.session = None;
+        f.writer = Some(key);
+        self.fence_writers.entry(key).or_insert_with(|| (w, HashSet::default())).1.insert(r);
+    }
+
+    /// Lifts a fence: the slot is free again (`forced`: by the bound).
     fn unfence(&mut self, r: SlotRef, forced: bool) {
         let Some(f) = self.fences.remove(&r) else {
             return;
         };
+        self.fence_order.remove(&(f.since, r));
         if let Some(sess) = f.session.and_then(|s| self.sessions.get_mut(&s)) {
             sess.fenced.remove(&r);
         }
+        if let Some(k) = f.writer
+            && let Some((_, slots)) = self.fence_writers.get_mut(&k)
+        {
+            slots.remove(&r);
+            if slots.is_empty() {
+                self.fence_writers.remove(&k);
+            }
+        }
         if forced {
             self.counters.fences_forced += 1;
-            tracing::warn!(
-                ?r,
-                held_ms = f.since.elapsed().as_millis() as u64,
-                "fenced slot reused after limits.fence_ms_max: the engine that allocated it neither finished \
-                 nor exited (a late write of it would land in another block)"
-            );
         }
         let pool = &mut self.pools[r.pool as usize];
         pool.pending -= 1;
@@ -1757,19 +1801,23 @@ impl Store {
     /// Releases everything `session` holds (its connection closed), as
     /// [`Store::release_session_of`] with no process to watch.
     pub fn release_session(&mut self, session: SessionId) -> (u64, u64) {
-        self.release_session_of(session, None)
+        self.release_session_of(session, None, Instant::now())
     }
 
     /// Releases everything `session` holds (its connection closed). Where
     /// `writer` (the engine's process) still lives, its unfinished
     /// allocations — and those whose lease passed — stay fenced until it
     /// exits (or `limits.fence_ms_max`); otherwise they are freed now.
-    pub fn release_session_of(&mut self, session: SessionId, writer: Option<Arc<dyn WriterProbe>>) -> (u64, u64) {
+    pub fn release_session_of(
+        &mut self,
+        session: SessionId,
+        writer: Option<Arc<dyn WriterProbe>>,
+        now: Instant,
+    ) -> (u64, u64) {
         let Some(sess) = self.sessions.remove(&session) else {
             return (0, 0);
         };
         let writer = writer.filter(|w| !w.gone());
-        let now = Instant::now();
         let (mut pins, mut allocs) = (0u64, 0u64);
         for (r, (count, lease)) in sess.pins {
             self.lease_unref(lease);
@@ -1787,12 +1835,9 @@ impl Store {
             allocs += 1;
         }
         for r in sess.fenced {
-            match (&writer, self.fences.get_mut(&r)) {
-                (Some(w), Some(f)) => {
-                    f.session = None;
-                    f.writer = Some(Arc::clone(w));
-                }
-                _ => self.unfence(r, false),
+            match &writer {
+                Some(w) => self.fence_for_writer(r, Arc::clone(w)),
+                None => self.unfence(r, false),
             }
         }
         self.counters.session_releases += pins + allocs;
@@ -1846,27 +1891,40 @@ impl Store {
         n
     }
 
-    /// Lifts the fences whose engine process exited, and those older than
-    /// `limits.fence_ms_max` (forced). O(fences): they are rare (an engine
-    /// late past its lease, or gone from a process that lives on).
+    /// Lifts the fences of engine processes that exited (each process asked
+    /// once: O(processes)), then those older than `limits.fence_ms_max`
+    /// (forced; O(lifted), oldest first), with one warning per pass.
     fn lift_fences(&mut self, now: Instant) {
         if self.fences.is_empty() {
             return;
         }
-        let max = Duration::from_millis(self.cfg.limits.fence_ms_max);
-        let (mut done, mut forced) = (Vec::new(), Vec::new());
-        for (r, f) in &self.fences {
-            if f.writer.as_ref().is_some_and(|w| w.gone()) {
-                done.push(*r);
-            } else if now.saturating_duration_since(f.since) >= max {
-                forced.push(*r);
+        let exited: Vec<usize> = self.fence_writers.iter().filter(|(_, (w, _))| w.gone()).map(|(k, _)| *k).collect();
+        for k in exited {
+            if let Some((_, slots)) = self.fence_writers.remove(&k) {
+                for r in slots {
+                    if let Some(f) = self.fences.get_mut(&r) {
+                        f.writer = None;
+                    }
+                    self.unfence(r, false);
+                }
             }
         }
-        for r in done {
-            self.unfence(r, false);
-        }
-        for r in forced {
+        let max = Duration::from_millis(self.cfg.limits.fence_ms_max);
+        let mut forced = 0u64;
+        while let Some(&(since, r)) = self.fence_order.first() {
+            if now.saturating_duration_since(since) < max {
+                break;
+            }
             self.unfence(r, true);
+            forced += 1;
+        }
+        if forced > 0 {
+            tracing::warn!(
+                slots = forced,
+                fence_ms_max = self.cfg.limits.fence_ms_max,
+                "fenced slots reused after limits.fence_ms_max: the engines that allocated them neither finished \
+                 nor exited (a late write of theirs would land in another block)"
+            );
         }
     }
 
@@ -2013,19 +2071,40 @@ impl Store {
         if (session_allocs as u64) > self.allocs_outstanding {
             return Err("allocations: sessions hold more than the counter".into());
         }
-        let pool_fenced: u64 = self.pools.iter().map(|p| u64::from(p.fenced)).sum();
-        if pool_fenced != self.fences.len() as u64 {
-            return Err(format!("fences: pools count {pool_fenced}, {} recorded", self.fences.len()));
+        for p in &self.pools {
+            let n = self.fences.keys().filter(|r| r.pool == p.index).count();
+            if n != p.fenced as usize {
+                return Err(format!("pool {}: counts {} fenced, {n} recorded", p.name, p.fenced));
+            }
+        }
+        if self.fence_order.len() != self.fences.len() {
+            return Err(format!("fences: {} recorded, {} in order", self.fences.len(), self.fence_order.len()));
         }
         for (r, f) in &self.fences {
-            if !matches!(self.pools[r.pool as usize].slots[r.slot as usize].state, State::Pending { .. }) {
-                return Err(format!("fence of {r:?}: slot not pending"));
+            let slot = &self.pools[r.pool as usize].slots[r.slot as usize];
+            if !matches!(slot.state, State::Pending { .. }) || slot.generation != r.generation {
+                return Err(format!("fence of {r:?}: slot not pending in that generation"));
             }
-            if let Some(sid) = f.session
-                && !self.sessions.get(&sid).is_some_and(|s| s.fenced.contains(r))
-            {
-                return Err(format!("fence of {r:?}: session {sid} does not record it"));
+            if !self.fence_order.contains(&(f.since, *r)) {
+                return Err(format!("fence of {r:?}: not in the order"));
             }
+            match (f.session, f.writer) {
+                (Some(sid), None) => {
+                    if !self.sessions.get(&sid).is_some_and(|s| s.fenced.contains(r)) {
+                        return Err(format!("fence of {r:?}: session {sid} does not record it"));
+                    }
+                }
+                (None, Some(k)) => {
+                    if !self.fence_writers.get(&k).is_some_and(|(_, slots)| slots.contains(r)) {
+                        return Err(format!("fence of {r:?}: its process does not record it"));
+                    }
+                }
+                _ => return Err(format!("fence of {r:?}: held for a session xor a process")),
+            }
+        }
+        let by_writers: usize = self.fence_writers.values().map(|(_, slots)| slots.len()).sum();
+        if by_writers != self.fences.values().filter(|f| f.writer.is_some()).count() {
+            return Err("fences: processes record other slots than the fences held for them".into());
         }
         for (sid, sess) in &self.sessions {
             if let Some(r) = sess.fenced.iter().find(|r| self.fences.get(r).is_none_or(|f| f.session != Some(*sid))) {
@@ -2175,7 +2254,7 @@ mod tests {
         st.expire(t0 + Duration::from_millis(20));
         assert_eq!(st.fenced_slots(), 1);
         let probe = Arc::new(Probe(std::sync::atomic::AtomicBool::new(false)));
-        assert_eq!(st.release_session_of(1, Some(probe.clone() as Arc<dyn WriterProbe>)), (0, 2));
+        assert_eq!(st.release_session_of(1, Some(probe.clone() as Arc<dyn WriterProbe>), t0), (0, 2));
         st.check_invariants().unwrap();
         assert_eq!(st.fenced_slots(), 3, "the process lives: all three may still be written");
         assert_eq!(st.stats().allocations_outstanding, 0);
@@ -2190,7 +2269,7 @@ mod tests {
         st.check_invariants().unwrap();
         // Gone before its connection closed (a crash): freed at once.
         alloc(&mut st, 3, ns, Key(1), 60_000, t0).unwrap();
-        assert_eq!(st.release_session_of(3, Some(probe as Arc<dyn WriterProbe>)), (0, 1));
+        assert_eq!(st.release_session_of(3, Some(probe as Arc<dyn WriterProbe>), t0), (0, 1));
         assert_eq!((st.fenced_slots(), st.stats().pools[0].free), (0, 4));
         // No process known (another pid namespace): freed at once, as before.
         alloc(&mut st, 4, ns, Key(1), 60_000, t0).unwrap();
@@ -2206,7 +2285,7 @@ mod tests {
         let mut st = store(4, "[limits]\nfence_ms_max = 100\n");
         let ns = st.register_namespace("n", 4096, "").unwrap().id;
         let t0 = Instant::now();
-        alloc(&mut st, 1, ns, Key(1), 10, t0).unwrap();
+        let a = alloc(&mut st, 1, ns, Key(1), 10, t0).unwrap();
         st.expire(t0 + Duration::from_millis(20));
         assert_eq!(st.fenced_slots(), 1);
         st.expire(t0 + Duration::from_millis(110));
@@ -2217,7 +2296,20 @@ mod tests {
         st.check_invariants().unwrap();
         // The session's record of it went too: its late commit is refused
         // as before and touches nothing.
-        assert!(st.begin_commit(1, &[SlotRef { pool: 0, slot: 0, generation: 0 }]).unwrap()[0].is_none());
+        assert!(st.sessions[&1].fenced.is_empty());
+        assert!(st.begin_commit(1, &[a]).unwrap()[0].is_none());
+        assert_eq!((st.fenced_slots(), st.stats().pools[0].free), (0, 4));
+        st.check_invariants().unwrap();
+        // Turned off by a reload: lifted at once, not counted as forced.
+        let b = alloc(&mut st, 1, ns, Key(2), 10, t0).unwrap();
+        st.expire(t0 + Duration::from_millis(20));
+        assert_eq!(st.fenced_slots(), 1);
+        let mut limits = st.cfg.limits.clone();
+        limits.fence_ms_max = 0;
+        let eviction = st.cfg.eviction.clone();
+        st.reload_limits(limits, eviction);
+        assert_eq!((st.fenced_slots(), st.counters.fences_forced, st.stats().pools[0].free), (0, 1, 4));
+        assert!(st.abort(1, &[b]).is_ok());
         st.check_invariants().unwrap();
 
         let mut st = store(4, "[limits]\nfence_ms_max = 0\n");
@@ -2330,14 +2422,29 @@ mod tests {
     /// contents, and every Valid slot's header verifies in pool memory.
     #[test]
     fn random_ops_keep_invariants() {
-        let mut st = store(64, "[eviction]\nhigh_watermark = 0.9\nlow_watermark = 0.8");
+        const FENCE_MS: u64 = 300;
+        let mut st = store(
+            64,
+            &format!("[limits]\nfence_ms_max = {FENCE_MS}\n[eviction]\nhigh_watermark = 0.9\nlow_watermark = 0.8"),
+        );
         let ns = st.register_namespace("n", 4096, "").unwrap().id;
         let mut rnd = xorshift(0x1234_5678_9abc_def0);
         let t0 = Instant::now();
         let mut pins: HashMap<(SessionId, SlotRef), (Key, u32)> = HashMap::new();
-        let mut pending: Vec<(SessionId, SlotRef)> = Vec::new();
+        // Allocations the engine may still write (not committed nor
+        // aborted), with the time until which that is guaranteed safe: their
+        // slot is theirs, whether their lease passed (fenced) or not.
+        let mut pending: Vec<(SessionId, SlotRef, Instant)> = Vec::new();
+        // Allocations left by a closed session whose process lives (its
+        // probe), until it exits.
+        let mut lingering: Vec<(Arc<Probe>, SlotRef, Instant)> = Vec::new();
         for step in 0..20_000u64 {
             let now = t0 + Duration::from_millis(step);
+            if step % 7 == 0 {
+                st.expire(now);
+                // Exited processes' slots are free after a pass.
+                lingering.retain(|(w, ..)| !w.gone());
+            }
             let session = 1 + rnd(3);
             let key = Key(rnd(200) as u128);
             match rnd(10) {
@@ -2366,23 +2473,72 @@ mod tests {
                     st.remove(ns, &[key]).unwrap();
                 }
                 8 => {
-                    if let Ok((out, _)) = st.allocate(session, ns, &[key], 0, now)
+                    // Some leases pass before the engine is done.
+                    let lease_ms = if rnd(2) == 0 { 5 } else { 30_000 };
+                    if let Ok((out, _)) = st.allocate(session, ns, &[key], lease_ms, now)
                         && let AllocOutcome::Allocated { slot, .. } = out[0]
                     {
-                        pending.push((session, slot));
+                        pending.push((session, slot, now + Duration::from_millis(lease_ms + FENCE_MS)));
                     }
                 }
                 _ => {
                     if rnd(50) == 0 {
-                        st.release_session(session);
+                        // Closed: its process lives on (for a while), has
+                        // exited, or is not known.
+                        let mine: Vec<_> =
+                            pending.iter().filter(|(s, ..)| *s == session).map(|&(_, r, t)| (r, t)).collect();
+                        match rnd(3) {
+                            0 => {
+                                let w = Arc::new(Probe(std::sync::atomic::AtomicBool::new(false)));
+                                st.release_session_of(session, Some(w.clone() as Arc<dyn WriterProbe>), now);
+                                // (Fenced from now on, or since its lease passed.)
+                                let fenced_until = now + Duration::from_millis(FENCE_MS);
+                                lingering.extend(mine.into_iter().map(|(r, t)| (w.clone(), r, t.min(fenced_until))));
+                            }
+                            1 => {
+                                let w = Arc::new(Probe(std::sync::atomic::AtomicBool::new(true)));
+                                st.release_session_of(session, Some(w as Arc<dyn WriterProbe>), now);
+                            }
+                            _ => {
+                                st.release_session(session);
+                            }
+                        }
                         pins.retain(|(s, _), _| *s != session);
-                        pending.retain(|(s, _)| *s != session);
-                    } else if let Some((s, r)) = pending.pop() {
-                        st.abort(s, &[r]).unwrap();
+                        pending.retain(|(s, ..)| *s != session);
+                    } else if rnd(20) == 0 && !lingering.is_empty() {
+                        // A lingering process exits.
+                        let i = rnd(lingering.len() as u64) as usize;
+                        lingering[i].0.0.store(true, std::sync::atomic::Ordering::Relaxed);
+                    } else if let Some((s, r, _)) = pending.pop() {
+                        // Done writing: commit (refused if its lease passed)
+                        // or abort.
+                        if rnd(2) == 0 {
+                            st.abort(s, &[r]).unwrap();
+                        } else if let Some(j) = {
+                            // Its bytes first, as an engine writes them.
+                            let k = st.pools[0].slots[r.slot as usize].key;
+                            let off = st.pools[0].payload_offset(r.slot);
+                            st.pools[0].memory.copy_in(off, &[(k.0 & 0xff) as u8; 4096]).unwrap();
+                            st.begin_commit(s, &[r]).unwrap()[0].clone()
+                        } {
+                            let sum = j.memory.checksum(j.offset, j.len).unwrap();
+                            st.finish_commit(&[(r, sum)]);
+                        }
                     }
                 }
             }
             st.check_invariants().unwrap_or_else(|e| panic!("step {step}: {e}"));
+            for (r, until) in pending.iter().map(|&(_, r, t)| (r, t)).chain(lingering.iter().map(|(_, r, t)| (*r, *t)))
+            {
+                if now < until {
+                    let slot = &st.pools[0].slots[r.slot as usize];
+                    assert!(
+                        slot.generation == r.generation && matches!(slot.state, State::Pending { .. }),
+                        "step {step}: {r:?}, which its engine may still write, was reused ({:?})",
+                        slot.state
+                    );
+                }
+            }
             for ((_, r), (key, _)) in &pins {
                 let slot = &st.pools[0].slots[r.slot as usize];
                 assert_eq!(slot.generation, r.generation, "step {step}: pinned slot reused");
@@ -2398,6 +2554,12 @@ mod tests {
             }
         }
         assert!(st.counters.evictions > 100, "the test must exercise eviction: {}", st.counters.evictions);
+        assert!(
+            st.counters.fenced > 50 && st.counters.fences_forced > 0,
+            "the test must exercise fences: {} fenced, {} forced",
+            st.counters.fenced,
+            st.counters.fences_forced
+        );
         // Every valid slot's header and trailer verify against pool memory.
         let p = &st.pools[0];
         for (i, s) in p.slots.iter().enumerate() {

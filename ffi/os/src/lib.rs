@@ -66,18 +66,49 @@ pub fn poll_readable(fds: &[std::os::fd::BorrowedFd<'_>], timeout_ms: u16) -> st
 /// handle never names another process once this one has exited.
 pub struct Process(std::os::fd::OwnedFd);
 
+/// `SO_PEERPIDFD` (Linux 6.5; the same number on every architecture but
+/// mips, sparc, alpha and parisc, which kvmesh does not build for).
+const SO_PEERPIDFD: libc::c_int = 77;
+
 impl Process {
-    /// A handle on process `pid`. Taken while a connection from it is open
-    /// (its SO_PEERCRED pid), the pid cannot yet have been reused: the
-    /// connection keeps the process from being reaped only while it runs,
-    /// so open it as the connection is accepted.
+    /// The process at the other end of a connected Unix socket: the one
+    /// that connected (`SO_PEERPIDFD`, Linux 6.5 and later); on older
+    /// kernels a pidfd of its SO_PEERCRED pid — which names another
+    /// process if the one that connected exited and its pid was reused
+    /// before this call (call it as the connection is accepted).
+    pub fn of_peer(sock: std::os::fd::BorrowedFd<'_>) -> std::io::Result<Process> {
+        use std::os::fd::AsRawFd;
+        let mut fd: libc::c_int = -1;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) writes at most `len` (4) bytes into `fd`, a
+        // c_int on our stack, and its length into `len`; `sock` is an open
+        // descriptor borrowed for the call.
+        let rc = unsafe {
+            libc::getsockopt(
+                sock.as_raw_fd(),
+                libc::SOL_SOCKET,
+                SO_PEERPIDFD,
+                (&raw mut fd).cast::<libc::c_void>(),
+                &raw mut len,
+            )
+        };
+        if rc == 0 && fd >= 0 {
+            // SAFETY: the kernel just handed us this new descriptor: open,
+            // and owned by nothing else in this process.
+            return Ok(Process(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) }));
+        }
+        let cred = nix::sys::socket::getsockopt(&sock, nix::sys::socket::sockopt::PeerCredentials)?;
+        Process::open(cred.pid())
+    }
+
+    /// A handle on process `pid` (see [`Process::of_peer`] for a peer).
     pub fn open(pid: i32) -> std::io::Result<Process> {
         if pid <= 0 {
             return Err(std::io::Error::from(std::io::ErrorKind::InvalidInput));
         }
         // SAFETY: pidfd_open(2) takes a pid and flags (no pointers) and
         // returns a new descriptor or -1; it touches no memory of ours.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::c_long::from(pid), 0 as libc::c_long) };
         if fd < 0 {
             return Err(std::io::Error::last_os_error());
         }
@@ -111,9 +142,10 @@ mod process_tests {
     /// not), and a pid that names nothing is refused.
     #[test]
     fn a_process_handle_tells_when_its_process_exited() {
-        let mut child = std::process::Command::new("sleep").arg("0.3").spawn().expect("spawn sleep");
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         let p = Process::open(child.id() as i32).expect("pidfd_open");
         assert!(!p.exited(), "the child runs");
+        child.kill().expect("kill the child");
         let t0 = std::time::Instant::now();
         while !p.exited() {
             assert!(t0.elapsed() < std::time::Duration::from_secs(10), "the child's exit was never seen");
@@ -125,5 +157,18 @@ mod process_tests {
         assert!(Process::open(-1).is_err());
         let me = Process::open(std::process::id() as i32).expect("own pidfd");
         assert!(!me.exited(), "this process runs");
+    }
+
+    /// The peer of a socket pair is this process (SO_PEERPIDFD, or the
+    /// SO_PEERCRED fallback).
+    #[test]
+    fn the_peer_of_a_unix_socket_is_the_process_that_connected() {
+        use std::os::fd::AsFd;
+        let (a, _b) = std::os::unix::net::UnixStream::pair().expect("socketpair");
+        let p = Process::of_peer(a.as_fd()).expect("a pidfd of the peer");
+        assert!(!p.exited(), "the peer (this process) runs");
+        // A socket that is not connected names no process.
+        let l = std::os::unix::net::UnixDatagram::unbound().expect("socket");
+        assert!(Process::of_peer(l.as_fd()).is_err());
     }
 }
