@@ -80,18 +80,10 @@ impl Process {
         use std::os::fd::AsRawFd;
         let mut fd: libc::c_int = -1;
         let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-        // SAFETY: getsockopt(2) writes at most `len` (4) bytes into `fd`, a
-        // c_int on our stack, and its length into `len`; `sock` is an open
-        // descriptor borrowed for the call.
-        let rc = unsafe {
-            libc::getsockopt(
-                sock.as_raw_fd(),
-                libc::SOL_SOCKET,
-                SO_PEERPIDFD,
-                (&raw mut fd).cast::<libc::c_void>(),
-                &raw mut len,
-            )
-        };
+        let (fd_out, len_out) = ((&raw mut fd).cast::<libc::c_void>(), &raw mut len);
+        // SAFETY: getsockopt(2) writes at most `len` (4) bytes at `fd_out` (a c_int on our stack) and the
+        // length at `len_out`; `sock` is an open descriptor borrowed for the call.
+        let rc = unsafe { libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, SO_PEERPIDFD, fd_out, len_out) };
         if rc == 0 && fd >= 0 {
             // SAFETY: the kernel just handed us this new descriptor: open,
             // and owned by nothing else in this process.
