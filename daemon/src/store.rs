@@ -1589,11 +1589,18 @@ impl Store {
     /// that block's commit, and be served as it — until the engine says it
     /// stopped (commits or aborts it: see [`Store::begin_commit`],
     /// [`Store::abort`]), its process exits, or `limits.fence_ms_max`
-    /// passes ([`Store::expire`]). With `fence_ms_max = 0`, freed at once.
-    fn fence(&mut self, r: SlotRef, now: Instant, session: Option<SessionId>, writer: Option<Arc<dyn WriterProbe>>) {
+    /// passes ([`Store::expire`]). With `fence_ms_max = 0`, freed at once
+    /// (`false`).
+    fn fence(
+        &mut self,
+        r: SlotRef,
+        now: Instant,
+        session: Option<SessionId>,
+        writer: Option<Arc<dyn WriterProbe>>,
+    ) -> bool {
         if self.cfg.limits.fence_ms_max == 0 {
             self.drop_pending(r);
-            return;
+            return false;
         }
         let pool = &mut self.pools[r.pool as usize];
         let slot = &pool.slots[r.slot as usize];
@@ -1610,6 +1617,7 @@ impl Store {
         if let Some(w) = writer {
             self.fence_for_writer(r, w);
         }
+        true
     }
 
     /// Hands a fence over to the engine's process (its session closed).
@@ -1649,8 +1657,18 @@ impl Store {
         self.free_slot(r.pool, r.slot);
     }
 
+    /// `session` names a slot of its own allocation whose lease passed (in
+    /// a commit or an abort): the engine has stopped writing it, so its
+    /// fence lifts.
+    fn lift_own_fence(&mut self, session: SessionId, r: SlotRef) {
+        if self.sessions.get(&session).is_some_and(|s| s.fenced.contains(&r)) {
+            self.unfence(r, false);
+        }
+    }
+
     /// Slots fenced now.
-    pub fn fenced_slots(&self) -> usize {
+    #[cfg(test)]
+    fn fenced_slots(&self) -> usize {
         self.fences.len()
     }
 
@@ -1666,11 +1684,8 @@ impl Store {
                     aborted += 1;
                 }
                 None => {
-                    // Its lease passed (already aborted): the engine says it
-                    // stopped writing it, so its fence lifts.
-                    if self.sessions.get(&session).is_some_and(|s| s.fenced.contains(r)) {
-                        self.unfence(*r, false);
-                    }
+                    // (Its lease passed: already aborted.)
+                    self.lift_own_fence(session, *r);
                     unknown += 1;
                 }
             }
@@ -1696,11 +1711,8 @@ impl Store {
                     out.push(Some(CommitJob { slot: *r, memory: pool.memory.clone(), offset, len: slot.payload_len }));
                 }
                 None => {
-                    // Its lease passed: the commit fails, and the engine,
-                    // which wrote before committing, is done with the slot.
-                    if self.sessions.get(&session).is_some_and(|s| s.fenced.contains(r)) {
-                        self.unfence(*r, false);
-                    }
+                    // (Its lease passed: the commit fails.)
+                    self.lift_own_fence(session, *r);
                     out.push(None);
                 }
             }
@@ -1829,7 +1841,9 @@ impl Store {
         for (r, lease) in sess.allocs {
             self.lease_unref(lease);
             match &writer {
-                Some(w) => self.fence(r, now, None, Some(Arc::clone(w))),
+                Some(w) => {
+                    self.fence(r, now, None, Some(Arc::clone(w)));
+                }
                 None => self.drop_pending(r),
             }
             allocs += 1;
@@ -1875,10 +1889,9 @@ impl Store {
                             sess.allocs.remove(&r);
                             // The engine may still be writing (it is late,
                             // not necessarily gone): fenced, not freed.
-                            if self.cfg.limits.fence_ms_max > 0 {
+                            if self.fence(r, now, Some(lease.session), None) {
                                 sess.fenced.insert(r);
                             }
-                            self.fence(r, now, Some(lease.session), None);
                             n += 1;
                         }
                     }

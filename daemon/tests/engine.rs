@@ -201,9 +201,37 @@ async fn child_holder() {
     drop((pins, allocs));
 }
 
+/// A test of this binary run as a child process against the daemon at
+/// `socket`, once it printed READY; killed (if still running) when dropped.
+struct Child(std::process::Child);
+
+impl Child {
+    fn ready(test: &str, socket: &std::path::Path) -> Child {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--ignored", "--exact", test, "--nocapture", "--test-threads=1"])
+            .env("KVMESH_CHILD_SOCKET", socket)
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let child = Child(child);
+        let mut lines = std::io::BufReader::new(out).lines();
+        let ready = lines.find(|l| l.as_ref().map(|l| l.contains("READY")).unwrap_or(false));
+        assert!(ready.is_some(), "child {test} never got ready");
+        child
+    }
+}
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_client_leaves_nothing_behind() {
-    use std::io::BufRead;
     let d = Daemon::start("kill", &pool("p", "16MiB", "4KiB"));
     let c = d.client().await;
     let ns = c.register_namespace("kill", 4096, "").await.unwrap();
@@ -213,15 +241,7 @@ async fn killed_client_leaves_nothing_behind() {
     c.put(&ns, &items).await.unwrap();
     let before = c.stats().await.unwrap();
 
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "child_holder", "--nocapture", "--test-threads=1"])
-        .env("KVMESH_CHILD_SOCKET", &d.socket)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
-    let ready = lines.find(|l| l.as_ref().map(|l| l.contains("READY")).unwrap_or(false));
-    assert!(ready.is_some(), "child never got ready");
+    let mut child = Child::ready("child_holder", &d.socket);
     let mid = c.stats().await.unwrap();
     assert_eq!(mid.pins_outstanding, 16);
     assert_eq!(mid.allocations_outstanding, 10);
@@ -229,8 +249,8 @@ async fn killed_client_leaves_nothing_behind() {
     // Its gRPC connection and its fast-path connection.
     assert_eq!(mid.sessions, before.sessions + 2);
 
-    child.kill().unwrap(); // SIGKILL
-    child.wait().unwrap();
+    child.0.kill().unwrap(); // SIGKILL
+    child.0.wait().unwrap();
     let t0 = Instant::now();
     let after = loop {
         let s = c.stats().await.unwrap();
@@ -362,34 +382,15 @@ fn child_allocates_and_disconnects() {
 /// and are then free, none forced.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_connection_of_a_live_process_keeps_its_allocations_fenced_until_it_exits() {
-    use std::io::BufRead;
     if let Err(e) = kvmesh_ffi_os::Process::open(std::process::id() as i32) {
         eprintln!("SKIPPED: no pidfd here ({e}): the daemon cannot watch engine processes (it frees at disconnect)");
         return;
-    }
-    /// Kills the child however the test ends.
-    struct Reap(std::process::Child);
-    impl Drop for Reap {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
     }
     let d = Daemon::start("live", &format!("[limits]\nreaper_interval_ms = 10\n{}", pool("p", "8MiB", "4KiB")));
     let c = d.client().await;
     c.register_namespace("live", 4096, "").await.unwrap();
     let before = c.stats().await.unwrap();
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--ignored", "--exact", "child_allocates_and_disconnects", "--nocapture", "--test-threads=1"])
-        .env("KVMESH_CHILD_SOCKET", &d.socket)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let mut child = Reap(child);
-    let mut lines = std::io::BufReader::new(out).lines();
-    let ready = lines.find(|l| l.as_ref().map(|l| l.contains("READY")).unwrap_or(false));
-    assert!(ready.is_some(), "child never got ready");
+    let mut child = Child::ready("child_allocates_and_disconnects", &d.socket);
     let t0 = Instant::now();
     let mid = loop {
         let s = c.stats().await.unwrap();
