@@ -681,6 +681,13 @@ fn handshake(path: &Path) -> std::result::Result<(u64, Vec<(pb::PoolInfo, PoolHa
 /// The device is found by its UUID (the daemon's ordinal `device` is used
 /// only when the daemon sent none): ordinals differ between processes with
 /// different `CUDA_VISIBLE_DEVICES`.
+/// `m`, kept out of processes forked from this one
+/// ([`SharedMapping::keep_from_children`]).
+fn kept_from_children(m: SharedMapping) -> std::result::Result<SharedMapping, ShmError> {
+    m.keep_from_children()?;
+    Ok(m)
+}
+
 fn import_gpu_pool(
     fd: &std::os::fd::OwnedFd,
     device: u32,
@@ -794,8 +801,14 @@ impl Client {
                 return Err(bad(format!("pool {} described inconsistently", info.index)));
             }
             let mem = match fd {
-                PoolHandle::Memfd(fd) => PoolMem::Host(Arc::new(SharedMapping::map(fd, info.bytes)?)),
-                PoolHandle::SysV(id) => PoolMem::Host(Arc::new(SharedMapping::attach_sysv(id, info.bytes)?)),
+                // Kept out of forked children: the daemon watches this
+                // process (fences, pins), not its children.
+                PoolHandle::Memfd(fd) => {
+                    PoolMem::Host(Arc::new(kept_from_children(SharedMapping::map(fd, info.bytes)?)?))
+                }
+                PoolHandle::SysV(id) => {
+                    PoolMem::Host(Arc::new(kept_from_children(SharedMapping::attach_sysv(id, info.bytes)?)?))
+                }
                 PoolHandle::Cuda(fd, device) => match import_gpu_pool(&fd, device, &full.device_uuid, info.bytes) {
                     Ok(g) => PoolMem::Cuda(Arc::new(g)),
                     Err(e) => {

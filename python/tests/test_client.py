@@ -431,6 +431,47 @@ def test_a_forked_child_cannot_use_the_parents_client(client, ns):
         assert client.lookup(ns, keys) == 2
 
 
+def test_a_forked_child_has_no_view_of_the_pool(client, ns):
+    """The pool is mapped out of forked children (MADV_DONTFORK): a view
+    the child inherited faults instead of reading a block the daemon may
+    reuse once the parent's pins end, or writing into a slot it gave to
+    another block after the parent's allocation ended. The parent's views
+    keep working."""
+    import faulthandler
+    import signal
+    import warnings
+
+    k = fresh_keys(2)
+    payload = os.urandom(BS)
+    client.put(ns, [(k[0], payload)])
+    with client.pin(ns, k[:1]) as pinned, client.allocate(ns, k[1:]) as alloc:
+        views = {"read": pinned[0], "write": alloc[0]}
+        for what, view in views.items():
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+                pid = os.fork()
+            if pid == 0:
+                faulthandler.disable()  # die of the signal itself, quietly
+                if what == "read":
+                    _ = view[0]
+                else:
+                    view[0] = 1
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGSEGV, (what, status)
+        for view in views.values():
+            view.release()
+        del views, view
+        assert bytes(pinned[0]) == payload
+        w = alloc[0]
+        w[:] = payload
+        w.release()
+        assert alloc.commit() == ["stored"]
+    out = bytearray(BS)
+    assert client.get_into(ns, k[1:], out) == [True]
+    assert bytes(out) == payload
+
+
 def test_calls_release_the_gil(tmp_path):
     """While a call waits in native code, other Python threads run. The
     "daemon" here accepts the connection and says nothing for 1 s, so

@@ -231,6 +231,22 @@ impl SharedMapping {
         false
     }
 
+    /// Keeps this mapping out of processes forked from this one
+    /// (`MADV_DONTFORK`): a child has nothing at these addresses, so a
+    /// read or write through a pointer it inherited faults (SIGSEGV)
+    /// instead of reaching the pool. An engine's mapping needs this: the
+    /// daemon watches the engine's process for blocks it may still write
+    /// (fences) and ends its pins when it exits, so a child that kept the
+    /// mapping could write into a slot the daemon already gave to another
+    /// block, or read one after it was reused.
+    pub fn keep_from_children(&self) -> Result<(), ShmError> {
+        use nix::sys::mman::{MmapAdvise, madvise};
+        // SAFETY: ptr/len are exactly the live mapping this value owns;
+        // MADV_DONTFORK changes neither its contents nor its validity in
+        // this process, only whether fork copies it.
+        unsafe { madvise(self.ptr.cast(), self.len, MmapAdvise::MADV_DONTFORK) }.map_err(sys("madvise(MADV_DONTFORK)"))
+    }
+
     /// Whether `mlock` succeeded at creation.
     pub fn mlocked(&self) -> bool {
         self.mlocked
@@ -502,6 +518,58 @@ mod tests {
         assert_eq!(&out, b"hello");
         b.copy_out(100, &mut out).unwrap();
         assert_eq!(&out, b"early");
+    }
+
+    /// Forks; the child reads the first byte of `m` and exits 0, unless
+    /// that faults. Returns the child's wait status.
+    fn child_reads(m: &SharedMapping) -> i32 {
+        // SAFETY: the child only reads one byte and calls `_exit`, both
+        // async-signal-safe, so forking a multi-threaded test is sound.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: in the child: the address was mapped in the parent;
+            // without the mapping the read faults, which is what is tested.
+            let b = unsafe { std::ptr::read_volatile(m.ptr.as_ptr()) };
+            // SAFETY: `_exit` ends the child without running the parent's
+            // destructors or atexit handlers.
+            unsafe { libc::_exit(i32::from(b != 7) * 2) };
+        }
+        let mut status = 0;
+        // SAFETY: waits for our own child; `status` is an out-pointer.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        status
+    }
+
+    #[test]
+    fn a_mapping_kept_from_children_is_not_in_a_forked_child() {
+        for sysv in [false, true] {
+            let m = if sysv {
+                // SAFETY: creating a private segment has no preconditions.
+                let id = unsafe { libc::shmget(libc::IPC_PRIVATE, 1 << 20, libc::IPC_CREAT | 0o600) };
+                assert!(id >= 0, "shmget: {}", std::io::Error::last_os_error());
+                let m = SharedMapping::attach_sysv(id, 1 << 20);
+                // SAFETY: IPC_RMID on our own segment; a null buffer is allowed.
+                unsafe { libc::shmctl(id, libc::IPC_RMID, std::ptr::null_mut()) };
+                Arc::new(m.unwrap())
+            } else {
+                Arc::new(SharedMapping::create("kvmesh-fork-test", 1 << 20, false).unwrap())
+            };
+            m.copy_in(0, &[7]).unwrap();
+            // Before: the child reads the parent's byte (what the advice prevents).
+            let st = child_reads(&m);
+            assert!(libc::WIFEXITED(st) && libc::WEXITSTATUS(st) == 0, "sysv {sysv}: child status {st:#x}");
+            m.keep_from_children().unwrap();
+            let st = child_reads(&m);
+            assert!(
+                libc::WIFSIGNALED(st) && libc::WTERMSIG(st) == libc::SIGSEGV,
+                "sysv {sysv}: the child should fault, status {st:#x}"
+            );
+            // The parent still has it.
+            let mut b = [0u8; 1];
+            m.copy_out(0, &mut b).unwrap();
+            assert_eq!(b, [7]);
+        }
     }
 
     /// Whether this machine allows shmem huge pages; says so loudly when not.
