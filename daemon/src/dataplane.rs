@@ -818,7 +818,12 @@ impl DataPlane {
     }
 
     /// Cancels what is still in flight of batch `id` (its outcomes follow).
+    /// Id 0 names no batch of ours (the sends this thread serves for
+    /// peers' orders carry it): nothing is cancelled.
     pub fn cancel(&self, id: u64) {
+        if id == 0 {
+            return;
+        }
         let _ = self.send(Cmd::Cancel { id });
     }
 }
@@ -1234,6 +1239,21 @@ fn run(
                 while worker.progress() > 0 {}
             }
             for f in inflight.iter_mut().filter(|f| f.peer == id) {
+                // Receives are this worker's own, not the endpoint's:
+                // closing it does not end them (left posted, they would
+                // hold their slots for good). Cancelled, they end on a
+                // later poll and report as any cancelled receive (their
+                // slots freed); one that does not end within the grace is
+                // taken out below on a later pass, as before.
+                if f.mode == Mode::Recv && f.cancelled_at.is_none_or(|t| now < t + RECV_CANCEL_GRACE) {
+                    if f.cancelled_at.is_none() {
+                        for r in f.reqs.iter_mut().flatten() {
+                            r.cancel();
+                        }
+                        f.cancelled_at = Some(now);
+                    }
+                    continue;
+                }
                 for i in 0..f.reqs.len() {
                     if let Some(mut r) = f.reqs[i].take() {
                         reqs_in_flight -= 1;
@@ -1917,6 +1937,82 @@ mod tests {
         assert_eq!(rx.recv().await.unwrap().1, TransferOutcome::Done, "the endpoint survived the timeout");
         gpool.copy_out(8 * 65536, &mut got).unwrap();
         assert_eq!(got, block);
+    }
+
+    /// `cancel(0)` names no batch: the sends a holder serves for a peer's
+    /// order carry id 0, and a cancel of 0 (a getter's push receive that
+    /// was never posted) used to cancel them, or drop the order while it
+    /// waited in the queue. Here the cancel arrives while the order is
+    /// checked, so the order is queued behind it; the getter still gets
+    /// its block.
+    #[tokio::test]
+    async fn a_cancel_of_id_0_leaves_served_send_orders_alone() {
+        let (getter, gpool) = plane("dp-c0-getter");
+        let (holder, hpool) = plane("dp-c0-holder");
+        holder.connect(addr(1, &getter)).await.unwrap();
+        getter.connect(addr(2, &holder)).await.unwrap();
+        let block: Vec<u8> = (0..65536u32).map(|i| (i % 241) as u8).collect();
+        hpool.copy_in(65536, &block).unwrap();
+        let (checked_tx, checked_rx) = std::sync::mpsc::channel::<()>();
+        let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+        let go_rx = parking_lot::Mutex::new(go_rx);
+        let check: OrderCheck = Box::new(move |bytes: &[u8]| {
+            let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
+            // Holds the holder's thread until the test sent its cancel.
+            let _ = checked_tx.send(());
+            let _ = go_rx.lock().recv_timeout(Duration::from_secs(5));
+            let items = vec![TransferItem {
+                remote_pool: 0,
+                remote_offset: 0,
+                len: 65536,
+                local_pool: 0,
+                local_offset: 65536,
+                tag,
+            }];
+            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
+        });
+        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
+        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
+        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
+        let order: Vec<u8> = [1u64.to_le_bytes(), 21u64.to_le_bytes()].concat();
+        let deadline = Instant::now() + Duration::from_secs(4);
+        let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(3, 21)], vec![order], deadline);
+        tokio::task::spawn_blocking(move || checked_rx.recv_timeout(Duration::from_secs(10)))
+            .await
+            .unwrap()
+            .expect("the holder checked the order");
+        holder.cancel(0);
+        go_tx.send(()).unwrap();
+        let (_, outcome) = rx.recv().await.unwrap();
+        assert_eq!(outcome, TransferOutcome::Done, "the served send was cancelled");
+        let mut got = vec![0u8; 65536];
+        gpool.copy_out(3 * 65536, &mut got).unwrap();
+        assert_eq!(got, block);
+    }
+
+    /// A receive is the worker's, not the endpoint's: when the endpoint to
+    /// its peer drops, the receive is cancelled and ends as such (its slot
+    /// can be freed), not reported timed out and left posted for good.
+    #[tokio::test]
+    async fn receives_from_a_peer_whose_endpoint_dropped_are_cancelled() {
+        let (getter, _gpool) = plane("dp-drop-getter");
+        let (holder, _hpool) = plane("dp-drop-holder");
+        holder.connect(addr(1, &getter)).await.unwrap();
+        getter.connect(addr(2, &holder)).await.unwrap();
+        let t0 = Instant::now();
+        // Nobody sends into it.
+        let (_, mut recv) =
+            getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(3, 31)], Vec::new(), t0 + Duration::from_secs(30));
+        drop(holder);
+        // A send to the gone peer fails (or passes its deadline): the
+        // endpoint drops.
+        let (_, mut send) =
+            getter.transfer_ordered(Mode::Send, 2, 1, vec![item(4, 32)], Vec::new(), t0 + Duration::from_millis(500));
+        let (_, o) = tokio::time::timeout(Duration::from_secs(10), send.recv()).await.unwrap().unwrap();
+        assert_ne!(o, TransferOutcome::Done);
+        let (_, o) = tokio::time::timeout(Duration::from_secs(10), recv.recv()).await.unwrap().unwrap();
+        assert!(matches!(&o, TransferOutcome::Failed(e) if e.contains("cancel")), "{o:?}");
+        assert!(t0.elapsed() < Duration::from_secs(10), "the receive waited for its deadline");
     }
 
     /// A peer that takes coherence messages, at incarnation 1.

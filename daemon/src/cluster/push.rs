@@ -208,16 +208,20 @@ impl Cluster {
             let landing = Arc::new(Mutex::new(Landing::Waiting(tx)));
             let mut sink = LandingSink { landing: Arc::clone(&landing), ended: false };
             let done: crate::dataplane::InlineDone = Box::new(move |k, o| sink.deliver(k, o));
-            // Not taken: the sink, dropped, reports the failure (the
-            // receive is then discarded like any unused one; id 0 is no
-            // batch).
-            let id = self.peers.dataplane().post_passive(Mode::Recv, to, inc, vec![item], until, done).unwrap_or(0);
             let posted = Posted {
                 rx,
                 index: vec![0],
                 geometry: vec![(stride, cap, Some(Dest::Pool(mapping)))],
                 mode: Mode::Recv,
                 t_post: Instant::now(),
+            };
+            let Ok(id) = self.peers.dataplane().post_passive(Mode::Recv, to, inc, vec![item], until, done) else {
+                // Not taken (the data plane's queue is full): no receive,
+                // so no invitation (the peer would send into a tag nobody
+                // receives); the sink, dropped, reported the failure, so
+                // the slot is freed like any unused one.
+                self.discard_push(Push { dest, id: 0, posted, landing, until, answer: None });
+                continue;
             };
             g.push.posted.entry(op).or_default().push((to, Push { dest, id, posted, landing, until, answer: None }));
             g.push.count += 1;
