@@ -57,6 +57,7 @@ use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, Slot
 use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
 
 mod push;
+pub(crate) use push::PUSHES_MAX;
 pub use push::PushCounters;
 
 /// Response stream of `Exchange`.
@@ -1098,14 +1099,29 @@ impl Cluster {
             return self.read_wave(from, reads, 0, Vec::new(), &tx).await;
         };
         let limit = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
+        // Read once: the count shrinks as slots are quarantined (in this
+        // batch or another), and each wave's `base` must be where its
+        // reads start in `reads`, or outcomes are reported against the
+        // wrong reads (one twice, another never).
+        let wave_len = staging.recv_slots();
+        if wave_len == 0 {
+            // Every read staging slot quarantined: staged reads are
+            // refused (misses), host ones still move.
+            tracing::warn!(
+                peer = from,
+                reads = reads.len(),
+                "no read staging slot left (all quarantined): staged reads refused"
+            );
+            return self.read_wave(from, reads, 0, Vec::new(), &tx).await;
+        }
         let mut reported = Vec::with_capacity(reads.len());
-        for (w, wave) in reads.chunks(staging.recv_slots()).enumerate() {
+        for (w, wave) in reads.chunks(wave_len).enumerate() {
             let earliest = wave.iter().map(|r| r.deadline).min().expect("chunks are not empty");
             let slots = staging.take_recv(wave.len(), self.instant_of(earliest).min(limit)).await;
             if slots.is_none() {
                 tracing::debug!(peer = from, reads = wave.len(), "no staging slot in time: reads refused (misses)");
             }
-            let base = w * staging.recv_slots();
+            let base = w * wave_len;
             reported.extend(self.read_wave(from, wave, base, slots.unwrap_or_default(), &tx).await);
         }
         reported
@@ -2371,7 +2387,7 @@ impl Cluster {
             etcd_keepalives_dropped: etcd.map_or(0, |s| s.keepalives_dropped.load(Ordering::Relaxed)),
             copies: g.node.copy_count() as u64,
             directory_entries: g.node.directory_len() as u64,
-            peer_refusals: m.peer_refusals + self.peers.refusals.load(Ordering::Relaxed),
+            peer_refusals: m.peer_refusals + self.peers.refusals.load(Ordering::Relaxed) + control.sends_refused,
             versions_exhausted: m.versions_exhausted,
             peer_auth_refusals: self.peers.auth_refusals(),
             lease_lapses: m.lease_lapses,

@@ -273,6 +273,9 @@ struct Hooks {
     control_received: std::sync::atomic::AtomicU64,
     /// Of `control_sent`, sent from the caller's thread.
     control_direct: std::sync::atomic::AtomicU64,
+    /// Sends for a peer refused: its sends queued or in flight were at
+    /// [`Sends::cap`].
+    sends_refused: std::sync::atomic::AtomicU64,
     /// Times the thread slept on the event fd with reads in flight (after
     /// [`Limits::poll_idle`] without progress).
     sleeps_in_flight: std::sync::atomic::AtomicU64,
@@ -375,6 +378,55 @@ pub struct ControlCounters {
     pub received: u64,
     /// Dropped (no endpoint, a send failed or stuck, malformed).
     pub drops: u64,
+    /// Sends a peer asked for (orders, pushes) refused: that peer's
+    /// sends queued or in flight were at their bound.
+    pub sends_refused: u64,
+}
+
+/// The sends this thread makes for peers (their send orders, the blocks
+/// it pushes), counted apart from its own reads: they never hold back our
+/// reads (a peer's orders could otherwise fill our in-flight limits), and
+/// each peer may have at most [`Sends::cap`] of them queued or in flight —
+/// a peer repeating orders for slots it was granted cannot make this
+/// thread post sends without bound.
+#[derive(Default)]
+struct Sends {
+    /// Requests and bytes of sends in flight (of all peers).
+    reqs: usize,
+    bytes: u64,
+    /// Per peer: sends queued or in flight.
+    load: HashMap<u32, usize>,
+}
+
+impl Sends {
+    /// A peer's bound: what an honest getter can ask of us at once — its
+    /// reads in flight (at most its in-flight limit, which we take to be
+    /// ours, or one order of [`crate::peers::SEND_ORDER_ITEMS_MAX`] that runs alone) and
+    /// its posted push receives ([`crate::cluster::PUSHES_MAX`]).
+    fn cap(limits: &Limits) -> usize {
+        limits.inflight_requests_max.max(crate::peers::SEND_ORDER_ITEMS_MAX) + crate::cluster::PUSHES_MAX
+    }
+
+    /// Takes `n` sends for `peer` if under its bound (always when it has
+    /// none, so one order of any size can run).
+    fn admit(&mut self, peer: u32, n: usize, cap: usize) -> bool {
+        let l = self.load.entry(peer).or_default();
+        if *l > 0 && *l + n > cap {
+            return false;
+        }
+        *l += n;
+        true
+    }
+
+    /// `n` sends for `peer` ended (or were dropped before they started).
+    fn release(&mut self, peer: u32, n: usize) {
+        if let Some(l) = self.load.get_mut(&peer) {
+            *l = l.saturating_sub(n);
+            if *l == 0 {
+                self.load.remove(&peer);
+            }
+        }
+    }
 }
 
 /// Queue depth of the command channel.
@@ -644,6 +696,7 @@ impl DataPlane {
             direct: self.hooks.control_direct.load(Relaxed),
             received: self.hooks.control_received.load(Relaxed),
             drops: self.hooks.control_drops.load(Relaxed),
+            sends_refused: self.hooks.sends_refused.load(Relaxed),
         }
     }
 
@@ -989,6 +1042,9 @@ fn run(
     // deadline pass means that connection broke.
     let mut control_sends: Vec<ControlSend<'_>> = Vec::new();
     let (mut reqs_in_flight, mut bytes_in_flight) = (0usize, 0u64);
+    // Of those, sends for peers; and each peer's sends queued or in flight.
+    let mut sends = Sends::default();
+    let send_cap = Sends::cap(&limits);
     let efd = match worker.event_fd() {
         Ok(fd) => fd,
         Err(e) => {
@@ -1039,7 +1095,16 @@ fn run(
                     });
                     let _ = reply.send(r);
                 }
-                Ok(Cmd::Transfer(p)) => queue.push_back(p),
+                Ok(Cmd::Transfer(mut p)) => {
+                    if p.mode == Mode::Send && !sends.admit(p.peer, p.items.len(), send_cap) {
+                        hooks.sends_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        for i in 0..p.items.len() {
+                            p.reply.send(i, TransferOutcome::Failed("too many sends for this peer".into()));
+                        }
+                        continue;
+                    }
+                    queue.push_back(p);
+                }
                 Ok(Cmd::Control { peer, msg, pending, queued, serial }) => {
                     let sent = peers
                         .get(&peer)
@@ -1071,6 +1136,9 @@ fn run(
                     for p in queue.iter_mut().filter(|p| p.id == id) {
                         for i in 0..p.items.len() {
                             p.reply.send(i, TransferOutcome::Failed("cancelled".into()));
+                        }
+                        if p.mode == Mode::Send {
+                            sends.release(p.peer, p.items.len());
                         }
                     }
                     queue.retain(|p| p.id != id);
@@ -1115,9 +1183,11 @@ fn run(
             let p = &queue[i];
             let bytes: u64 = p.items.iter().map(|i| i.len).sum();
             if p.mode != Mode::Send {
-                let fits = (reqs_in_flight + p.items.len() <= limits.inflight_requests_max
-                    && bytes_in_flight + bytes <= limits.inflight_bytes_max)
-                    || reqs_in_flight == 0;
+                // Our own reads in flight (sends for peers apart).
+                let (reqs, in_flight) = (reqs_in_flight - sends.reqs, bytes_in_flight - sends.bytes);
+                let fits = (reqs + p.items.len() <= limits.inflight_requests_max
+                    && in_flight + bytes <= limits.inflight_bytes_max)
+                    || reqs == 0;
                 if blocked || !fits {
                     blocked = true;
                     i += 1;
@@ -1130,12 +1200,18 @@ fn run(
                 for k in 0..p.items.len() {
                     p.reply.send(k, TransferOutcome::Failed("send order waited past its deadline".into()));
                 }
+                sends.release(p.peer, p.items.len());
                 continue;
             }
             busy |= !p.passive;
             let f = start(worker, &peers, regions, p, bytes);
-            reqs_in_flight += f.reqs.iter().filter(|r| r.is_some()).count();
+            let started = f.reqs.iter().filter(|r| r.is_some()).count();
+            reqs_in_flight += started;
             bytes_in_flight += f.bytes;
+            if f.mode == Mode::Send {
+                sends.reqs += started;
+                sends.bytes += f.bytes;
+            }
             inflight.push(f);
         }
         while worker.progress() > 0 {
@@ -1200,6 +1276,9 @@ fn run(
                     f.outcomes[i] = Some(o);
                     *slot = None;
                     reqs_in_flight -= 1;
+                    if f.mode == Mode::Send {
+                        sends.reqs -= 1;
+                    }
                 }
             }
             if now >= f.deadline && f.reqs.iter().any(|r| r.is_some()) {
@@ -1257,6 +1336,9 @@ fn run(
                 for i in 0..f.reqs.len() {
                     if let Some(mut r) = f.reqs[i].take() {
                         reqs_in_flight -= 1;
+                        if f.mode == Mode::Send {
+                            sends.reqs -= 1;
+                        }
                         let o = match r.poll() {
                             Some(_) => TransferOutcome::Failed("peer timed out; connection closed".into()),
                             None => {
@@ -1283,6 +1365,10 @@ fn run(
         inflight.retain_mut(|f| {
             if f.outcomes.iter().all(|o| o.is_some()) {
                 bytes_in_flight -= f.bytes;
+                if f.mode == Mode::Send {
+                    sends.bytes -= f.bytes;
+                    sends.release(f.peer, f.reqs.len());
+                }
                 // Send orders still in flight must not be dropped here (a
                 // dropped request waits for itself).
                 zombies.append(&mut f.orders);
@@ -1333,6 +1419,11 @@ fn run(
                             // Device copies first, off this thread.
                             let _ = server.staging.send(o);
                         } else if peers.get(&o.node).is_some_and(|c| c.incarnation == o.incarnation) {
+                            if !sends.admit(o.node, o.items.len(), send_cap) {
+                                // (Its getter's receives fail at their deadline.)
+                                hooks.sends_refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                continue;
+                            }
                             let (reply, _) = tokio::sync::mpsc::unbounded_channel();
                             queue.push_back(Pending {
                                 id: 0,
@@ -1988,6 +2079,78 @@ mod tests {
         let mut got = vec![0u8; 65536];
         gpool.copy_out(3 * 65536, &mut got).unwrap();
         assert_eq!(got, block);
+    }
+
+    /// A peer repeating send orders cannot make the holder post sends
+    /// without bound: past its bound (queued or in flight) an order is
+    /// refused and counted; once the sends end, its orders are served again.
+    #[tokio::test]
+    async fn a_peers_sends_in_flight_are_bounded() {
+        let (getter, _gpool) = plane("dp-cap-getter");
+        let (holder, hpool) = plane("dp-cap-holder");
+        holder.connect(addr(1, &getter)).await.unwrap();
+        getter.connect(addr(2, &holder)).await.unwrap();
+        hpool.copy_in(65536, &[7u8; 1024]).unwrap();
+        const LEN: u64 = 128 << 10;
+        const N: u64 = 4096;
+        // Every order asks for N sends of holder slot 1, tags from the
+        // order's first tag on (rendezvous: each stays in flight until the
+        // getter posts its receive).
+        let check: OrderCheck = Box::new(|bytes: &[u8]| {
+            let first = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
+            let items = (0..N)
+                .map(|i| TransferItem {
+                    remote_pool: 0,
+                    remote_offset: 0,
+                    len: LEN,
+                    local_pool: 0,
+                    local_offset: 65536,
+                    tag: first + i,
+                })
+                .collect();
+            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
+        });
+        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
+        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
+        holder.serve_orders(check, unconnected, staging, Duration::from_secs(20));
+        let recv = |tag: u64| TransferItem {
+            remote_pool: 0,
+            remote_offset: 0,
+            len: LEN,
+            local_pool: 0,
+            local_offset: 2 * 65536,
+            tag,
+        };
+        let order = |first: u64| [1u64.to_le_bytes(), first.to_le_bytes()].concat();
+        let far = Instant::now() + Duration::from_secs(20);
+        // Order 1 (tags 10_000..): N sends; the getter receives only its first.
+        let (_, mut r1) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![recv(10_000)], vec![order(10_000)], far);
+        assert_eq!(r1.recv().await.unwrap().1, TransferOutcome::Done);
+        // Order 2: over the bound (N - 1 of order 1 still in flight).
+        let _r2 = getter.transfer_ordered(Mode::Recv, 2, 1, Vec::new(), vec![order(20_000)], far);
+        let t0 = Instant::now();
+        while holder.control_counters().sends_refused == 0 {
+            assert!(t0.elapsed() < Duration::from_secs(10), "order 2 was not refused");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(holder.control_counters().sends_refused, 1);
+        // The getter takes the rest of order 1: its sends end, and the
+        // next order is served.
+        let rest: Vec<TransferItem> = (1..N).map(|i| recv(10_000 + i)).collect();
+        let (_, mut rr) = getter.transfer_ordered(Mode::Recv, 2, 1, rest, Vec::new(), far);
+        for _ in 1..N {
+            assert_eq!(rr.recv().await.unwrap().1, TransferOutcome::Done);
+        }
+        let (_, mut r3) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![recv(30_000)], vec![order(30_000)], far);
+        assert_eq!(r3.recv().await.unwrap().1, TransferOutcome::Done, "order 3 was refused");
+        assert_eq!(holder.control_counters().sends_refused, 1);
+        // (Nothing left in flight: a plane dropped with sends its peer
+        // never receives waits for them as it closes.)
+        let rest: Vec<TransferItem> = (1..N).map(|i| recv(30_000 + i)).collect();
+        let (_, mut rr) = getter.transfer_ordered(Mode::Recv, 2, 1, rest, Vec::new(), far);
+        for _ in 1..N {
+            assert_eq!(rr.recv().await.unwrap().1, TransferOutcome::Done);
+        }
     }
 
     /// A receive is the worker's, not the endpoint's: when the endpoint to

@@ -800,7 +800,7 @@ pub fn test_hook() -> Option<TestHook> {
 
 /// Most slots one send-order message may name (getters send at most
 /// 1,024; a 64 KiB message could otherwise name ~30,000 tiny items).
-const SEND_ORDER_ITEMS_MAX: usize = 4096;
+pub(crate) const SEND_ORDER_ITEMS_MAX: usize = 4096;
 
 /// Most keys one `ListKeys` answer carries (about 32 MiB on the wire).
 pub const LIST_KEYS_MAX: usize = 1 << 20;

@@ -37,7 +37,7 @@ use super::*;
 pub(super) type PushSends = Option<(NodeId, u64, Vec<TransferItem>)>;
 
 /// Receives posted for pushes at most at once (per daemon).
-const PUSHES_MAX: usize = 1024;
+pub(crate) const PUSHES_MAX: usize = 1024;
 /// Invitations from peers held at most at once (they are answered in the
 /// flush that follows the batch they came with).
 const INVITES_MAX: usize = 4096;
