@@ -486,15 +486,18 @@ impl CallerFast {
 
     /// Ends the connection for every caller, saying why (the first reason
     /// wins): a reader blocked in `read` returns, later calls are refused.
-    /// Not in a forked child: its `shutdown` would cut the parent's.
+    /// Nothing in a forked child: its `shutdown` would cut the parent's,
+    /// and the state lock may have been held by another of the parent's
+    /// threads at the fork (locking it would never return).
     fn end(&self, why: String) {
+        if std::process::id() != self.pid {
+            return;
+        }
         let mut r = self.readers();
         if r.closed.is_none() {
             r.closed = Some(why);
         }
-        if std::process::id() == self.pid {
-            let _ = self.sock.shutdown(std::net::Shutdown::Both);
-        }
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
         for w in r.waiting.values() {
             w.thread.unpark();
         }

@@ -37,6 +37,11 @@ pub const CONNECTIONS_MAX: usize = 256;
 
 /// How long the client may take to send its magic.
 const MAGIC_TIMEOUT: Duration = Duration::from_secs(10);
+/// Calls of one connection that wait (remote fetches, large commits) at
+/// once: at this many the connection's next frame is not read until one
+/// ends (an engine pipelining more only waits; one that never stops
+/// sending cannot make the daemon hold calls without bound).
+pub const WAITING_CALLS_MAX: usize = 1024;
 /// How long writing an answer may block (a client that stops reading)
 /// before the connection is dropped — with its session, so its pins: as
 /// long as the default pin lease, which a client that stalls this long
@@ -312,7 +317,14 @@ fn read_calls<G: Send + Sync + 'static>(
     // call that waits.
     let mut answered_at: Option<Instant> = None;
     let mut quick = true;
+    let waiting = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let me = std::thread::current();
     loop {
+        while waiting.load(std::sync::atomic::Ordering::Acquire) >= WAITING_CALLS_MAX {
+            // (Unparked by the call that ends; the timeout only guards a
+            // wake-up lost to a spurious one.)
+            std::thread::park_timeout(Duration::from_millis(10));
+        }
         if answered_at.is_some() && quick && !ctx.poll.is_zero() {
             kvmesh_ffi_os::fdpass::spin_until_readable(std::os::fd::AsFd::as_fd(&*reader), ctx.poll);
         }
@@ -357,10 +369,13 @@ fn read_calls<G: Send + Sync + 'static>(
                 // The engine waits for this one (a remote fetch): no
                 // polling, which would hold a core the fetch's hops need.
                 let (w, m, g) = (Arc::clone(writer), Arc::clone(&ctx.metrics), Arc::clone(guard));
+                waiting.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                let ended = WaitingCall(Arc::clone(&waiting), me.clone());
                 // Continued by the thread that wakes it: mostly the
                 // data-plane thread, which writes the answer itself.
                 crate::inline::spawn(&ctx.rt, async move {
                     let r = call.await;
+                    drop(ended);
                     let failed = |w: &Writer, e: io::Error| {
                         tracing::warn!("fast path: answer not written ({e}); connection closed, its pins released");
                         w.shutdown();
@@ -394,6 +409,19 @@ fn read_calls<G: Send + Sync + 'static>(
     }
 }
 
+/// A call of a connection that waits: counted until it has its answer
+/// (dropped, also if its task is), when the connection's reader, stopped
+/// at [`WAITING_CALLS_MAX`], is unparked.
+struct WaitingCall(Arc<std::sync::atomic::AtomicUsize>, std::thread::Thread);
+
+impl Drop for WaitingCall {
+    fn drop(&mut self) {
+        if self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == WAITING_CALLS_MAX {
+            self.1.unpark();
+        }
+    }
+}
+
 /// The answer frame of a call that succeeded: the message encoded in place.
 fn ok_frame<M: Message>(id: u64, m: &M) -> Vec<u8> {
     fast::frame(id, 0, m.encoded_len(), |v| m.encode(v).expect("a Vec grows"))
@@ -407,33 +435,35 @@ async fn call(svc: EngineService, session: u64, id: u64, method: u8, body: Vec<u
         r.extensions_mut().insert(ConnInfo { session, hold: None });
         r
     }
+    enum Decoded {
+        Lookup(pb::LookupRequest),
+        Pin(pb::PinRequest),
+        Unpin(pb::UnpinRequest),
+        Allocate(pb::AllocateRequest),
+        Commit(pb::CommitRequest),
+        Abort(pb::AbortRequest),
+    }
     let bad = |e: prost::DecodeError| Status::invalid_argument(format!("undecodable request: {e}"));
-    Ok(match method {
-        fast::LOOKUP => {
-            let m = pb::LookupRequest::decode(&body[..]).map_err(bad)?;
-            ok_frame(id, &svc.lookup(req(m, session)).await?.into_inner())
-        }
-        fast::PIN => {
-            let m = pb::PinRequest::decode(&body[..]).map_err(bad)?;
-            ok_frame(id, &svc.pin(req(m, session)).await?.into_inner())
-        }
-        fast::UNPIN => {
-            let m = pb::UnpinRequest::decode(&body[..]).map_err(bad)?;
-            ok_frame(id, &svc.unpin(req(m, session)).await?.into_inner())
-        }
-        fast::ALLOCATE => {
-            let m = pb::AllocateRequest::decode(&body[..]).map_err(bad)?;
-            ok_frame(id, &svc.allocate(req(m, session)).await?.into_inner())
-        }
-        fast::COMMIT => {
-            let m = pb::CommitRequest::decode(&body[..]).map_err(bad)?;
-            ok_frame(id, &svc.commit(req(m, session)).await?.into_inner())
-        }
-        fast::ABORT => {
-            let m = pb::AbortRequest::decode(&body[..]).map_err(bad)?;
-            ok_frame(id, &svc.abort(req(m, session)).await?.into_inner())
-        }
+    // Decoded, then the frame dropped, before anything waits: a call that
+    // waits holds its request, not the frame it came in (which may carry
+    // up to `FRAME_MAX` of fields the request does not have).
+    let m = match method {
+        fast::LOOKUP => Decoded::Lookup(pb::LookupRequest::decode(&body[..]).map_err(bad)?),
+        fast::PIN => Decoded::Pin(pb::PinRequest::decode(&body[..]).map_err(bad)?),
+        fast::UNPIN => Decoded::Unpin(pb::UnpinRequest::decode(&body[..]).map_err(bad)?),
+        fast::ALLOCATE => Decoded::Allocate(pb::AllocateRequest::decode(&body[..]).map_err(bad)?),
+        fast::COMMIT => Decoded::Commit(pb::CommitRequest::decode(&body[..]).map_err(bad)?),
+        fast::ABORT => Decoded::Abort(pb::AbortRequest::decode(&body[..]).map_err(bad)?),
         other => return Err(Status::unimplemented(format!("fast-path method {other}"))),
+    };
+    drop(body);
+    Ok(match m {
+        Decoded::Lookup(m) => ok_frame(id, &svc.lookup(req(m, session)).await?.into_inner()),
+        Decoded::Pin(m) => ok_frame(id, &svc.pin(req(m, session)).await?.into_inner()),
+        Decoded::Unpin(m) => ok_frame(id, &svc.unpin(req(m, session)).await?.into_inner()),
+        Decoded::Allocate(m) => ok_frame(id, &svc.allocate(req(m, session)).await?.into_inner()),
+        Decoded::Commit(m) => ok_frame(id, &svc.commit(req(m, session)).await?.into_inner()),
+        Decoded::Abort(m) => ok_frame(id, &svc.abort(req(m, session)).await?.into_inner()),
     })
 }
 
