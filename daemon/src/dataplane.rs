@@ -1923,20 +1923,31 @@ mod tests {
         hpool.copy_in(65536, &block).unwrap();
         let check: OrderCheck = Box::new(|bytes: &[u8]| {
             let tag = u64::from_le_bytes(bytes[8..16].try_into().unwrap());
-            let items = vec![TransferItem {
-                remote_pool: 0,
-                remote_offset: 0,
-                len: 65536,
-                local_pool: 0,
-                local_offset: 65536,
-                tag,
-            }];
-            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
+            Some(slot_1_to(tag))
         });
+        serve(holder, check, Duration::from_secs(10));
+        block
+    }
+
+    /// A send order of holder slot 1 (64 KiB) to node 1's `tag`.
+    fn slot_1_to(tag: u64) -> SendOrder {
+        let items = vec![TransferItem {
+            remote_pool: 0,
+            remote_offset: 0,
+            len: 65536,
+            local_pool: 0,
+            local_offset: 65536,
+            tag,
+        }];
+        SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() }
+    }
+
+    /// Serves send orders on `holder` through `check` (nobody takes
+    /// unconnected or staged orders).
+    fn serve(holder: &DataPlane, check: OrderCheck, send_timeout: Duration) {
         let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
         let (staging, _) = tokio::sync::mpsc::unbounded_channel();
-        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
-        block
+        holder.serve_orders(check, unconnected, staging, send_timeout);
     }
 
     fn addr(id: u32, dp: &DataPlane) -> PeerAddr {
@@ -2059,19 +2070,9 @@ mod tests {
             // Holds the holder's thread until the test sent its cancel.
             let _ = checked_tx.send(());
             let _ = go_rx.lock().recv_timeout(Duration::from_secs(5));
-            let items = vec![TransferItem {
-                remote_pool: 0,
-                remote_offset: 0,
-                len: 65536,
-                local_pool: 0,
-                local_offset: 65536,
-                tag,
-            }];
-            Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
+            Some(slot_1_to(tag))
         });
-        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
-        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
-        holder.serve_orders(check, unconnected, staging, Duration::from_secs(10));
+        serve(&holder, check, Duration::from_secs(10));
         let order: Vec<u8> = [1u64.to_le_bytes(), 21u64.to_le_bytes()].concat();
         let deadline = Instant::now() + Duration::from_secs(4);
         let (_, mut rx) = getter.transfer_ordered(Mode::Recv, 2, 1, vec![item(3, 21)], vec![order], deadline);
@@ -2117,9 +2118,7 @@ mod tests {
                 .collect();
             Some(SendOrder { node: 1, incarnation: 1, items, staged: Vec::new(), jobs: Vec::new() })
         });
-        let (unconnected, _) = tokio::sync::mpsc::unbounded_channel();
-        let (staging, _) = tokio::sync::mpsc::unbounded_channel();
-        holder.serve_orders(check, unconnected, staging, Duration::from_secs(20));
+        serve(&holder, check, Duration::from_secs(20));
         let recv = |tag: u64| TransferItem {
             remote_pool: 0,
             remote_offset: 0,
