@@ -1099,30 +1099,33 @@ impl Cluster {
             return self.read_wave(from, reads, 0, Vec::new(), &tx).await;
         };
         let limit = Instant::now() + Duration::from_millis(self.peers.config().transfer_timeout_ms);
-        // Read once: the count shrinks as slots are quarantined (in this
-        // batch or another), and each wave's `base` must be where its
-        // reads start in `reads`, or outcomes are reported against the
-        // wrong reads (one twice, another never).
-        let wave_len = staging.recv_slots();
-        if wave_len == 0 {
-            // Every read staging slot quarantined: staged reads are
-            // refused (misses), host ones still move.
-            tracing::warn!(
-                peer = from,
-                reads = reads.len(),
-                "no read staging slot left (all quarantined): staged reads refused"
-            );
-            return self.read_wave(from, reads, 0, Vec::new(), &tx).await;
-        }
         let mut reported = Vec::with_capacity(reads.len());
-        for (w, wave) in reads.chunks(wave_len).enumerate() {
-            let earliest = wave.iter().map(|r| r.deadline).min().expect("chunks are not empty");
+        // `base`: where each wave starts in `reads` (its outcomes are
+        // reported by index from there). A wave is as large as the read
+        // slots not quarantined *now*: their count shrinks as slots are
+        // quarantined, in this batch or another.
+        let mut base = 0;
+        while base < reads.len() {
+            let n = staging.recv_slots().min(reads.len() - base);
+            if n == 0 {
+                // Every read staging slot quarantined: the staged reads
+                // left are refused (misses), host ones still move.
+                tracing::warn!(
+                    peer = from,
+                    reads = reads.len() - base,
+                    "no read staging slot left (all quarantined): staged reads refused"
+                );
+                reported.extend(self.read_wave(from, &reads[base..], base, Vec::new(), &tx).await);
+                break;
+            }
+            let wave = &reads[base..base + n];
+            let earliest = wave.iter().map(|r| r.deadline).min().expect("waves are not empty");
             let slots = staging.take_recv(wave.len(), self.instant_of(earliest).min(limit)).await;
             if slots.is_none() {
                 tracing::debug!(peer = from, reads = wave.len(), "no staging slot in time: reads refused (misses)");
             }
-            let base = w * wave_len;
             reported.extend(self.read_wave(from, wave, base, slots.unwrap_or_default(), &tx).await);
+            base += n;
         }
         reported
     }
