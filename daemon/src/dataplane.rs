@@ -1001,6 +1001,23 @@ struct InFlight<'w> {
 }
 
 impl InFlight<'_> {
+    /// Cancels every request still running (each ends on a later poll).
+    fn cancel(&mut self) {
+        for r in self.reqs.iter_mut().flatten() {
+            r.cancel();
+        }
+    }
+
+    /// Cancels a batch of receives once, noting when (they end as
+    /// cancelled on a later poll; one that does not within the grace is
+    /// taken out).
+    fn cancel_receives(&mut self, now: Instant) {
+        if self.cancelled_at.is_none() {
+            self.cancel();
+            self.cancelled_at = Some(now);
+        }
+    }
+
     fn settle(&mut self, i: usize, o: TransferOutcome) {
         self.reply.send(i, o.clone());
         self.outcomes[i] = Some(o);
@@ -1133,9 +1150,7 @@ fn run(
                 }
                 Ok(Cmd::Cancel { id }) => {
                     for f in inflight.iter_mut().filter(|f| f.id == id) {
-                        for r in f.reqs.iter_mut().flatten() {
-                            r.cancel();
-                        }
+                        f.cancel();
                     }
                     for p in queue.iter_mut().filter(|p| p.id == id) {
                         for i in 0..p.items.len() {
@@ -1293,17 +1308,10 @@ fn run(
                     // Receives are this worker's own: cancelling them is
                     // enough (they end as cancelled on a later poll), unless
                     // one does not end within the grace.
-                    (Mode::Recv, None) => {
-                        for r in f.reqs.iter_mut().flatten() {
-                            r.cancel();
-                        }
-                        f.cancelled_at = Some(now);
-                    }
+                    (Mode::Recv, None) => f.cancel_receives(now),
                     (Mode::Recv, Some(t)) if now < t + RECV_CANCEL_GRACE => {}
                     _ => {
-                        for r in f.reqs.iter_mut().flatten() {
-                            r.cancel();
-                        }
+                        f.cancel();
                         failed_peers.push(f.peer);
                     }
                 }
@@ -1332,12 +1340,7 @@ fn run(
                 // slots freed); one that does not end within the grace is
                 // taken out below on a later pass, as before.
                 if f.mode == Mode::Recv && f.cancelled_at.is_none_or(|t| now < t + RECV_CANCEL_GRACE) {
-                    if f.cancelled_at.is_none() {
-                        for r in f.reqs.iter_mut().flatten() {
-                            r.cancel();
-                        }
-                        f.cancelled_at = Some(now);
-                    }
+                    f.cancel_receives(now);
                     continue;
                 }
                 for i in 0..f.reqs.len() {
@@ -1622,9 +1625,7 @@ fn start<'w>(
                     Ok(r) => f.orders.push(r),
                     Err(e) => {
                         tracing::debug!(peer = p.peer, "send order not sent: {e}");
-                        for r in f.reqs.iter_mut().flatten() {
-                            r.cancel();
-                        }
+                        f.cancel();
                         break;
                     }
                 }

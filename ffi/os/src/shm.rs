@@ -241,9 +241,8 @@ impl SharedMapping {
     /// block, or read one after it was reused.
     pub fn keep_from_children(&self) -> Result<(), ShmError> {
         use nix::sys::mman::{MmapAdvise, madvise};
-        // SAFETY: ptr/len are exactly the live mapping this value owns;
-        // MADV_DONTFORK changes neither its contents nor its validity in
-        // this process, only whether fork copies it.
+        // (MADV_DONTFORK changes only whether fork copies the mapping.)
+        // SAFETY: ptr/len are exactly the live mapping this value owns.
         unsafe { madvise(self.ptr.cast(), self.len, MmapAdvise::MADV_DONTFORK) }.map_err(sys("madvise(MADV_DONTFORK)"))
     }
 
