@@ -61,7 +61,7 @@ target/release/kvmesh-sim --seeds 2 --nodes 3 --background 100000 --check-every 
 for planted in skip-ack-wait:S1/S3/REG ack-without-invalidate:S3/REG skip-validation:DATA reuse-granted-slot:S4 \
     coordinator-no-wait:M1 etcd-short-ttl:M1 leave-before-stop:M1 lookup-counts-pending-put:LOOKUP \
     take-late-registration:REG/S1/S3 early-valid-across-epochs:REG/S1/S3 capacity-per-keepalive:CAP \
-    table-misses-dropped-copy:TABLE; do
+    incarnation-per-keepalive:INC table-misses-dropped-copy:TABLE; do
     bug=${planted%%:*}
     invariants=${planted##*:}
     # A late registration needs a calm seed (long epochs), a stream that

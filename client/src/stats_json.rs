@@ -82,6 +82,7 @@ pub fn stats_json(s: &crate::Stats) -> String {
             v["pushes_sent"] = c.pushes_sent.into();
             v["pushes_landed_first"] = c.pushes_landed_first.into();
             v["timer_kicks"] = c.timer_kicks.into();
+            v["incarnations_held_back"] = c.incarnations_held_back.into();
             v
         }),
     })

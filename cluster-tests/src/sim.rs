@@ -287,10 +287,17 @@ struct SimNode {
     /// order, when it resumes.
     paused_until: u64,
     down_until: u64,
+    /// Restarts left in a crash loop (a daemon that fails soon after each
+    /// start, restarted by its service manager).
+    crash_loop: u32,
     /// The node's lookup table as its driver keeps it: the changes the
     /// core hands out after each event, applied (gone with the process).
     table: HashMap<BlockKey, TableEntry>,
 }
+
+/// For each member: the incarnation a coordinator's views list, and since
+/// when (its clock).
+type ListedSince = BTreeMap<NodeId, (u64, u64)>;
 
 #[derive(Debug)]
 enum Ev {
@@ -380,6 +387,11 @@ enum Ev {
     },
     Crash {
         node: NodeId,
+    },
+    /// A crash of incarnation `inc` of `node` in a crash loop.
+    LoopCrash {
+        node: NodeId,
+        inc: u64,
     },
     Restart {
         node: NodeId,
@@ -483,6 +495,12 @@ pub struct World {
     /// The last view published, by which coordinator (node, incarnation)
     /// (CAP).
     last_published: Option<(NodeId, u64, View)>,
+    /// INC: by which coordinator (node, incarnation), and for each member
+    /// the incarnation its views list and since when (coordinator's clock).
+    listed_since: Option<(NodeId, u64, ListedSince)>,
+    /// Crash loops (`SimNode::crash_loop`) happen in one seed in eight,
+    /// drawn from their own stream so that the other seeds run as before.
+    loop_rng: Option<Rng>,
     /// When a home assigned each version (real time): the order of changes.
     assigned_at: HashMap<(BlockKey, u64), u64>,
     /// Puts reported stored: (when answered, when their version was assigned).
@@ -594,6 +612,7 @@ impl World {
                 isolated_until: 0,
                 paused_until: 0,
                 down_until: 0,
+                crash_loop: 0,
                 table: HashMap::new(),
             })
             .collect();
@@ -612,6 +631,8 @@ impl World {
             etcd_ttl: 0,
             max_published: 0,
             last_published: None,
+            listed_since: None,
+            loop_rng: (seed.wrapping_mul(0xd6e8_feb8_6659_fd93) >> 61 == 0).then(|| Rng::new(seed ^ 0x5eed_100b)),
             assigned_at: HashMap::new(),
             acked_puts: HashMap::new(),
             pins: HashMap::new(),
@@ -703,6 +724,7 @@ impl World {
             epoch_floor: if n == COORDINATOR { self.persisted_epoch } else { 0 },
             skip_restart_wait: self.cfg.bug == Some(Bug::CoordinatorNoWait),
             take_capacity_changes: self.cfg.bug == Some(Bug::CapacityPerKeepalive),
+            admit_every_incarnation: self.cfg.bug == Some(Bug::IncarnationPerKeepalive),
         };
         if self.cfg.etcd {
             let inc = self.nodes[n as usize].incarnation;
@@ -712,6 +734,17 @@ impl World {
             self.push(0, Ev::EtcdConnect { node: n, inc });
         } else {
             self.nodes[n as usize].membership = Some(static_membership(mcfg, local));
+        }
+        let sn = &mut self.nodes[n as usize];
+        if sn.crash_loop > 0 {
+            // In a crash loop: fails again soon, once its first keepalive
+            // has (mostly) reached the coordinator.
+            sn.crash_loop -= 1;
+            let inc = sn.incarnation;
+            if let Some(r) = self.loop_rng.as_mut() {
+                let up = r.range(2_000, 20_000);
+                self.push(up, Ev::LoopCrash { node: n, inc });
+            }
         }
         self.drive(n, Event::Tick);
     }
@@ -1386,6 +1419,7 @@ impl World {
     fn publish(&mut self, n: NodeId, view: View) {
         self.check_m1(&view);
         self.check_cap(n, &view);
+        self.check_inc(n, &view);
         for m in &view.members {
             if m.id == n {
                 self.push(0, Ev::View { node: n, inc: m.incarnation, view: view.clone(), local: true });
@@ -1427,6 +1461,42 @@ impl World {
             }
         }
         self.last_published = Some((n, inc, view.clone()));
+    }
+
+    /// INC: one coordinator incarnation lists a new incarnation of a node
+    /// at most once per removal time (by its clock): each admission is a
+    /// view, and every view clears and rebuilds every directory, so a
+    /// daemon in a crash loop, or a member naming a new incarnation in
+    /// every keepalive, must not make it publish a view per restart.
+    fn check_inc(&mut self, n: NodeId, view: &View) {
+        let (inc, local) = (self.nodes[n as usize].incarnation, self.local_now(n));
+        let removal = self.core_cfg.membership_lease_us + 2 * self.core_cfg.drift_margin_us;
+        if self.listed_since.as_ref().is_none_or(|(pn, pinc, _)| (*pn, *pinc) != (n, inc)) {
+            self.listed_since = Some((n, inc, BTreeMap::new()));
+        }
+        let Some((_, _, since)) = self.listed_since.as_mut() else { return };
+        let mut fail = None;
+        for m in &view.members {
+            match since.get(&m.id) {
+                Some(&(i, _)) if i == m.incarnation => {}
+                Some(&(i, at)) if local.saturating_sub(at) < removal => {
+                    fail.get_or_insert(format!(
+                        "view e{} lists node {} as incarnation {}, {} µs after incarnation {i} (removal time {removal} µs)",
+                        view.epoch,
+                        m.id,
+                        m.incarnation,
+                        local.saturating_sub(at)
+                    ));
+                    since.insert(m.id, (m.incarnation, local));
+                }
+                _ => {
+                    since.insert(m.id, (m.incarnation, local));
+                }
+            }
+        }
+        if let Some(f) = fail {
+            self.pending_fail.get_or_insert(("INC", f));
+        }
     }
 
     fn check_m1(&mut self, view: &View) {
@@ -1741,7 +1811,11 @@ impl World {
         self.ops.retain(|(n, i, _), _| !(*n == node && *i == inc));
         self.lookups.retain(|(n, i, _), _| !(*n == node && *i == inc));
         self.pins.retain(|(n, _, _), _| *n != node);
-        let down = if self.rng.chance(0.8) { self.rng.range(1_000, 60_000) } else { self.rng.range(60_000, 300_000) };
+        let down = match self.loop_rng.as_mut() {
+            Some(r) if self.nodes[node as usize].crash_loop > 0 => r.range(500, 5_000),
+            _ if self.rng.chance(0.8) => self.rng.range(1_000, 60_000),
+            _ => self.rng.range(60_000, 300_000),
+        };
         self.nodes[node as usize].down_until = self.now + down;
         self.push(down, Ev::Restart { node });
     }
@@ -1972,7 +2046,23 @@ impl World {
             Ev::Crash { node } => {
                 self.note(format!("t={} CRASH n{node}", self.now));
                 self.stats.crashes += 1;
+                if node != COORDINATOR
+                    && self.nodes[node as usize].crash_loop == 0
+                    && let Some(r) = self.loop_rng.as_mut()
+                    && r.chance(0.5)
+                {
+                    let restarts = r.range(2, 5) as u32;
+                    self.nodes[node as usize].crash_loop = restarts;
+                    self.note(format!("t={} n{node} CRASH LOOP of {restarts} restarts", self.now));
+                }
                 self.stop_process(node);
+            }
+            Ev::LoopCrash { node, inc } => {
+                if self.faults && self.up(node) && self.nodes[node as usize].incarnation == inc {
+                    self.note(format!("t={} CRASH n{node} (crash loop)", self.now));
+                    self.stats.crashes += 1;
+                    self.stop_process(node);
+                }
             }
             Ev::Drain { node } => {
                 if self.up(node) && self.nodes[node as usize].core.as_ref().is_some_and(|c| !c.has_left()) {

@@ -419,6 +419,7 @@ impl Cluster {
                     epoch_floor,
                     skip_restart_wait: core_cfg.bug == Some(kvmesh_coherence::Bug::CoordinatorNoWait),
                     take_capacity_changes: core_cfg.bug == Some(kvmesh_coherence::Bug::CapacityPerKeepalive),
+                    admit_every_incarnation: core_cfg.bug == Some(kvmesh_coherence::Bug::IncarnationPerKeepalive),
                 },
                 0,
             )
@@ -2382,6 +2383,7 @@ impl Cluster {
             inval_to_ack_buckets: h.buckets.clone(),
             locate_grants: m.locate_grants,
             membership_recovering: g.membership.recovering(),
+            incarnations_held_back: g.membership.incarnations_held_back(),
             unsolicited_keepalive_acks: m.unsolicited_keepalive_acks,
             membership_foreign_drops: self.counters.membership_foreign_drops.load(Ordering::Relaxed),
             epoch_persist_failures: self.counters.epoch_persist_failures.load(Ordering::Relaxed),

@@ -438,6 +438,12 @@ impl prometheus_client::collector::Collector for Snapshot {
                 ("coherence_late_transfers", "Transfers that finished after their deadline.", c.late_transfers),
                 ("coherence_changes_completed", "Overwrites and invalidations completed.", c.changes_completed),
                 ("coherence_peer_queue_drops", "Messages dropped on full peer queues.", c.peer_queue_drops),
+                (
+                    "membership_incarnations_held_back",
+                    "Keepalives of a node's new incarnation the coordinator ignored: its last was admitted less than \
+                     the removal time ago.",
+                    c.incarnations_held_back,
+                ),
                 ("coherence_decode_errors", "Peer messages that failed to decode.", c.decode_errors),
                 (
                     "coherence_peer_refusals",

@@ -721,51 +721,12 @@ async fn a_hostile_peer_cannot_crash_or_mislead_the_cluster() {
 /// on the coordinator), the same keepalives move the epoch by dozens.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_changing_its_capacity_in_every_keepalive_publishes_no_views() {
-    use kvmesh_proto::peer::v1 as pb;
     for planted in [true, false] {
         let env: &[(&str, &str)] = if planted { &[("KVMESH_TEST_BUG", "capacity-per-keepalive")] } else { &[] };
         let (a, b) = pair(if planted { "capflap-bug" } else { "capflap" }, "sm", env);
-        a.wait_peers(1).await;
-        b.wait_peers(1).await;
-        let ca = a.client().await;
-        let sa = ca.stats().await.unwrap();
-        let epoch = sa.coherence.as_ref().unwrap().epoch;
-        let inc_b = sa.peers.iter().find(|p| p.id == 2).map(|p| p.view_incarnation).unwrap();
-        let cfg = std::fs::read_to_string(a.dir.0.join("kvmeshd.toml")).unwrap();
-        let listen = cfg.lines().find(|l| l.starts_with("listen = ") && l.contains("127.0.0.1")).unwrap();
-        let addr = listen.trim_start_matches("listen = ").trim_matches('"');
-        let frame = |body| pb::Frame { body: Some(body), ..Default::default() };
-        let mut frames = vec![frame(pb::frame::Body::Hello(pb::StreamHello { node_id: 2, incarnation: inc_b }))];
-        for i in 0..40u32 {
-            // (An old send time: the acknowledgements extend no lease of B's.)
-            frames.push(frame(pb::frame::Body::Keepalive(pb::KeepAlive {
-                sent_at_us: 1,
-                incarnation: inc_b,
-                epoch_seen: epoch,
-                capacity: 2 + i % 2,
-            })));
-        }
-        frames.push(frame(pb::frame::Body::Ping(7)));
-        let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
-        let mut r =
-            pb::peer_client::PeerClient::new(ch).exchange(tokio_stream::iter(frames)).await.unwrap().into_inner();
-        // The pong comes after every keepalive before it was handled.
-        loop {
-            match r.message().await.unwrap().map(|f| f.body) {
-                Some(Some(pb::frame::Body::Pong(7))) => break,
-                Some(_) => continue,
-                None => panic!("stream ended before the pong"),
-            }
-        }
-        // (Views are applied by the driver: give them time to show.)
-        let t0 = Instant::now();
-        let after = loop {
-            let e = ca.stats().await.unwrap().coherence.unwrap().epoch;
-            if (planted && e >= epoch + 20) || t0.elapsed() > Duration::from_millis(if planted { 5000 } else { 500 }) {
-                break e;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let (ca, epoch, inc_b) = view_of_pair(&a, &b).await;
+        send_as_node_2(&a, inc_b, (0..40u32).map(|i| (inc_b, 2 + i % 2)), epoch).await;
+        let after = epoch_after(&ca, epoch, planted).await;
         if planted {
             assert!(after >= epoch + 20, "the planted rule must publish views: epoch {epoch} -> {after}");
             continue;
@@ -777,6 +738,102 @@ async fn a_member_changing_its_capacity_in_every_keepalive_publishes_no_views() 
         assert_eq!(common::fill::get(&b, key).await, Some(b'c'));
         let kb = b.client().await.stats().await.unwrap().coherence.unwrap();
         assert_eq!(kb.epoch, epoch, "B is in the same view");
+    }
+}
+
+/// A member that names a new incarnation in every keepalive (a buggy or
+/// hostile process speaking as node 2 without TLS; the same as a daemon
+/// in a crash loop) gets at most one admitted per removal time, so it does
+/// not make the coordinator publish a view per keepalive — each view
+/// clears and rebuilds every directory. With the old rule, planted
+/// (`KVMESH_TEST_BUG=incarnation-per-keepalive` on the coordinator), the
+/// same keepalives move the epoch by dozens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_naming_a_new_incarnation_in_every_keepalive_publishes_one_view() {
+    for planted in [true, false] {
+        let env: &[(&str, &str)] = if planted { &[("KVMESH_TEST_BUG", "incarnation-per-keepalive")] } else { &[] };
+        let (a, b) = pair(if planted { "incflap-bug" } else { "incflap" }, "sm", env);
+        let (ca, epoch, inc_b) = view_of_pair(&a, &b).await;
+        send_as_node_2(&a, inc_b, (1..=40u64).map(|i| (inc_b + i, 1)), epoch).await;
+        let after = epoch_after(&ca, epoch, planted).await;
+        if planted {
+            assert!(after >= epoch + 20, "the planted rule must publish views: epoch {epoch} -> {after}");
+            continue;
+        }
+        // The first may be admitted (B's own was admitted over the removal
+        // time ago), the other 39 or all 40 are held back.
+        assert!(after <= epoch + 1, "new incarnations in every keepalive published views: epoch {epoch} -> {after}");
+        let held = ca.stats().await.unwrap().coherence.unwrap().incarnations_held_back;
+        assert!(held >= 39, "{held} keepalives held back");
+        // B (its own incarnation, once the forged one fell silent for the
+        // removal time) serves again, and the pair moves blocks.
+        let key = Key(0xcaf0_0000_0000_0000_0000_0000_0000_0002);
+        common::fill::put_until_stored(&a, key, b'i', Duration::from_secs(15)).await;
+        let t0 = Instant::now();
+        while common::fill::get(&b, key).await != Some(b'i') {
+            assert!(t0.elapsed() < Duration::from_secs(10), "B never served A's block again");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let kb = b.client().await.stats().await.unwrap().coherence.unwrap();
+        assert!(kb.serving && kb.epoch <= epoch + 2, "{kb:?}");
+    }
+}
+
+/// Once both see each other: A's client, the epoch, and B's incarnation in
+/// A's view.
+async fn view_of_pair(a: &Daemon, b: &Daemon) -> (Client, u64, u64) {
+    a.wait_peers(1).await;
+    b.wait_peers(1).await;
+    let ca = a.client().await;
+    let sa = ca.stats().await.unwrap();
+    let epoch = sa.coherence.as_ref().unwrap().epoch;
+    let inc_b = sa.peers.iter().find(|p| p.id == 2).map(|p| p.view_incarnation).unwrap();
+    (ca, epoch, inc_b)
+}
+
+/// Sends A, on a coherence stream speaking as node 2 (incarnation
+/// `hello_inc`), keepalives of the (incarnation, capacity) pairs given,
+/// and returns once A has handled them all.
+async fn send_as_node_2(a: &Daemon, hello_inc: u64, kas: impl Iterator<Item = (u64, u32)>, epoch: u64) {
+    use kvmesh_proto::peer::v1 as pb;
+    let cfg = std::fs::read_to_string(a.dir.0.join("kvmeshd.toml")).unwrap();
+    let listen = cfg.lines().find(|l| l.starts_with("listen = ") && l.contains("127.0.0.1")).unwrap();
+    let addr = listen.trim_start_matches("listen = ").trim_matches('"');
+    let frame = |body| pb::Frame { body: Some(body), ..Default::default() };
+    let mut frames = vec![frame(pb::frame::Body::Hello(pb::StreamHello { node_id: 2, incarnation: hello_inc }))];
+    for (incarnation, capacity) in kas {
+        // (An old send time: the acknowledgements extend no lease of B's.)
+        frames.push(frame(pb::frame::Body::Keepalive(pb::KeepAlive {
+            sent_at_us: 1,
+            incarnation,
+            epoch_seen: epoch,
+            capacity,
+        })));
+    }
+    frames.push(frame(pb::frame::Body::Ping(7)));
+    let ch = tonic::transport::Endpoint::from_shared(format!("http://{addr}")).unwrap().connect().await.unwrap();
+    let mut r = pb::peer_client::PeerClient::new(ch).exchange(tokio_stream::iter(frames)).await.unwrap().into_inner();
+    // The pong comes after every keepalive before it was handled.
+    loop {
+        match r.message().await.unwrap().map(|f| f.body) {
+            Some(Some(pb::frame::Body::Pong(7))) => break,
+            Some(_) => continue,
+            None => panic!("stream ended before the pong"),
+        }
+    }
+}
+
+/// A's epoch once the views the keepalives caused had time to show: 20
+/// above `epoch` or 5 s with the planted rule, 0.5 s without.
+async fn epoch_after(ca: &Client, epoch: u64, planted: bool) -> u64 {
+    // (Views are applied by the driver: give them time to show.)
+    let t0 = Instant::now();
+    loop {
+        let e = ca.stats().await.unwrap().coherence.unwrap().epoch;
+        if (planted && e >= epoch + 20) || t0.elapsed() > Duration::from_millis(if planted { 5000 } else { 500 }) {
+            return e;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 

@@ -262,6 +262,11 @@ pub enum Bug {
     /// keepalive (a member naming another one each time makes it publish a
     /// view per keepalive), not from the first of its incarnation.
     CapacityPerKeepalive,
+    /// The static coordinator admits every new incarnation of a node at
+    /// once (a daemon in a crash loop, or a member naming a new one in
+    /// every keepalive, makes it publish a view per restart), not at most
+    /// one per removal time.
+    IncarnationPerKeepalive,
     /// Dropping a Valid copy leaves the node's lookup table as it was (the
     /// table still says the home holds it).
     TableMissesDroppedCopy,
@@ -282,12 +287,13 @@ impl Bug {
             "take-late-registration" => Bug::TakeLateRegistration,
             "early-valid-across-epochs" => Bug::EarlyValidAcrossEpochs,
             "capacity-per-keepalive" => Bug::CapacityPerKeepalive,
+            "incarnation-per-keepalive" => Bug::IncarnationPerKeepalive,
             "table-misses-dropped-copy" => Bug::TableMissesDroppedCopy,
             _ => return None,
         })
     }
     /// Command-line names of all bugs.
-    pub const NAMES: [&'static str; 12] = [
+    pub const NAMES: [&'static str; 13] = [
         "skip-ack-wait",
         "skip-validation",
         "reuse-granted-slot",
@@ -299,6 +305,7 @@ impl Bug {
         "take-late-registration",
         "early-valid-across-epochs",
         "capacity-per-keepalive",
+        "incarnation-per-keepalive",
         "table-misses-dropped-copy",
     ];
 }

@@ -104,6 +104,12 @@ pub trait Membership: Send {
     fn recovering(&self) -> bool {
         false
     }
+    /// Keepalives of a new incarnation ignored because the node's last one
+    /// was admitted less than the removal time ago (a crash loop, or a
+    /// member naming a new incarnation in every keepalive).
+    fn incarnations_held_back(&self) -> u64 {
+        0
+    }
     /// This daemon left the cluster: call only once its core has handled
     /// `Event::Leave` (it serves nothing any more), so that a view without
     /// it never finds it serving (M1). Asks for its removal now instead of
@@ -137,6 +143,9 @@ pub struct StaticConfig {
     /// Planted bug: the coordinator takes a member's capacity from every
     /// keepalive, not from the first of its incarnation.
     pub take_capacity_changes: bool,
+    /// Planted bug: the coordinator admits every new incarnation of a node
+    /// at once, however soon after the last.
+    pub admit_every_incarnation: bool,
 }
 
 /// Static membership: `coordinator` answers keepalives; a member silent for
@@ -190,8 +199,16 @@ pub struct Coordinator {
     /// keepalives still in flight must not bring them back; kept for the
     /// removal time (one entry per node at most).
     departed: BTreeMap<NodeId, (u64, Time)>,
+    /// The incarnation of each node admitted last, and when (local clock),
+    /// kept for the removal time: another incarnation of the node is
+    /// admitted only once that time has passed since.
+    admitted: BTreeMap<NodeId, (u64, Time)>,
+    /// Keepalives ignored by that rule.
+    held_back: u64,
     /// Planted bug (`StaticConfig::take_capacity_changes`).
     take_capacity_changes: bool,
+    /// Planted bug (`StaticConfig::admit_every_incarnation`).
+    admit_every_incarnation: bool,
 }
 
 impl Coordinator {
@@ -204,7 +221,10 @@ impl Coordinator {
             removal_us: cfg.removal_us,
             recover_until: (!cfg.skip_restart_wait).then_some(now + cfg.removal_us),
             departed: BTreeMap::new(),
+            admitted: BTreeMap::new(),
+            held_back: 0,
             take_capacity_changes: cfg.take_capacity_changes,
+            admit_every_incarnation: cfg.admit_every_incarnation,
         }
     }
 
@@ -228,6 +248,9 @@ impl Coordinator {
                 // Only members heard within the removal time.
                 let removal = self.removal_us;
                 self.members.retain(|_, m| now.saturating_sub(m.2) <= removal);
+                // Listed from now on: each member's incarnation counts as
+                // admitted now (the first view), not when first heard.
+                self.admitted = self.members.iter().map(|(&id, m)| (id, (m.0, now))).collect();
                 true
             }
             _ => false,
@@ -251,6 +274,17 @@ impl Coordinator {
     /// Incarnations grow with each start of a daemon; an older one is
     /// admitted again only once the newer has been silent for the removal
     /// time (a daemon whose clock stepped back still rejoins).
+    ///
+    /// A node gets at most one new incarnation admitted per removal time,
+    /// whether it replaces a live one, follows a leave, or comes back
+    /// after silence: each admission is a view, and every view clears and
+    /// rebuilds every directory in the cluster, so a member naming a new
+    /// incarnation in every keepalive (buggy or hostile), or leaving and
+    /// rejoining in a loop, must not make this coordinator publish a view
+    /// per keepalive. An honest daemon restarted within the removal time
+    /// of its last admission waits out the rest of it; until then the
+    /// view still lists the old incarnation, which serves nothing (as
+    /// after a crash not yet detected, which takes as long).
     fn record(&mut self, ka: &KeepAlive, now: Time) -> Option<bool> {
         if let Some(&(inc, at)) = self.departed.get(&ka.node)
             && ka.incarnation <= inc
@@ -263,6 +297,17 @@ impl Coordinator {
             && now.saturating_sub(m.2) <= self.removal_us
         {
             return None;
+        }
+        if let Some(&(inc, at)) = self.admitted.get(&ka.node)
+            && inc != ka.incarnation
+            && now.saturating_sub(at) < self.removal_us
+            && !self.admit_every_incarnation
+        {
+            self.held_back += 1;
+            return None;
+        }
+        if self.admitted.get(&ka.node).is_none_or(|a| a.0 != ka.incarnation) {
+            self.admitted.insert(ka.node, (ka.incarnation, now));
         }
         // A member's capacity is that of the first keepalive of its
         // incarnation: it changes only with a restart (`coherence.capacity`
@@ -334,6 +379,7 @@ impl Membership for Coordinator {
         let (removal, me) = (self.removal_us, self.me);
         self.members.retain(|&id, m| id == me || now.saturating_sub(m.2) <= removal);
         self.departed.retain(|_, d| now.saturating_sub(d.1) <= removal);
+        self.admitted.retain(|_, a| now.saturating_sub(a.1) < removal);
         if self.members.len() != before {
             self.publish(&mut out);
         }
@@ -366,6 +412,10 @@ impl Membership for Coordinator {
 
     fn recovering(&self) -> bool {
         self.recover_until.is_some()
+    }
+
+    fn incarnations_held_back(&self) -> u64 {
+        self.held_back
     }
 }
 
@@ -555,6 +605,7 @@ mod tests {
             epoch_floor: floor,
             skip_restart_wait: false,
             take_capacity_changes: false,
+            admit_every_incarnation: false,
         }
     }
 
@@ -581,9 +632,46 @@ mod tests {
                 continue;
             }
             assert_eq!(views, 0, "100 keepalives with other capacities published views");
-            let v = published(&m.peer_keepalive(KeepAlive { capacity: 7, ..ka(2, 21, 200, v.epoch) }, 200))
-                .expect("restart");
+            let t = 1 + REMOVAL;
+            let v =
+                published(&m.peer_keepalive(KeepAlive { capacity: 7, ..ka(2, 21, t, v.epoch) }, t)).expect("restart");
             assert_eq!(v.member(2).map(|x| (x.incarnation, x.capacity)), Some((21, 7)));
+        }
+    }
+
+    /// A node gets at most one new incarnation admitted per removal time:
+    /// a member naming a new incarnation in every keepalive, or leaving
+    /// and rejoining as a new one in a loop, publishes no view per
+    /// keepalive (each view rebuilds every directory in the cluster).
+    #[test]
+    fn a_node_gets_one_new_incarnation_per_removal_time() {
+        for bug in [false, true] {
+            let mut m =
+                static_membership(StaticConfig { skip_restart_wait: true, admit_every_incarnation: bug, ..cfg(0) }, 0);
+            m.keepalive(ka(1, 10, 0, 0), 0);
+            let v = published(&m.peer_keepalive(ka(2, 20, 1, 1), 1)).expect("node 2 joins");
+            let (mut views, mut inc) = (0, 20);
+            for t in 2..102u64 {
+                inc += 1;
+                views += published(&m.peer_keepalive(ka(2, inc, t, v.epoch), t)).is_some() as u32;
+                if t % 2 == 0 {
+                    views += published(&m.peer_leave(2, inc, t)).is_some() as u32;
+                }
+            }
+            if bug {
+                assert!(views >= 100, "the planted rule publishes a view per incarnation: {views}");
+                continue;
+            }
+            assert_eq!(views, 0, "new incarnations within the removal time published views");
+            assert_eq!(m.incarnations_held_back(), 100);
+            // Once the removal time has passed since incarnation 20 was
+            // admitted: the next new one is, once.
+            let t = 1 + REMOVAL;
+            let v = published(&m.peer_keepalive(ka(2, 200, t, v.epoch), t)).expect("restart");
+            assert_eq!(v.member(2).map(|x| x.incarnation), Some(200));
+            assert!(m.peer_keepalive(ka(2, 201, t + 1, v.epoch), t + 1).is_empty());
+            // Its own incarnation is still acknowledged.
+            assert_eq!(acks(&m.peer_keepalive(ka(2, 200, t + 2, v.epoch), t + 2)), 1);
         }
     }
 
@@ -611,7 +699,12 @@ mod tests {
         assert!(published(&a).is_none());
         assert!(a.contains(&MembershipAction::Ack { to: 2, sent_at_us: 9, view: v.clone() }));
         assert_eq!(m.keepalive(ka(1, 10, t, 42), t), vec![MembershipAction::AckLocal { sent_at_us: t }]);
-        // A restart of a member (new incarnation) is a new view at once.
+        // A restart of a member (new incarnation) within the removal time
+        // of its incarnation's admission (the first view, here) waits;
+        // after it, it is a new view at once.
+        assert!(m.peer_keepalive(ka(2, 21, 10, 42), t + REMOVAL - 1).is_empty());
+        assert_eq!(m.incarnations_held_back(), 1);
+        let t = t + REMOVAL;
         let v = published(&m.peer_keepalive(ka(2, 21, 11, 42), t)).expect("new incarnation");
         assert_eq!(v.epoch, 43);
         assert_eq!(v.member(2).map(|x| x.incarnation), Some(21));
@@ -629,13 +722,14 @@ mod tests {
         let mut m = static_membership(StaticConfig { skip_restart_wait: true, ..cfg(0) }, 0);
         m.keepalive(ka(1, 10, 0, 0), 0);
         m.peer_keepalive(ka(2, 20, 1, 1), 1);
-        let v = published(&m.peer_keepalive(ka(2, 21, 2, 2), 2)).expect("restart of node 2");
+        let t = 1 + REMOVAL;
+        let v = published(&m.peer_keepalive(ka(2, 21, 2, 2), t)).expect("restart of node 2");
         assert_eq!(v.member(2).map(|x| x.incarnation), Some(21));
         // The old process's keepalive, delayed: no view, no ack.
-        assert!(m.peer_keepalive(ka(2, 20, 3, 2), 3).is_empty());
+        assert!(m.peer_keepalive(ka(2, 20, 3, 2), t + 1).is_empty());
         // Once incarnation 21 has been silent past the removal time, a
         // lower one (a clock stepped back) is admitted.
-        let v = published(&m.peer_keepalive(ka(2, 19, 4, 3), 3 + REMOVAL + 1)).expect("rejoin");
+        let v = published(&m.peer_keepalive(ka(2, 19, 4, 3), t + 1 + REMOVAL + 1)).expect("rejoin");
         assert_eq!(v.member(2).map(|x| x.incarnation), Some(19));
     }
 
@@ -652,8 +746,11 @@ mod tests {
         assert_eq!((v.epoch, v.members.iter().map(|x| x.id).collect::<Vec<_>>()), (v.epoch, vec![1]));
         // A keepalive it sent before leaving, delayed: ignored.
         assert!(m.peer_keepalive(ka(2, 20, 2, v.epoch), 4).is_empty());
-        // The restarted daemon (a new incarnation) joins again at once.
-        let v = published(&m.peer_keepalive(ka(2, 21, 5, v.epoch), 5)).expect("restart joins");
+        // The restarted daemon (a new incarnation) joins again at once,
+        // unless its last incarnation was admitted less than the removal
+        // time ago (as here): then once that time is over.
+        assert!(m.peer_keepalive(ka(2, 21, 5, v.epoch), 5).is_empty());
+        let v = published(&m.peer_keepalive(ka(2, 21, 6, v.epoch), 1 + REMOVAL)).expect("restart joins");
         assert_eq!(v.member(2).map(|x| x.incarnation), Some(21));
         // The coordinator cannot leave its own view; a forwarder forwards.
         assert!(m.leave(1, 10, 6).is_empty());
