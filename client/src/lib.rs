@@ -966,30 +966,38 @@ impl Client {
             release,
         };
         let resp = self.calls().pin(r).await?;
+        // Every slot the daemon pinned is released on an error: a hit
+        // after the one that failed gets no guard, so it is unpinned here.
+        let mut err = None;
         if resp.blocks.len() > keys.len() {
-            return Err(ClientError::Protocol("pin answered more blocks than keys".into()));
+            err = Some(ClientError::Protocol("pin answered more blocks than keys".into()));
         }
-        let pool = self
-            .inner
-            .pools
-            .get(ns.pool as usize)
-            .ok_or_else(|| ClientError::Protocol(format!("namespace in unknown pool {}", ns.pool)))?;
+        let pool = self.inner.pools.get(ns.pool as usize);
+        if pool.is_none() {
+            err.get_or_insert_with(|| ClientError::Protocol(format!("namespace in unknown pool {}", ns.pool)));
+        }
         let mut out = Vec::with_capacity(resp.blocks.len());
-        // Build guards for every hit first, so an error below still unpins
-        // the rest when the partially built vector drops.
-        for (b, &key) in resp.blocks.into_iter().zip(keys) {
+        for (i, b) in resp.blocks.into_iter().enumerate() {
             if !b.hit {
                 out.push(None);
                 continue;
             }
-            let s = b.slot.ok_or_else(|| ClientError::Protocol("hit without slot".into()))?;
+            let Some(s) = b.slot else {
+                err.get_or_insert_with(|| ClientError::Protocol("hit without slot".into()));
+                continue;
+            };
             let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
+            let (Some(pool), Some(&key), None) = (pool, keys.get(i), &err) else {
+                self.inner.releases.unpin(slot);
+                continue;
+            };
             let release = Some(Arc::clone(&self.inner.releases));
             let bytes = match pool.bytes_at(b.payload_offset, b.payload_bytes, |m, o, l| m.read(o, l)) {
                 Ok(r) => r,
                 Err(e) => {
                     self.inner.releases.unpin(slot);
-                    return Err(e);
+                    err = Some(e);
+                    continue;
                 }
             };
             out.push(Some(PinnedBlock {
@@ -1006,7 +1014,11 @@ impl Client {
                 release,
             }));
         }
-        Ok(out)
+        match err {
+            // (The guards built drop with `out`: their slots are unpinned.)
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
     }
 
     /// Unpins now and waits for the daemon's answer (dropping the guards
@@ -1094,25 +1106,37 @@ impl Client {
         self.check_batch(keys.len())?;
         let r = pb::AllocateRequest { namespace_id: ns.id, keys: pb_keys(keys), lease_ms, overwrite };
         let resp = self.calls().allocate(r).await?;
+        // Every slot the daemon allocated is aborted on an error: an
+        // allocation after the one that failed gets no guard, so it is
+        // aborted here (left, it would read in progress for every engine
+        // and be fenced once its lease passed).
+        let mut err = None;
         if resp.allocations.len() != keys.len() {
-            return Err(ClientError::Protocol("allocate answered a different number of keys".into()));
+            err = Some(ClientError::Protocol("allocate answered a different number of keys".into()));
         }
-        let pool = self
-            .inner
-            .pools
-            .get(ns.pool as usize)
-            .ok_or_else(|| ClientError::Protocol(format!("namespace in unknown pool {}", ns.pool)))?;
+        let pool = self.inner.pools.get(ns.pool as usize);
+        if pool.is_none() {
+            err.get_or_insert_with(|| ClientError::Protocol(format!("namespace in unknown pool {}", ns.pool)));
+        }
         let mut out = Vec::with_capacity(keys.len());
-        for (a, &key) in resp.allocations.into_iter().zip(keys) {
+        for (i, a) in resp.allocations.into_iter().enumerate() {
             out.push(match pb::AllocateStatus::try_from(a.status) {
                 Ok(pb::AllocateStatus::Allocated) => {
-                    let s = a.slot.ok_or_else(|| ClientError::Protocol("allocation without slot".into()))?;
+                    let Some(s) = a.slot else {
+                        err.get_or_insert_with(|| ClientError::Protocol("allocation without slot".into()));
+                        continue;
+                    };
                     let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
+                    let (Some(pool), Some(&key), None) = (pool, keys.get(i), &err) else {
+                        self.inner.releases.abort(slot);
+                        continue;
+                    };
                     let bytes = match pool.bytes_at(a.payload_offset, ns.block_bytes, |m, o, l| m.write(o, l)) {
                         Ok(r) => r,
                         Err(e) => {
                             self.inner.releases.abort(slot);
-                            return Err(e);
+                            err = Some(e);
+                            continue;
                         }
                     };
                     Allocation::Allocated(WritableBlock {
@@ -1125,11 +1149,16 @@ impl Client {
                 Ok(pb::AllocateStatus::Exists) => Allocation::Exists,
                 Ok(pb::AllocateStatus::InProgress) => Allocation::InProgress,
                 _ => {
-                    return Err(ClientError::Protocol(format!("unknown allocation status {}", a.status)));
+                    err.get_or_insert_with(|| ClientError::Protocol(format!("unknown allocation status {}", a.status)));
+                    continue;
                 }
             });
         }
-        Ok(out)
+        match err {
+            // (The guards built drop with `out`: their slots are aborted.)
+            Some(e) => Err(e),
+            None => Ok(out),
+        }
     }
 
     /// Put, phase two: the daemon checksums the written blocks and makes

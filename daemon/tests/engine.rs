@@ -299,6 +299,42 @@ async fn leases_expire_and_late_commits_are_lost() {
     assert_eq!(c.stats().await.unwrap().pools[0].fenced, 0, "its commit lifted the fence");
 }
 
+/// An allocation whose slot this process still reads (a pin kept past its
+/// lease: the daemon reused the slot) fails on the client's claim check;
+/// the allocations after it in the same call, which the daemon made too,
+/// are aborted, not left allocated to the session with no guard to end
+/// them (they would read `in_progress` for every engine and be fenced once
+/// their lease passed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_allocation_aborts_the_others_of_its_call() {
+    let d = Daemon::start("allocfail", &format!("[limits]\nreaper_interval_ms = 10\n{}", pool("p", "64KiB", "4KiB")));
+    let c = d.client().await;
+    let ns = c.register_namespace("af", 4096, "").await.unwrap();
+    let slots = c.stats().await.unwrap().pools[0].slots as u128;
+    assert!(slots >= 8, "{slots} slots");
+    let keys: Vec<Key> = (0..slots).map(Key).collect();
+    for &k in &keys {
+        c.put(&ns, &[(k, &block_bytes(k, 4096)[..])]).await.unwrap();
+    }
+    // Every block pinned with a 50 ms lease (all slots but the one the
+    // store keeps free), the guards kept past it.
+    let held = c.pin_with(&ns, &keys, PinOptions { lease_ms: 50, ..Default::default() }).await.unwrap();
+    let p0 = &c.stats().await.unwrap().pools[0];
+    assert!(held.iter().flatten().count() as u128 + 1 >= slots, "{p0:?}");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(c.stats().await.unwrap().pins_outstanding, 0);
+    let fresh: Vec<Key> = (1000..1004u128).map(Key).collect();
+    let e = c.allocate(&ns, &fresh).await.expect_err("the reused slots are still read here");
+    assert!(e.to_string().contains("claim"), "{e}");
+    c.flush_releases().await;
+    let s = c.stats().await.unwrap();
+    assert_eq!(s.allocations_outstanding, 0, "allocations of the failed call left behind: {s:?}");
+    drop(held);
+    // All four can be allocated again (none reads in progress).
+    let again = c.allocate(&ns, &fresh).await.unwrap();
+    assert!(again.iter().all(|a| matches!(a, Allocation::Allocated(_))), "{again:?}");
+}
+
 /// One engine allocates with a 50 ms lease and is late: the lease passes
 /// (the reaper runs every 10 ms), another engine puts a block, then the
 /// late one writes its slot and commits. Returns whether the other
