@@ -1339,11 +1339,16 @@ impl Store {
         // Each live entry is visited at most 4 times (freq <= 3) plus once
         // when pinned; a bound keeps a fully pinned pool from spinning.
         let mut budget = 5 * live + pool.small.len() + pool.main.len() + 1;
+        // Pinned entries met in a row (since the last unpinned one): past
+        // the main queue's length, the main queue is all pinned and the
+        // small queue is read whatever its size; past every live entry,
+        // everything is pinned.
         let mut pinned_seen = 0usize;
         while budget > 0 {
             budget -= 1;
             let small_target = (live / 10).max(1);
-            let from_small = pool.small_live > small_target || pool.main_live == 0;
+            let main_pinned = pinned_seen >= pool.main_live && pool.small_live > 0;
+            let from_small = pool.small_live > small_target || pool.main_live == 0 || main_pinned;
             let entry = if from_small { pool.small.pop_front() } else { pool.main.pop_front() };
             let Some((s, gen_)) = entry else {
                 if pool.small.is_empty() && pool.main.is_empty() {
@@ -1375,6 +1380,7 @@ impl Store {
                 pool.enqueue(Queue::Main, (s, gen_));
                 continue;
             }
+            pinned_seen = 0;
             if from_small {
                 pool.small_live -= 1;
                 if slot.freq > 1 {
@@ -2774,6 +2780,55 @@ mod tests {
         let kept = present.iter().filter(|&&p| p).count();
         assert!(kept >= 18, "S3-FIFO should keep the reused set through a scan, kept {kept}/20");
         st.check_invariants().unwrap();
+    }
+
+    /// An allocation evicts whenever some cached block is unpinned, in
+    /// whichever queue it waits: here most of the pool is pinned (the main
+    /// queue entirely, at times), with unpinned blocks left in the small
+    /// queue or hot ones in main. Before, a pass over a main queue of
+    /// pinned blocks gave up while the small queue held evictable ones.
+    #[test]
+    fn an_allocation_evicts_while_any_block_is_unpinned() {
+        let mut rnd = xorshift(0x5eed);
+        let now = Instant::now();
+        for round in 0..200u128 {
+            let mut st = store(100, "[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0");
+            let ns = st.register_namespace("n", 4096, "").unwrap().id;
+            let mut next = 0u128;
+            let put_next = |st: &mut Store, next: &mut u128| {
+                put(st, 1, ns, Key(*next), now).expect("room while nothing is pinned");
+                *next += 1;
+            };
+            for _ in 0..100 {
+                put_next(&mut st, &mut next);
+            }
+            // Reuse some (to the main queue), put more (evicting), repeat.
+            for _ in 0..1 + rnd(3) {
+                let reused: Vec<Key> = (0..next).map(Key).filter(|_| rnd(4) != 0).collect();
+                for _ in 0..1 + rnd(3) {
+                    let (out, _) = st.pin(1, ns, &reused, 0, false, now).unwrap();
+                    let refs: Vec<_> = out.iter().flatten().map(|p| p.slot).collect();
+                    st.unpin(1, &refs).unwrap();
+                }
+                for _ in 0..rnd(12) {
+                    put_next(&mut st, &mut next);
+                }
+            }
+            // Another engine pins all cached blocks but a few.
+            let cached: Vec<Key> = (0..next).map(Key).filter(|&k| st.lookup(ns, &[k]).unwrap().0[0]).collect();
+            let spare = 1 + rnd(8) as usize;
+            let pinned = &cached[..cached.len().saturating_sub(spare)];
+            st.pin(2, ns, pinned, 0, false, now).unwrap();
+            let got = st.allocate(3, ns, &[Key(1 << 64 | round)], 0, now);
+            assert!(
+                got.is_ok(),
+                "round {round}: {} of {} cached blocks unpinned, yet: {:?}",
+                cached.len() - pinned.len(),
+                cached.len(),
+                got.err()
+            );
+            st.check_invariants().unwrap();
+        }
     }
 
     #[test]
