@@ -304,7 +304,12 @@ impl pb::engine_server::Engine for EngineService {
                 if r.overwrite {
                     // Without peers an overwrite retires the cached version
                     // now: until the commit, readers miss (never read old
-                    // and new mixed).
+                    // and new mixed). What would refuse the allocation is
+                    // checked first, so such a refusal leaves the cached
+                    // versions as they were (only a pool with no slot to
+                    // take after the old ones are freed still refuses it
+                    // after: their slots were pinned).
+                    store.check_allocate(session, r.namespace_id, keys.len())?;
                     store.remove(r.namespace_id, &keys)?;
                 }
                 store.allocate(session, r.namespace_id, &keys, r.lease_ms, now)?

@@ -889,7 +889,7 @@ impl Store {
                 out.push(None);
                 continue;
             }
-            out.push(Some(self.pin_one(&mut sess, r.pool, r.slot, lease, &mut moved_from)));
+            out.push(self.pin_one(&mut sess, r.pool, r.slot, lease, &mut moved_from));
         }
         self.sessions.insert(session, sess);
         for old in moved_from {
@@ -899,10 +899,28 @@ impl Store {
         Ok((out, deadline))
     }
 
-    /// Pins one Valid slot for the session being built in `sess` under `lease`.
-    fn pin_one(&mut self, sess: &mut Session, p: u32, s: u32, lease: u64, moved_from: &mut Vec<u64>) -> PinOutcome {
-        self.counters.pins += 1;
+    /// Pins one Valid slot for the session being built in `sess` under
+    /// `lease`; `None` (a miss) for a slot pinned `u32::MAX` times.
+    fn pin_one(
+        &mut self,
+        sess: &mut Session,
+        p: u32,
+        s: u32,
+        lease: u64,
+        moved_from: &mut Vec<u64>,
+    ) -> Option<PinOutcome> {
         let pool = &mut self.pools[p as usize];
+        if pool.slots[s as usize].pins == u32::MAX {
+            // Unreachable within the configured limits (engine pins are
+            // bounded by sessions_max × pins_per_session_max ≤ 2^31,
+            // peers' by INTERNAL_PINS_MAX each) unless a reload lowered
+            // sessions_max below the sessions open: a miss rather than a
+            // count that wraps (a pinned slot read as unpinned, and reused
+            // under its readers).
+            self.counters.resource_exhausted += 1;
+            return None;
+        }
+        self.counters.pins += 1;
         let payload_offset = pool.payload_offset(s);
         let slot = &mut pool.slots[s as usize];
         let r = SlotRef { pool: p, slot: s, generation: slot.generation };
@@ -937,7 +955,7 @@ impl Store {
             l.live += 1;
             l.refs.push(r);
         }
-        out
+        Some(out)
     }
 
     /// The pools.
@@ -1274,7 +1292,7 @@ impl Store {
                 continue;
             };
             self.counters.hits += 1;
-            out.push(Some(self.pin_one(&mut sess, p, s, lease, &mut moved_from)));
+            out.push(self.pin_one(&mut sess, p, s, lease, &mut moved_from));
         }
         self.sessions.insert(session, sess);
         for old in moved_from {
@@ -1469,6 +1487,33 @@ impl Store {
         self.allocate_inner(session, ns, keys, lease_ms, None, now)
     }
 
+    /// What refuses an allocation of `n` keys in `ns` by `session` before
+    /// any slot is looked for: draining, an unknown namespace, the batch
+    /// limit, the session's allowance. An overwrite checks it before it
+    /// retires the cached versions, so that those checks never refuse it
+    /// after the old versions are gone.
+    pub fn check_allocate(&mut self, session: SessionId, ns: u32, n: usize) -> Result<(), Error> {
+        self.check_not_draining()?;
+        self.namespace(ns)?;
+        self.check_allowance(session, n)
+    }
+
+    fn check_allowance(&mut self, session: SessionId, n: usize) -> Result<(), Error> {
+        self.check_batch(n)?;
+        // Fenced ones count: an engine that lets its allocations lapse may
+        // not fence more of the pool than it may allocate.
+        let held = self.sessions.get(&session).map_or(0, |s| s.allocs.len() + s.fenced.len());
+        if held + n > self.cfg.limits.allocations_per_session_max as usize {
+            self.counters.resource_exhausted += 1;
+            return Err(Error::ResourceExhausted(format!(
+                "session holds {held} uncommitted allocations (those past their lease not yet committed or \
+                 aborted included); {n} more would exceed limits.allocations_per_session_max ({})",
+                self.cfg.limits.allocations_per_session_max
+            )));
+        }
+        Ok(())
+    }
+
     /// `detached`: `None` for an indexed allocation; `Some(exists_check)`
     /// for one outside the index (see `allocate_detached`).
     fn allocate_inner(
@@ -1481,19 +1526,7 @@ impl Store {
         now: Instant,
     ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
         let nsd = self.namespace(ns)?.clone();
-        self.check_batch(keys.len())?;
-        // Fenced ones count: an engine that lets its allocations lapse may
-        // not fence more of the pool than it may allocate.
-        let held = self.sessions.get(&session).map_or(0, |s| s.allocs.len() + s.fenced.len());
-        if held + keys.len() > self.cfg.limits.allocations_per_session_max as usize {
-            self.counters.resource_exhausted += 1;
-            return Err(Error::ResourceExhausted(format!(
-                "session holds {held} uncommitted allocations (those past their lease not yet committed or \
-                 aborted included); {} more would exceed limits.allocations_per_session_max ({})",
-                keys.len(),
-                self.cfg.limits.allocations_per_session_max
-            )));
-        }
+        self.check_allowance(session, keys.len())?;
         let deadline = now + self.lease(lease_ms);
         let p = nsd.pool;
         let mut out = Vec::with_capacity(keys.len());
@@ -2829,6 +2862,26 @@ mod tests {
             );
             st.check_invariants().unwrap();
         }
+    }
+
+    /// A slot's pin count never wraps: a pin of a slot pinned u32::MAX
+    /// times is a miss.
+    #[test]
+    fn a_slot_pinned_u32_max_times_refuses_another_pin() {
+        let mut st = store(4, "");
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let now = Instant::now();
+        let slot = put(&mut st, 1, ns, Key(1), now).unwrap();
+        let (out, _) = st.pin(2, ns, &[Key(1)], 0, false, now).unwrap();
+        assert!(out[0].is_some());
+        // (As if u32::MAX - 1 other pins were held.)
+        st.pools[0].slots[slot.slot as usize].pins = u32::MAX;
+        let (out, _) = st.pin(2, ns, &[Key(1)], 0, false, now).unwrap();
+        assert!(out[0].is_none(), "a pin past u32::MAX must miss");
+        assert_eq!(st.pools[0].slots[slot.slot as usize].pins, u32::MAX);
+        st.pools[0].slots[slot.slot as usize].pins = 1;
+        st.release_session(2);
+        st.check_invariants().unwrap();
     }
 
     #[test]

@@ -335,6 +335,25 @@ async fn a_failed_allocation_aborts_the_others_of_its_call() {
     assert!(again.iter().all(|a| matches!(a, Allocation::Allocated(_))), "{again:?}");
 }
 
+/// An overwrite the session's allowance refuses leaves the cached version
+/// in place (before, it was removed first, then the allocation refused).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_overwrite_keeps_the_cached_version() {
+    let d = Daemon::start(
+        "owrefused",
+        &format!("[limits]\nallocations_per_session_max = 1\n{}", pool("p", "1MiB", "4KiB")),
+    );
+    let c = d.client().await;
+    let ns = c.register_namespace("ow", 4096, "").await.unwrap();
+    c.put(&ns, &[(Key(1), &block_bytes(Key(1), 4096)[..])]).await.unwrap();
+    let held = c.allocate(&ns, &[Key(2)]).await.unwrap();
+    let e = c.allocate_overwrite(&ns, &[Key(1)]).await.expect_err("the session's one allocation is taken");
+    assert!(e.to_string().contains("allocations_per_session_max"), "{e}");
+    let pinned = c.pin(&ns, &[Key(1)]).await.unwrap().pop().unwrap().expect("the cached version is kept");
+    assert_eq!(pinned[..], block_bytes(Key(1), 4096)[..]);
+    drop(held);
+}
+
 /// One engine allocates with a 50 ms lease and is late: the lease passes
 /// (the reaper runs every 10 ms), another engine puts a block, then the
 /// late one writes its slot and commits. Returns whether the other
