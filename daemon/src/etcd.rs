@@ -32,7 +32,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp, WatchOptions,
@@ -184,7 +184,7 @@ impl Membership for EtcdMembership {
 /// Runs sessions with etcd until the driver goes away, reconnecting with
 /// backoff after every failure.
 pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<Cmd>, sink: Arc<dyn Sink>, status: Arc<EtcdStatus>) {
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = BACKOFF_MIN;
     let mut st = EtcdMember::new(s.me, s.incarnation);
     let leave = |status: &EtcdStatus| {
         status.connected.store(false, Ordering::Relaxed);
@@ -202,7 +202,12 @@ pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<Cmd>, sink: Arc<dyn Si
                 return;
             }
             Err(e) => {
-                status.connected.store(false, Ordering::Relaxed);
+                // A session that was up starts the backoff over: one error
+                // after an outage long past waits 100 ms, not the 2 s an
+                // outage's retries reached (longer than the protocol lease,
+                // so every copy would be dropped).
+                let was_up = status.connected.swap(false, Ordering::Relaxed);
+                backoff = next_backoff(backoff, was_up);
                 status.errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
                     endpoints = ?s.endpoints,
@@ -211,16 +216,40 @@ pub async fn run(s: EtcdSettings, mut kas: mpsc::Receiver<Cmd>, sink: Arc<dyn Si
             }
         }
         // Keepalives sent meanwhile will never be answered; a leave ends
-        // the task (no session: nothing to revoke).
-        while let Ok(cmd) = kas.try_recv() {
-            if matches!(cmd, Cmd::Leave) {
+        // the task (no session: nothing to revoke), also one that comes
+        // while it waits (it must not register again after a drain).
+        let left = tokio::time::timeout(backoff, async {
+            while let Some(cmd) = kas.recv().await {
+                if matches!(cmd, Cmd::Leave) {
+                    return true;
+                }
+            }
+            false
+        })
+        .await;
+        match left {
+            Ok(true) => {
                 leave(&status);
                 return;
             }
+            // The driver went away.
+            Ok(false) => return,
+            Err(_) => {}
         }
-        tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
+        backoff = (backoff * 2).min(BACKOFF_MAX);
     }
+}
+
+/// The first wait before reconnecting to etcd.
+const BACKOFF_MIN: Duration = Duration::from_millis(100);
+/// The longest wait before reconnecting to etcd.
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// The wait before the next session after one ended in an error: from
+/// the start again when that session was up (registered), else the
+/// current one (doubled after the wait).
+fn next_backoff(current: Duration, was_up: bool) -> Duration {
+    if was_up { BACKOFF_MIN } else { current }
 }
 
 /// Feeds one key of the prefix to the state machine.
@@ -285,8 +314,14 @@ async fn session(
     let put = c.put(member_key, value, Some(PutOptions::new().with_lease(lease))).await.map_err(e("register"))?;
     let reg = put.header().map(|h| h.revision()).ok_or("register: no revision in the answer")?;
     let (mut keeper, mut answers) = c.lease_keep_alive(lease).await.map_err(e("lease keepalive"))?;
-    // The first request is sent by `lease_keep_alive` itself.
-    let mut pending: VecDeque<Option<u64>> = VecDeque::from([None]);
+    // The first request is sent by `lease_keep_alive` itself. Each entry:
+    // the core's send time (none for that first one), and when it went out.
+    let mut pending: VecDeque<(Option<u64>, Instant)> = VecDeque::from([(None, Instant::now())]);
+    // A keepalive unanswered this long means a connection that stalled
+    // without closing (a host gone, packets dropped): etcd has expired the
+    // lease by then anyway, and without this the session would wait for
+    // TCP to give up (many minutes) before reconnecting.
+    let stall = Duration::from_secs(s.ttl_s.max(1));
     let prefix = format!("{}/", s.prefix);
     let got = c.get(prefix.clone(), Some(GetOptions::new().with_prefix())).await.map_err(e("read members"))?;
     let rev = got.header().map(|h| h.revision()).ok_or("read members: no revision in the answer")?;
@@ -317,16 +352,22 @@ async fn session(
                         return Ok(true);
                     }
                 };
+                if let Some((_, at)) = pending.front() && at.elapsed() > stall {
+                    return Err(format!(
+                        "etcd answered no keepalive for {:?} (the lease TTL): the connection stalled",
+                        at.elapsed()
+                    ));
+                }
                 if pending.len() >= PENDING_MAX {
                     status.keepalives_dropped.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
                 keeper.keep_alive().await.map_err(e("lease keepalive"))?;
-                pending.push_back(Some(sent));
+                pending.push_back((Some(sent), Instant::now()));
             }
             a = answers.message() => {
                 let a = a.map_err(e("lease keepalive"))?.ok_or("lease keepalive stream ended")?;
-                let sent = pending.pop_front().flatten();
+                let sent = pending.pop_front().and_then(|p| p.0);
                 if a.ttl() <= 0 {
                     return Err(format!("lease {lease} expired in etcd"));
                 }

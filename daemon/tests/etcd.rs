@@ -110,6 +110,8 @@ struct Proxy {
     port: u16,
     cut: Arc<AtomicBool>,
     epoch: tokio::sync::watch::Sender<u64>,
+    /// Connections open when it changes stop carrying bytes but stay open.
+    freeze: tokio::sync::watch::Sender<u64>,
 }
 
 impl Proxy {
@@ -118,6 +120,7 @@ impl Proxy {
         let port = l.local_addr().unwrap().port();
         let cut = Arc::new(AtomicBool::new(false));
         let (epoch, rx) = tokio::sync::watch::channel(0u64);
+        let (freeze, frx) = tokio::sync::watch::channel(0u64);
         let c = Arc::clone(&cut);
         tokio::spawn(async move {
             loop {
@@ -125,18 +128,32 @@ impl Proxy {
                 if c.load(Ordering::SeqCst) {
                     continue; // dropped: refused
                 }
-                let mut rx = rx.clone();
+                let (mut rx, mut frx) = (rx.clone(), frx.clone());
                 tokio::spawn(async move {
                     let Ok(mut up) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await else { return };
                     rx.borrow_and_update();
-                    tokio::select! {
-                        _ = tokio::io::copy_bidirectional(&mut down, &mut up) => {}
-                        _ = rx.changed() => {} // cut: both ends dropped
+                    frx.borrow_and_update();
+                    let frozen = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut down, &mut up) => false,
+                        _ = rx.changed() => false, // cut: both ends dropped
+                        _ = frx.changed() => true,
+                    };
+                    if frozen {
+                        // Open, silent: until cut.
+                        let _ = rx.changed().await;
                     }
+                    drop((down, up));
                 });
             }
         });
-        Proxy { port, cut, epoch }
+        Proxy { port, cut, epoch, freeze }
+    }
+
+    /// The connections open now stall: no byte passes either way, and
+    /// neither end sees them close (a host gone, packets dropped). New
+    /// connections pass.
+    fn freeze(&self) {
+        self.freeze.send_modify(|e| *e += 1);
     }
 
     fn cut(&self) {
@@ -300,6 +317,38 @@ async fn etcd_membership_survives_restarts_outages_and_partitions() {
 /// view without it at once (not after the lease TTL), an overwrite of a key
 /// it held completes without waiting for it, and it rejoins when started
 /// again.
+/// A connection to etcd that stalls without closing (its bytes stop, no
+/// end sees it close) is given up once a keepalive has waited the lease
+/// TTL: the daemon connects again and serves. Before, it waited for TCP to
+/// give up (many minutes), out of the cluster all that time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_etcd_connection_is_replaced() {
+    let Some(etcd) = Etcd::start() else { return };
+    let proxy = Proxy::start(etcd.port).await;
+    let ports = [free_port(), free_port()];
+    let nodes: Vec<Daemon> = (1..=2u32)
+        .map(|id| {
+            let port = if id == 2 { proxy.port } else { etcd.port };
+            Daemon::start(&format!("etcd-stall-{id}"), &config(id, &ports, port))
+        })
+        .collect();
+    wait_all_serving(&nodes, 2, "start").await;
+    let errors = coherence(&nodes[1]).await.etcd_errors;
+    proxy.freeze();
+    // It stops serving (no keepalive answered) and etcd drops it.
+    wait_until(&nodes[1], "the stalled daemon stops serving", |k| !k.serving).await;
+    // Then, within a few TTLs, it is back on a new connection.
+    let t0 = Instant::now();
+    wait_until(&nodes[1], "the stalled daemon serves again", |k| {
+        k.serving && k.members == 2 && k.etcd_connected && k.etcd_errors > errors
+    })
+    .await;
+    eprintln!("served again {:?} after it stopped", t0.elapsed());
+    assert!(nodes[1].log().contains("the connection stalled"), "{}", nodes[1].log());
+    put_until_stored(&nodes[0], b'S').await;
+    eventually_all_serve(&nodes, b'S', &[], "after the stall").await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_drained_daemon_revokes_its_lease_and_the_view_moves_on_at_once() {
     let Some(etcd) = Etcd::start() else { return };
