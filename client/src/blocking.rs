@@ -23,8 +23,11 @@ use crate::{ClientError, Result};
 /// clone (and every guard made through it) is gone.
 #[derive(Clone)]
 pub struct Client {
-    rt: Arc<Runtime>,
+    // (Fields drop in this order: the connection first — its end wakes a
+    // background call blocked on the socket —, then the runtime, which
+    // then has nothing to wait for.)
     inner: crate::Client,
+    rt: Arc<Runtime>,
 }
 
 /// How long dropping the last clone waits for the runtime's work in flight

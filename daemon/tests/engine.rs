@@ -766,6 +766,35 @@ async fn fast_path_answers_as_grpc_does_and_survives_bad_frames() {
     assert_eq!(g.stats().await.unwrap().pins_outstanding, 0);
 }
 
+/// Dropping the last handle of a blocking client whose daemon hangs (a
+/// background unpin blocked on its answer) returns at once: the connection
+/// ends first, which wakes that unpin, then the runtime stops. Before, the
+/// runtime was stopped first and waited its 2 s for the unpin (in Python,
+/// holding the GIL).
+#[test]
+fn dropping_a_blocking_client_whose_daemon_hangs_returns_at_once() {
+    use kvmesh_client::blocking;
+    let d = Daemon::start("blockhang", &pool("p", "16MiB", "4KiB"));
+    let c = blocking::Client::connect(Some(&d.socket)).unwrap();
+    let ns = c.call(c.inner().register_namespace("bh", 4096, "")).unwrap();
+    c.call(c.inner().put(&ns, &[(Key(1), &block_bytes(Key(1), 4096)[..])])).unwrap();
+    let pinned = c.call(c.inner().pin(&ns, &[Key(1)])).unwrap();
+    let stop = |sig: &str| {
+        let ok = std::process::Command::new("kill").arg(sig).arg(d.child.id().to_string()).status().unwrap();
+        assert!(ok.success(), "kill {sig}");
+    };
+    stop("-STOP");
+    drop(pinned);
+    // (The background unpin goes out after its piggyback wait, 1 ms, and
+    // blocks on the answer.)
+    std::thread::sleep(Duration::from_millis(200));
+    let t0 = Instant::now();
+    drop(c);
+    let took = t0.elapsed();
+    stop("-CONT");
+    assert!(took < Duration::from_millis(1000), "dropping the client took {took:?}");
+}
+
 /// The blocking client (the C ABI's and Python's) reads its fast-path
 /// answers on the calling threads: a lone caller reads every one of its own
 /// answers; callers on many threads each get their own answer (content

@@ -448,6 +448,19 @@ struct PyEvents {
     wake: Arc<tokio::sync::Notify>,
 }
 
+impl PyEvents {
+    /// Returns the stream a `next_batch` took, unless the events were
+    /// closed meanwhile: checked under the lock, which `close` takes after
+    /// setting `closed`, so a close racing with this drops the stream
+    /// either way (the daemon frees the watcher).
+    fn put_back(&self, stream: tonic::Streaming<kvmesh_client::KvEventBatch>) {
+        let mut g = lock(&self.stream);
+        if !self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            *g = Some(stream);
+        }
+    }
+}
+
 /// One batch as Python sees it: (node_id, instance_id, snapshot,
 /// snapshot_seq, snapshot_done, [(kind, seq, key bytes, version)]).
 type PyEventBatch = (u32, u64, bool, u64, bool, Vec<(String, u64, Vec<u8>, u64)>);
@@ -503,15 +516,13 @@ impl PyEvents {
         let waited = match waited {
             Ok(w) => w,
             Err(e) => {
-                *lock(&self.stream) = Some(stream);
+                self.put_back(stream);
                 return Err(client_error(py, e));
             }
         };
         match waited {
             Waited::Timeout => {
-                if !self.closed.load(Ordering::SeqCst) {
-                    *lock(&self.stream) = Some(stream);
-                }
+                self.put_back(stream);
                 Ok(None)
             }
             Waited::Closed => Err(error(py, "DaemonUnavailable", "the event stream was closed".into())),
@@ -526,9 +537,7 @@ impl PyEvents {
                 Err(client_error(py, ClientError::Rpc(status)))
             }
             Waited::Batch(Some(b)) => {
-                if !self.closed.load(Ordering::SeqCst) {
-                    *lock(&self.stream) = Some(stream);
-                }
+                self.put_back(stream);
                 let events = b
                     .events
                     .iter()
