@@ -196,6 +196,10 @@ pub struct RunStats {
     pub lookups_one_sided: u64,
     /// Keys those reported present on another node than the asker.
     pub lookup_one_sided_remote_hits: u64,
+    /// Crash loops injected (`SimNode::crash_loop`).
+    pub crash_loops: u64,
+    /// Keepalives of new incarnations the static coordinator held back.
+    pub incarnations_held_back: u64,
 }
 
 /// Small fast deterministic RNG (xorshift64*).
@@ -1803,6 +1807,8 @@ impl World {
     /// coordinator, granted), sometimes slowly.
     fn stop_process(&mut self, node: NodeId) {
         let inc = self.nodes[node as usize].incarnation;
+        self.stats.incarnations_held_back +=
+            self.nodes[node as usize].membership.as_ref().map_or(0, |m| m.incarnations_held_back());
         self.nodes[node as usize].core = None;
         self.nodes[node as usize].table.clear();
         self.nodes[node as usize].membership = None;
@@ -2053,6 +2059,7 @@ impl World {
                 {
                     let restarts = r.range(2, 5) as u32;
                     self.nodes[node as usize].crash_loop = restarts;
+                    self.stats.crash_loops += 1;
                     self.note(format!("t={} n{node} CRASH LOOP of {restarts} restarts", self.now));
                 }
                 self.stop_process(node);
@@ -2169,6 +2176,8 @@ impl World {
             self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().locate_grants).sum();
         self.stats.early_registrations =
             self.nodes.iter().filter_map(|n| n.core.as_ref()).map(|c| c.metrics().early_registrations).sum();
+        self.stats.incarnations_held_back +=
+            self.nodes.iter().filter_map(|n| n.membership.as_ref()).map(|m| m.incarnations_held_back()).sum::<u64>();
         Ok(self.stats)
     }
 

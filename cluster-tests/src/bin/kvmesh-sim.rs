@@ -128,6 +128,7 @@ fn main() -> std::process::ExitCode {
     let (mut lookups, mut lookup_remote_hits) = (0u64, 0u64);
     let (mut one_sided, mut one_sided_remote_hits) = (0u64, 0u64);
     let mut drains = 0u64;
+    let (mut crash_loops, mut held_back) = (0u64, 0u64);
     let mut prefilled = 0u64;
     let mut violations = 0u64;
     let mut seeds_run = 0u64;
@@ -153,6 +154,8 @@ fn main() -> std::process::ExitCode {
                 one_sided_remote_hits += s.lookup_one_sided_remote_hits;
                 crashes += s.crashes;
                 drains += s.drains;
+                crash_loops += s.crash_loops;
+                held_back += s.incarnations_held_back;
                 epochs += s.epochs;
                 prefilled = prefilled.max(s.prefilled);
             }
@@ -177,7 +180,7 @@ fn main() -> std::process::ExitCode {
         "{seeds_run} seeds, {events} events ({:.0} events/s), {hits} hits, {stored} puts, {invalidated} invalidations, \
          {vfail} bad transfers caught, {locate_grants} reads granted by homes on locate, {early} fetched copies Valid on their locate-time registration, {lookups} lookups ({lookup_remote_hits} keys found on \
          other nodes; {one_sided} of them read the homes' tables one-sided, finding {one_sided_remote_hits}), {crashes} crashes, \
-         {drains} drains, {epochs} epochs",
+         {drains} drains, {epochs} epochs, {crash_loops} crash loops ({held_back} keepalives of new incarnations held back)",
         events as f64 / secs
     );
     println!(
