@@ -614,6 +614,12 @@ pub const POOL_SLOTS_MAX: u64 = 1 << 24;
 /// Longest deadline of one operation (`*_timeout_ms` but the drain's): 10 minutes.
 pub const TIMEOUT_MS_MAX: u64 = 600_000;
 
+/// Largest `limits.batch_keys_max`; also the bound on a release (unpin,
+/// abort, commit) whatever the limit now: those free what a session took
+/// under the limit it was told when it connected, which a reload may
+/// have lowered since.
+pub const BATCH_KEYS_MAX_MAX: u32 = 65_536;
+
 /// Longest `peer.poll_idle_us`: 100 ms (beyond it the thread would poll
 /// through whole transfers, as it did before the bound).
 pub const POLL_IDLE_US_MAX: u64 = 100_000;
@@ -995,7 +1001,7 @@ impl Config {
         check_fields(
             "limits",
             &[
-                ("batch_keys_max", l.batch_keys_max as u64, 65_536),
+                ("batch_keys_max", l.batch_keys_max as u64, BATCH_KEYS_MAX_MAX as u64),
                 ("sessions_max", l.sessions_max as u64, 1 << 16),
                 ("pins_per_session_max", l.pins_per_session_max as u64, BOUNDED_BELOW),
                 ("allocations_per_session_max", l.allocations_per_session_max as u64, 1 << 24),

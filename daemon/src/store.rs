@@ -1207,6 +1207,21 @@ impl Store {
         Ok(())
     }
 
+    /// The bound on a release (unpin, abort, commit): not the live
+    /// `batch_keys_max` — a reload may have lowered it below the batches
+    /// engines took their pins and allocations in (and split their
+    /// releases by) — but its largest value; what a session releases is
+    /// bounded by what it holds anyway.
+    fn check_release_batch(&self, n: usize) -> Result<(), Error> {
+        if n > crate::config::BATCH_KEYS_MAX_MAX as usize {
+            return Err(Error::InvalidArgument(format!(
+                "release of {n} slots exceeds {}",
+                crate::config::BATCH_KEYS_MAX_MAX
+            )));
+        }
+        Ok(())
+    }
+
     /// The lease a request of `lease_ms` gets (0: the default; clamped).
     pub fn lease(&self, lease_ms: u64) -> Duration {
         let l = &self.cfg.limits;
@@ -1323,7 +1338,7 @@ impl Store {
 
     /// Releases all pins of `session` on each slot; returns (released, unknown).
     pub fn unpin(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<(u32, u32), Error> {
-        self.check_batch(refs.len())?;
+        self.check_release_batch(refs.len())?;
         let (mut released, mut unknown) = (0, 0);
         let now = Instant::now();
         for r in refs {
@@ -1713,7 +1728,7 @@ impl Store {
 
     /// Frees uncommitted allocations of `session`; returns (aborted, unknown).
     pub fn abort(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<(u32, u32), Error> {
-        self.check_batch(refs.len())?;
+        self.check_release_batch(refs.len())?;
         let (mut aborted, mut unknown) = (0, 0);
         for r in refs {
             match self.sessions.get_mut(&session).and_then(|s| s.allocs.remove(r)) {
@@ -1736,7 +1751,7 @@ impl Store {
     /// expiry and disconnect no longer touch them) and returns what to
     /// checksum. `None` for references the session does not hold.
     pub fn begin_commit(&mut self, session: SessionId, refs: &[SlotRef]) -> Result<Vec<Option<CommitJob>>, Error> {
-        self.check_batch(refs.len())?;
+        self.check_release_batch(refs.len())?;
         let mut out = Vec::with_capacity(refs.len());
         for r in refs {
             match self.sessions.get_mut(&session).and_then(|s| s.allocs.remove(r)) {

@@ -54,6 +54,61 @@ async fn sighup_applies_limits_and_log_filter_and_refuses_the_rest() {
     assert_eq!(d.client().await.hello().batch_keys_max, 100);
 }
 
+/// A reload that lowers `limits.batch_keys_max` refuses new large batches
+/// but not the release of what engines already hold in larger ones: the
+/// unpin of 200 pins and the commit (and abort) of 200 allocations made
+/// under the old limit go through. Before, they were refused by the new
+/// limit: pins held to their lease, allocations lapsed and fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lowered_batch_limit_still_releases_what_was_taken_before() {
+    use kvmesh_client::{Allocation, Key};
+    let d = Daemon::start("reloadbatch", &pool("p", "8MiB", "4KiB"));
+    let cfg_path = d.dir.0.join("kvmeshd.toml");
+    let original = std::fs::read_to_string(&cfg_path).unwrap();
+    let c = d.client().await;
+    let ns = c.register_namespace("rb", 4096, "").await.unwrap();
+    let keys: Vec<Key> = (0..200u128).map(Key).collect();
+    let block = vec![7u8; 4096];
+    let items: Vec<(Key, &[u8])> = keys.iter().map(|&k| (k, &block[..])).collect();
+    c.put(&ns, &items).await.unwrap();
+    let pinned: Vec<_> = c.pin(&ns, &keys).await.unwrap().into_iter().flatten().collect();
+    assert_eq!(pinned.len(), 200);
+    let fresh: Vec<Key> = (1000..1200u128).map(Key).collect();
+    let mut writes: Vec<_> = c
+        .allocate(&ns, &fresh)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| match a {
+            Allocation::Allocated(w) => w,
+            o => panic!("{o:?}"),
+        })
+        .collect();
+    let rest = writes.split_off(100);
+    let more: Vec<Key> = (2000..2200u128).map(Key).collect();
+    let to_abort: Vec<_> = c.allocate(&ns, &more).await.unwrap();
+
+    std::fs::write(&cfg_path, format!("{original}[limits]\nbatch_keys_max = 50\n")).unwrap();
+    hup(&d);
+    wait_log(&d, "config reloaded", 1);
+
+    assert_eq!(c.unpin(pinned).await.unwrap(), 200, "the unpin of pins taken under the old limit");
+    let mut all = writes;
+    all.extend(rest);
+    for w in all.iter_mut() {
+        w.copy_from_slice(&block);
+    }
+    let outcomes = c.commit(all).await.expect("the commit of allocations made under the old limit");
+    assert_eq!(outcomes.len(), 200);
+    drop(to_abort);
+    c.flush_releases().await;
+    let s = c.stats().await.unwrap();
+    assert_eq!((s.pins_outstanding, s.allocations_outstanding), (0, 0), "{s:?}");
+    assert_eq!(s.pools[0].fenced, 0);
+    // New batches above the new limit are refused.
+    assert!(c.lookup(&ns, &keys).await.is_err());
+}
+
 /// kvmeshd on `cfg` with its log filter from the file (no `KVMESH_LOG`),
 /// once its socket answers; and its log file.
 fn spawn_own_log(
