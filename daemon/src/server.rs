@@ -571,6 +571,21 @@ async fn drain(
     signals: &mut mpsc::Receiver<&'static str>,
 ) -> bool {
     let t0 = Instant::now();
+    // A signal stops a drain at once only if it is the second: a drain a
+    // signal started stops at the next; one `kvmesh drain` started goes on
+    // through the first (a `systemctl stop` or restart after `kvmesh
+    // drain` must not cut it short), and stops at the one after.
+    let mut signals_left = if why == KVMESH_DRAIN { 2 } else { 1 };
+    let mut stop_at = |sig: &str, doing: &str| {
+        signals_left -= 1;
+        if signals_left == 0 {
+            tracing::warn!("{sig} {doing}: stopping at once (peers wait out this daemon's lease)");
+            true
+        } else {
+            tracing::info!("{sig} {doing}, started by `kvmesh drain`: draining on (another stops at once)");
+            false
+        }
+    };
     store.lock().set_draining();
     let (pins, allocs) = store.lock().engine_outstanding();
     tracing::info!(
@@ -596,29 +611,41 @@ async fn drain(
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(20)) => {}
             Some(sig) = signals.recv() => {
-                tracing::warn!("{sig} during the drain: stopping at once (peers wait out this daemon's lease)");
-                return false;
+                if stop_at(sig, "during the drain") {
+                    return false;
+                }
             }
         }
     }
     if let Some(c) = cluster {
-        tokio::select! {
-            r = c.leave(Duration::from_secs(2)) => tracing::info!(
-                copies_dropped = r.copies_dropped,
-                peers_confirmed = r.peers_confirmed,
-                peers = r.peers,
-                etcd_left = ?r.etcd_left,
-                "left the cluster"
-            ),
-            Some(sig) = signals.recv() => {
-                tracing::warn!("{sig} while leaving the cluster: stopping at once");
-                return false;
+        let leave = c.leave(Duration::from_secs(2));
+        tokio::pin!(leave);
+        loop {
+            tokio::select! {
+                r = &mut leave => {
+                    tracing::info!(
+                        copies_dropped = r.copies_dropped,
+                        peers_confirmed = r.peers_confirmed,
+                        peers = r.peers,
+                        etcd_left = ?r.etcd_left,
+                        "left the cluster"
+                    );
+                    break;
+                }
+                Some(sig) = signals.recv() => {
+                    if stop_at(sig, "while leaving the cluster") {
+                        return false;
+                    }
+                }
             }
         }
     }
     tracing::info!("drained in {:?}", t0.elapsed());
     true
 }
+
+/// Why a drain started when `kvmesh drain` asked for it.
+const KVMESH_DRAIN: &str = "kvmesh drain";
 
 /// What start-up reads from disk besides the config — the peer TLS files
 /// of a clustered daemon (its certificate must name `node.id`) and those
@@ -1037,7 +1064,7 @@ pub async fn run_with(
     let drain_ms = cfg_drain_ms;
     let first = tokio::select! {
         why = sig_rx.recv() => Some((why.unwrap_or("signal"), drain_ms)),
-        r = drain_rx.wait_for(|d| d.is_some()) => Some(("kvmesh drain", r.map(|d| d.unwrap_or(drain_ms)).unwrap_or(drain_ms))),
+        r = drain_rx.wait_for(|d| d.is_some()) => Some((KVMESH_DRAIN, r.map(|d| d.unwrap_or(drain_ms)).unwrap_or(drain_ms))),
         _ = shutdown => None,
     };
     let drained = match first {

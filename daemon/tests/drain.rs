@@ -103,6 +103,37 @@ async fn a_second_sigterm_stops_at_once() {
     assert!(d.log().contains("SIGTERM during the drain: stopping at once"), "{}", d.log());
 }
 
+/// A drain `kvmesh drain --no-wait` started goes on through the first
+/// SIGTERM (a `systemctl stop` or restart right after it) and stops at
+/// once at the second. Before, the first cut it short.
+#[tokio::test]
+async fn a_drain_started_by_kvmesh_drain_goes_on_through_one_sigterm() {
+    let mut d = Daemon::start("drain-cli-term", &pool("p", "4MiB", "4KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("ns", 4096, "t").await.unwrap();
+    c.put(&ns, &[(KEY, &[3u8; 4096])]).await.unwrap();
+    let held = c.pin(&ns, &[KEY]).await.unwrap().pop().flatten().expect("hit");
+    let socket = d.socket.clone();
+    let (code, out, err) = tokio::task::spawn_blocking(move || run_cli(&socket, &["drain", "--no-wait"])).await.unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    wait_draining(&d).await;
+    signal(&d, "-TERM");
+    // Still draining (waiting for the pin), not stopped.
+    let t0 = Instant::now();
+    while !d.log().contains("started by `kvmesh drain`: draining on") {
+        assert!(t0.elapsed() < Duration::from_secs(5), "{}", d.log());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(d.child.try_wait().unwrap().is_none(), "stopped at the first SIGTERM; log:\n{}", d.log());
+    // The pin ends: the drain completes on its own.
+    drop(held);
+    c.flush_releases().await;
+    let status = wait_exit(&mut d, Duration::from_secs(8)).await.unwrap_or_else(|| panic!("no exit; {}", d.log()));
+    assert!(status.success(), "{status:?}");
+    assert!(d.log().contains("drained in"), "{}", d.log());
+    assert!(!d.log().contains("stopping at once"), "{}", d.log());
+}
+
 #[tokio::test]
 async fn kvmesh_drain_with_a_deadline_ends_a_held_pin_and_waits_for_the_exit() {
     let mut d = Daemon::start("drain-cli", &pool("p", "4MiB", "4KiB"));
