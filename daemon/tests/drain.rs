@@ -114,7 +114,8 @@ async fn a_drain_started_by_kvmesh_drain_goes_on_through_one_sigterm() {
     c.put(&ns, &[(KEY, &[3u8; 4096])]).await.unwrap();
     let held = c.pin(&ns, &[KEY]).await.unwrap().pop().flatten().expect("hit");
     let socket = d.socket.clone();
-    let (code, out, err) = tokio::task::spawn_blocking(move || run_cli(&socket, &["drain", "--no-wait"])).await.unwrap();
+    let (code, out, err) =
+        tokio::task::spawn_blocking(move || run_cli(&socket, &["drain", "--no-wait"])).await.unwrap();
     assert_eq!(code, 0, "{out}{err}");
     wait_draining(&d).await;
     signal(&d, "-TERM");
