@@ -620,6 +620,24 @@ pub const TIMEOUT_MS_MAX: u64 = 600_000;
 /// have lowered since.
 pub const BATCH_KEYS_MAX_MAX: u32 = 65_536;
 
+/// Longest engine socket path, in bytes: a Unix socket's path holds at
+/// most 107, and the daemon binds it first at `<path>.bind.d/s` (9 more)
+/// before it moves it into place.
+pub const SOCKET_PATH_MAX: usize = 107 - ".bind.d/s".len();
+
+/// Refuses an engine socket path too long to bind, naming the field.
+pub fn check_socket_path(p: &std::path::Path) -> Result<(), String> {
+    let n = p.as_os_str().len();
+    if n > SOCKET_PATH_MAX {
+        return Err(format!(
+            "server.socket: {} is {n} bytes, at most {SOCKET_PATH_MAX} (a Unix socket path holds 107 bytes, and the \
+             daemon binds it first at <path>.bind.d/s): choose a shorter path",
+            p.display()
+        ));
+    }
+    Ok(())
+}
+
 /// Longest `peer.poll_idle_us`: 100 ms (beyond it the thread would poll
 /// through whole transfers, as it did before the bound).
 pub const POLL_IDLE_US_MAX: u64 = 100_000;
@@ -986,6 +1004,9 @@ impl Config {
                 self.server.drain_timeout_ms
             ));
         }
+        if let Some(s) = &self.server.socket {
+            check_socket_path(s)?;
+        }
         if !self.server.allow_uids.is_empty() && self.server.socket.is_none() {
             return Err("server.allow_uids: needs server.socket, in a directory the allowed users can reach (the \
                         default directory is private to this uid)"
@@ -1098,6 +1119,7 @@ mod tests {
             (&format!("[events]\nbuffer_events = 8\n{pool}"), "events.buffer_events"),
             (&format!("[events]\nstall_ms = 5\n{pool}"), "events.stall_ms"),
             (&format!("[server]\nsockett = \"/x\"\n{pool}"), "sockett"),
+            (&format!("[server]\nsocket = \"/{}\"\n{pool}", "s".repeat(98)), "server.socket: /sss"),
             (&format!("[peer]\ntransports = \"rdma\"\n{pool}"), "peer.transports"),
             (&format!("[peer]\ntransfer = \"push\"\n{pool}"), "peer.transfer"),
             (&format!("[peer]\npool_alloc = \"huge\"\n{pool}"), "peer.pool_alloc"),

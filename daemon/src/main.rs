@@ -54,8 +54,8 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    if let Some(s) = args.socket {
-        cfg.server.socket = Some(s);
+    if let Some(s) = &args.socket {
+        cfg.server.socket = Some(s.clone());
     }
     if args.check_config {
         // The TLS files too, as start-up loads them.
@@ -102,6 +102,7 @@ fn main() -> std::process::ExitCode {
     }
     let reload = args.config.clone().map(|path| kvmeshd::server::Reload {
         path,
+        socket_override: args.socket.clone(),
         set_log_filter: Box::new(move |f: &str| {
             let new = tracing_subscriber::EnvFilter::try_new(f).map_err(|e| e.to_string())?;
             filter_handle.reload(new).map_err(|e| e.to_string())

@@ -89,6 +89,9 @@ pub fn bind_socket(
     default_location: bool,
     mode: u32,
 ) -> anyhow::Result<(UnixListener, SocketClaim, Unpublished)> {
+    // (A path from the command line or the default rule is checked here;
+    // one from the file already was, with the config.)
+    crate::config::check_socket_path(path).map_err(|e| anyhow::anyhow!(e))?;
     let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
     if default_location {
         private_dir(dir)?;
@@ -510,6 +513,9 @@ pub type SetLogFilter = Box<dyn Fn(&str) -> Result<(), String> + Send + Sync>;
 pub struct Reload {
     /// The configuration file.
     pub path: PathBuf,
+    /// The engine socket given on the command line (`--socket`), which
+    /// overrides the file's `server.socket` on every reload too.
+    pub socket_override: Option<PathBuf>,
     /// Installs a new log filter (`log.filter`).
     pub set_log_filter: SetLogFilter,
 }
@@ -532,8 +538,11 @@ fn reload_config(r: &Reload, live: &mut Config, store: &Arc<Mutex<Store>>) {
             return;
         }
     };
-    // The socket may come from the command line.
-    new.server.socket = live.server.socket.clone();
+    // The socket may come from the command line; a change of the file's
+    // `server.socket` otherwise refuses the reload like any `server` change.
+    if let Some(s) = &r.socket_override {
+        new.server.socket = Some(s.clone());
+    }
     let refused = live.unreloadable_changes(&new);
     if !refused.is_empty() {
         tracing::error!(

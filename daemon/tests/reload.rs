@@ -47,6 +47,15 @@ async fn sighup_applies_limits_and_log_filter_and_refuses_the_rest() {
     wait_log(&d, "config reload refused: pools changed", 1);
     assert_eq!(d.client().await.hello().batch_keys_max, 100, "nothing changed");
 
+    // Not reloadable either: the socket (from the file here). Before, the
+    // live one silently replaced it and the reload was taken.
+    let moved = original.replace("kvmeshd.sock", "kvmeshd-moved.sock");
+    assert_ne!(moved, original);
+    std::fs::write(&cfg_path, format!("{moved}[limits]\nbatch_keys_max = 300\n")).unwrap();
+    hup(&d);
+    wait_log(&d, "config reload refused: server changed", 1);
+    assert_eq!(d.client().await.hello().batch_keys_max, 100, "nothing changed");
+
     // A broken file: an error, nothing changed, the daemon keeps serving.
     std::fs::write(&cfg_path, "this is not toml [").unwrap();
     hup(&d);
