@@ -441,10 +441,15 @@ async fn run(args: Args) -> Result<(), Failure> {
             let t0 = std::time::Instant::now();
             let mut exited = None;
             if !no_wait {
-                // The daemon is gone when its socket refuses connections.
+                // The daemon is gone when its socket refuses connections
+                // and it let go of the socket's lock file — the last thing
+                // it does (a refused connection alone comes while it still
+                // stops its servers and peers, up to seconds, holding the
+                // socket path and its ports).
                 let limit = std::time::Duration::from_millis(r.deadline_ms) + std::time::Duration::from_secs(15);
+                let lock = std::path::PathBuf::from(format!("{}.lock", path.display()));
                 while t0.elapsed() < limit {
-                    if tokio::net::UnixStream::connect(&path).await.is_err() {
+                    if tokio::net::UnixStream::connect(&path).await.is_err() && lock_released(&lock) {
                         exited = Some(t0.elapsed());
                         break;
                     }
@@ -832,5 +837,14 @@ fn main() -> ExitCode {
             eprintln!("kvmesh: {m}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Whether no process holds the daemon's socket lock `path` (or it is
+/// gone). Taken and let go at once when free.
+fn lock_released(path: &std::path::Path) -> bool {
+    match std::fs::File::open(path) {
+        Ok(f) => f.try_lock_shared().is_ok(),
+        Err(_) => true,
     }
 }
