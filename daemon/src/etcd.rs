@@ -314,9 +314,15 @@ async fn session(
     let put = c.put(member_key, value, Some(PutOptions::new().with_lease(lease))).await.map_err(e("register"))?;
     let reg = put.header().map(|h| h.revision()).ok_or("register: no revision in the answer")?;
     let (mut keeper, mut answers) = c.lease_keep_alive(lease).await.map_err(e("lease keepalive"))?;
-    // The first request is sent by `lease_keep_alive` itself. Each entry:
-    // the core's send time (none for that first one), and when it went out.
-    let mut pending: VecDeque<(Option<u64>, Instant)> = VecDeque::from([(None, Instant::now())]);
+    // Keepalives sent and not answered yet, in order (etcd answers them in
+    // order on the stream): the core's send time, and when it went out.
+    // The first request and its answer are `lease_keep_alive`'s own (it
+    // reads that answer itself, etcd-client 0.18 `LeaseClient::keep_alive`),
+    // so nothing is pending at first. (An entry for that first request
+    // credited every later answer to the keepalive sent one interval
+    // before the one it answered: safe, but each lease then ran from an
+    // interval too early.)
+    let mut pending: VecDeque<(Option<u64>, Instant)> = VecDeque::new();
     // A keepalive unanswered this long means a connection that stalled
     // without closing (a host gone, packets dropped): etcd has expired the
     // lease by then anyway, and without this the session would wait for
