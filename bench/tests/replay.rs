@@ -172,7 +172,10 @@ fn a_redis_baseline_replays_the_same_trace_in_the_same_run() {
     // less what concurrent requests had not put yet.
     let (ideal, got) = (s["ideal_hit_ratio"].as_f64().unwrap(), b["hit_ratio"].as_f64().unwrap());
     assert!(got <= ideal && got > ideal * 0.9, "redis hit ratio {got}, ideal {ideal}");
-    assert!(b["ops"]["pin_read"]["count"].as_u64().unwrap() == 200, "{s}");
+    // Timed only where an MGET went out: not for the first request (an
+    // empty store) nor any whose prefix was absent.
+    let timed = b["ops"]["pin_read"]["count"].as_u64().unwrap();
+    assert!(timed > 0 && timed < 200, "{timed} of 200 Redis reads timed: {s}");
     let svg = std::fs::read_to_string(out_dir.join("cdf_pin_read.svg")).unwrap();
     assert!(svg.contains("redis pin_read") && svg.contains("kvmesh pin_read"), "both on one chart");
     let _ = std::fs::remove_dir_all(out_dir);

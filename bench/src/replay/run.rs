@@ -113,8 +113,12 @@ fn redis_kind(e: &redis::RedisError) -> String {
 /// its start, and `e2e` from its scheduled arrival (queueing included).
 const OPS: [&str; 5] = ["lookup", "pin_read", "put", "request", "e2e"];
 
+/// Longest latency recorded as it is, in µs (a day); longer ones (a
+/// cluster that fell that far behind an open-loop trace) count as a day.
+const LATENCY_US_MAX: u64 = 86_400_000_000;
+
 fn hist() -> Histogram<u64> {
-    Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds")
+    Histogram::new_with_bounds(1, LATENCY_US_MAX, 3).expect("valid bounds")
 }
 
 /// Counters of one second of the run (by completion time).
@@ -183,13 +187,16 @@ pub(crate) fn key_of(id: u64) -> Key {
     Key::chain(None, &[id as u32, (id >> 32) as u32])
 }
 
-fn wrong_bytes(key: Key, got: &[u8], scratch: &mut Vec<u8>) -> u64 {
-    scratch.resize(got.len(), 0);
+/// Bytes of `got` that differ from the block of `key` (`len` bytes): a
+/// block shorter or longer than that counts every byte missing or extra.
+fn wrong_bytes(key: Key, got: &[u8], len: usize, scratch: &mut Vec<u8>) -> u64 {
+    scratch.resize(len, 0);
     crate::fill_block(key, scratch);
     if scratch[..] == got[..] {
         return 0;
     }
-    scratch.iter().zip(got).filter(|(a, b)| a != b).count() as u64
+    let differ = scratch.iter().zip(got).filter(|(a, b)| a != b).count();
+    (differ + len.abs_diff(got.len())) as u64
 }
 
 fn pick(policy: Policy, i: usize, r: &Request, n: usize, seed: u64) -> usize {
@@ -273,7 +280,7 @@ async fn one_request(
                 }
             };
             for b in &pinned {
-                wrong += wrong_bytes(b.key(), b, &mut scratch);
+                wrong += wrong_bytes(b.key(), b, block_bytes, &mut scratch);
             }
             pinned.len()
         }
@@ -286,7 +293,7 @@ async fn one_request(
                     Ok(v) => {
                         let got: Vec<Vec<u8>> = v.into_iter().map_while(|b| b).collect();
                         for (b, k) in got.iter().zip(&plan.keys) {
-                            wrong += wrong_bytes(*k, b, &mut scratch);
+                            wrong += wrong_bytes(*k, b, block_bytes, &mut scratch);
                         }
                         got.len()
                     }
@@ -298,7 +305,11 @@ async fn one_request(
             }
         }
     };
-    sh.hists.lock()[1].saturating_record(t.elapsed().as_micros() as u64);
+    // (A Redis request whose prefix is absent sends no MGET: nothing to
+    // time, where kvmesh's pin still asks the cluster.)
+    if !matches!(backend, Backend::Redis(_)) || local > 0 {
+        sh.hists.lock()[1].saturating_record(t.elapsed().as_micros() as u64);
+    }
     let (local_hits, remote_hits) = match backend {
         Backend::Kvmesh(..) => (local.min(hits), hits - local.min(hits)),
         // Every block of a remote store is a remote hit.
@@ -581,8 +592,12 @@ fn run_policy(
             "second,offered,started,finished,late,blocks,local_hits,remote_hits,missed,ideal_hits,lru_hits,bytes_read,bytes_written,errors,request_p50_us,request_p99_us"
         )?;
         for (i, s) in seconds.iter().enumerate() {
+            // A second in which no request finished has no latency: empty
+            // cells, not 0 (which would read as fast).
             let (p50, p99) =
-                s.request_us.as_ref().map_or((0, 0), |h| (h.value_at_quantile(0.5), h.value_at_quantile(0.99)));
+                s.request_us.as_ref().filter(|h| !h.is_empty()).map_or((String::new(), String::new()), |h| {
+                    (h.value_at_quantile(0.5).to_string(), h.value_at_quantile(0.99).to_string())
+                });
             writeln!(
                 w,
                 "{i},{},{},{},{},{},{},{},{},{},{},{},{},{},{p50},{p99}",
@@ -604,7 +619,15 @@ fn run_policy(
         w.flush()?;
     }
     let base_hists = baseline.as_ref().map(|(d, _)| d.sh.hists.lock().clone());
-    let plots = write_plots(out, &hists, base_hists.as_deref(), &seconds)?;
+    // A chart that cannot be drawn (no font for the PNGs) costs the charts,
+    // not the run: the CSV and the summary are written whatever happens.
+    let (plots, plot_error) = match write_plots(out, &hists, base_hists.as_deref(), &seconds) {
+        Ok(p) => (p, None),
+        Err(e) => {
+            eprintln!("replay: plots not written: {e:#} (the CSV and the summary are complete)");
+            (Vec::new(), Some(format!("{e:#}")))
+        }
+    };
     let mut summary = serde_json::json!({
         "bench": "replay",
         "requests": requests.len(),
@@ -617,7 +640,7 @@ fn run_policy(
         "blocks": total_blocks,
         "ideal_hit_ratio": refs.ratio(ideal_hits),
         "lru_hit_ratio": refs.ratio(lru_hits),
-        "out": {"csv": csv, "plots": plots},
+        "out": {"csv": csv, "plots": plots, "plot_error": plot_error},
         "baseline": baseline.map(|(_, j)| j),
     });
     if let (Some(m), serde_json::Value::Object(r)) = (summary.as_object_mut(), result_json(&run, &refs)) {
@@ -970,4 +993,27 @@ fn write_plots(
         },
     )?);
     Ok(files)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A block of the wrong length is wrong by every byte missing or extra,
+    /// not only by the bytes it has.
+    #[test]
+    fn a_short_or_long_block_counts_its_missing_or_extra_bytes() {
+        let key = key_of(7);
+        let mut good = vec![0u8; 4096];
+        crate::fill_block(key, &mut good);
+        let mut scratch = Vec::new();
+        assert_eq!(wrong_bytes(key, &good, 4096, &mut scratch), 0);
+        assert_eq!(wrong_bytes(key, &good[..100], 4096, &mut scratch), 3996);
+        assert_eq!(wrong_bytes(key, &[], 4096, &mut scratch), 4096);
+        let mut long = good.clone();
+        long.extend_from_slice(&[1, 2, 3]);
+        assert_eq!(wrong_bytes(key, &long, 4096, &mut scratch), 3);
+        good[5] ^= 1;
+        assert_eq!(wrong_bytes(key, &good, 4096, &mut scratch), 1);
+    }
 }
