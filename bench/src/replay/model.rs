@@ -5,8 +5,10 @@
 //! A request hits the longest prefix of its blocks that is cached, then
 //! every block of it is cached (the replay puts the missing ones). Requests
 //! are taken in arrival order; the replay starts them in that order too, so
-//! a block it finds was put by an earlier request: per request, the replay
-//! can never hit more than the ideal (counted as `above_ideal`, a bug).
+//! with one request at a time a block it finds was put by an earlier
+//! request: per request, the replay can never hit more than the ideal
+//! (counted as `above_ideal`, a bug then). Overlapping requests can: a
+//! later one's put may land before an earlier one's pin.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
