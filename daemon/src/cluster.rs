@@ -886,13 +886,18 @@ impl Cluster {
         }
     }
 
-    /// Releases the store pins of grants a peer is done with.
-    fn release_grants(&self, g: &mut Inner, from: NodeId, batch: &Batch) {
+    /// Releases the store pins of grants a peer is done with, once the core
+    /// took their release: a release in a batch the core drops (of another
+    /// epoch, during a view change) leaves the core's grant in place, and
+    /// its store pin with it (else the store could evict a slot the core
+    /// still counts granted: a copy it holds but cannot serve).
+    fn release_grants(&self, g: &mut Inner, from: NodeId, releases: &[(CoreSlot, u64)]) {
         let mut refs = Vec::new();
-        for m in &batch.msgs {
-            if let Msg::GrantRelease { grant, .. } = m
-                && let Some((r, _)) = g.grant_pins.remove(&(from, *grant))
-            {
+        for &(slot, grant) in releases {
+            if g.node.grant_outstanding(slot, grant) {
+                continue;
+            }
+            if let Some((r, _)) = g.grant_pins.remove(&(from, grant)) {
                 refs.push(r);
             }
         }
@@ -1530,11 +1535,27 @@ impl Cluster {
         ping.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_pong = Instant::now();
         let mut seq = 0u64;
+        // A frame the stream takes no more of for three heartbeats (HTTP/2
+        // flow control stalled: a peer or path gone without the connection
+        // closing) ends the stream like three missed pongs: waiting on it
+        // would stop this loop, and the pong check with it, until TCP gave
+        // up (minutes), with the membership keepalives that ride here.
+        let stalled = 3 * heartbeat;
+        let send = |f: pb::Frame| {
+            let tx = &tx;
+            async move {
+                match tokio::time::timeout(stalled, tx.send(f)).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(_)) => Err("stream closed".to_string()),
+                    Err(_) => Err(format!("the stream took no frame for {stalled:?} (three heartbeats)")),
+                }
+            }
+        };
         loop {
             tokio::select! {
                 f = rx.recv() => {
                     let Some(f) = f else { return Ok(()) };
-                    tx.send(f).await.map_err(|_| "stream closed".to_string())?;
+                    send(f).await?;
                 }
                 m = inbound.message() => match m {
                     Ok(Some(pb::Frame { body: Some(pb::frame::Body::Pong(x)), .. })) => {
@@ -1553,7 +1574,7 @@ impl Cluster {
                         return Err("no pong for three heartbeats".into());
                     }
                     seq += 1;
-                    tx.send(pb::Frame { body: Some(pb::frame::Body::Ping(seq)), ..Default::default() }).await.map_err(|_| "stream closed".to_string())?;
+                    send(pb::Frame { body: Some(pb::frame::Body::Ping(seq)), ..Default::default() }).await?;
                 }
             }
         }
@@ -1689,8 +1710,18 @@ impl Cluster {
     fn receive_locked(self: &Arc<Self>, g: &mut Inner, from: NodeId, batch: Batch) {
         tracing::trace!(from, msgs = batch.msgs.len(), first = ?batch.msgs.first(), "received batch");
         self.counters.batches_received.fetch_add(1, Ordering::Relaxed);
-        self.release_grants(g, from, &batch);
+        let releases: Vec<(CoreSlot, u64)> = batch
+            .msgs
+            .iter()
+            .filter_map(|m| match m {
+                Msg::GrantRelease { slot, grant } => Some((*slot, *grant)),
+                _ => None,
+            })
+            .collect();
         self.feed_locked(g, Event::Receive { from, batch });
+        if !releases.is_empty() {
+            self.release_grants(g, from, &releases);
+        }
     }
 
     /// A flush barrier's ping came back.

@@ -638,6 +638,12 @@ impl Node {
         self.copies.len() + by_ops + self.slots.values().filter(|h| !h.referenced).count()
     }
 
+    /// Whether grant `grant` of slot `slot` is still held (not released by
+    /// its reader, not expired).
+    pub fn grant_outstanding(&self, slot: SlotRef, grant: u64) -> bool {
+        self.slots.get(&slot).is_some_and(|h| h.grants.contains_key(&grant))
+    }
+
     /// Whether a copy of `key` could be evicted now (no pins, no grants).
     pub fn can_evict(&self, key: &BlockKey) -> bool {
         self.copies.get(key).is_some_and(|c| self.slots.get(&c.slot).is_none_or(|h| h.pins == 0 && h.grants.is_empty()))
