@@ -1502,6 +1502,16 @@ fn connect<'w>(worker: &'w Worker, peer: &PeerAddr, peer_failure: bool) -> Resul
     let mut rkeys = HashMap::new();
     for p in &peer.pools {
         let rk = ep.unpack_rkey(&p.rkey).map_err(|e| format!("pool {}: {e}", p.index))?;
+        // Reads are checked against the pool's claimed size: on shared
+        // memory that size must be what this process maps of the peer's
+        // segment, or a read past it would fault this thread (a peer
+        // claiming more than it has, buggy or hostile).
+        if rk.maps_extent(p.base, p.bytes) == Some(false) {
+            return Err(format!(
+                "pool {}: the peer claims {} bytes at {:#x}, not all of which its shared memory maps here",
+                p.index, p.bytes, p.base
+            ));
+        }
         rkeys.insert(p.index, (rk, p.base, p.bytes));
     }
     let mapped: Vec<(usize, usize)> = peer
@@ -1965,6 +1975,29 @@ mod tests {
             frames: false,
             table: dp.table().map(|t| RemotePool { index: 0, base: t.base, bytes: t.bytes, rkey: t.rkey.clone() }),
         }
+    }
+
+    /// A peer claiming a pool larger than its shared memory segment is not
+    /// connected (a read past the segment would fault the data-plane
+    /// thread: the daemon would abort); its true size connects.
+    #[tokio::test]
+    async fn a_peer_pool_larger_than_its_segment_is_refused_on_shared_memory() {
+        // Pools UCX allocates (as a clustered daemon's on shared memory):
+        // the getter reads them through its own attachment.
+        let sm = || {
+            let ctx = Context::new(&Transports::SharedMemory).unwrap();
+            let mr = Arc::new(MemoryRegion::allocate(&ctx, 1 << 20).unwrap());
+            DataPlane::start_with(ctx, vec![Some(mr)], None, Transports::SharedMemory, limits(64)).unwrap()
+        };
+        let (getter, holder) = (sm(), sm());
+        let mut claim = addr(2, &holder);
+        assert!(!claim.pools.is_empty());
+        for p in &mut claim.pools {
+            p.bytes *= 4;
+        }
+        let e = getter.connect(claim).await.expect_err("a claim past the segment");
+        assert!(e.contains("not all of which its shared memory maps here"), "{e}");
+        getter.connect(addr(2, &holder)).await.expect("the true extent");
     }
 
     /// A getter's send order over tcp: the holder's data-plane thread sends

@@ -1190,6 +1190,25 @@ impl RemoteKey<'_> {
         (s == sys::ucs_status_t::UCS_OK && !p.is_null()).then_some(p as usize)
     }
 
+    /// Whether the peer's claimed extent (`bytes` at `remote_addr`) is all
+    /// mapped readable in this process, where UCX reads it through a local
+    /// mapping (shared memory: `ucp_rkey_ptr` only adds an offset, and a
+    /// read past the segment would fault the reading thread); `None` where
+    /// this process does not map it (the transport reads the peer's
+    /// memory through the peer, which checks its own registration).
+    pub fn maps_extent(&self, remote_addr: u64, bytes: u64) -> Option<bool> {
+        let first = self.local_address(remote_addr)?;
+        if bytes == 0 {
+            return Some(true);
+        }
+        let contiguous = remote_addr
+            .checked_add(bytes - 1)
+            .and_then(|end| self.local_address(end))
+            .and_then(|last| last.checked_sub(first))
+            .is_some_and(|d| d as u64 == bytes - 1);
+        Some(contiguous && usize::try_from(bytes).is_ok_and(|n| mapped_readable(first, n)))
+    }
+
     /// The peer's `bytes` at `remote_addr` as words other threads may read
     /// while this key lives ([`RemoteWords`]); `None` where this process
     /// does not map them (not shared memory), they are not 8-aligned, not
