@@ -86,7 +86,7 @@ pub fn load_tls(t: &crate::config::EtcdTlsConfig) -> Result<etcd_client::TlsOpti
     certs("ca", &ca)?;
     let mut o = etcd_client::TlsOptions::new().ca_certificate(etcd_client::Certificate::from_pem(ca));
     if let (Some(c), Some(k)) = (&t.cert, &t.key) {
-        let (cert, key) = (read("cert", c)?, read("key", k)?);
+        let (cert, key) = (read("cert", c)?, crate::tls::read_private_key("membership.tls.key", k)?);
         certs("cert", &cert)?;
         if PrivateKeyDer::from_pem_slice(&key).is_err() {
             return Err("membership.tls.key: no PEM private key in the file".into());

@@ -50,6 +50,30 @@ pub struct PeerTls {
     pub refusals: AtomicU64,
 }
 
+/// Reads the private key `field` at `p`, refused when any user may read or
+/// write it (mode bits for others: anyone on the host could then act as
+/// this node), with a warning when its group may.
+pub fn read_private_key(field: &str, p: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(p).map_err(|e| format!("{field}: {}: {e}", p.display()))?.permissions().mode();
+    if mode & 0o007 != 0 {
+        return Err(format!(
+            "{field}: {} is open to other users (mode {:o}): anyone on this host could act as this node; \
+             chmod 600 it",
+            p.display(),
+            mode & 0o777
+        ));
+    }
+    if mode & 0o070 != 0 {
+        tracing::warn!(
+            "{field}: {} is readable by its group (mode {:o}); 600 keeps it to this user",
+            p.display(),
+            mode & 0o777
+        );
+    }
+    std::fs::read(p).map_err(|e| format!("{field}: {}: {e}", p.display()))
+}
+
 impl PeerTls {
     /// Loads `cfg` for node `id`: `None` when TLS is off. Checks that the
     /// certificate names this node (a daemon started with another node's
@@ -62,7 +86,9 @@ impl PeerTls {
             let p = p.as_ref().ok_or_else(|| format!("peer.tls.{name}: not set"))?;
             std::fs::read(p).map_err(|e| format!("peer.tls.{name}: {}: {e}", p.display()))
         };
-        let (ca, cert, key) = (read("ca", &cfg.ca)?, read("cert", &cfg.cert)?, read("key", &cfg.key)?);
+        let key_path = cfg.key.as_ref().ok_or("peer.tls.key: not set")?;
+        let (ca, cert, key) =
+            (read("ca", &cfg.ca)?, read("cert", &cfg.cert)?, read_private_key("peer.tls.key", key_path)?);
         let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert)
             .collect::<Result<_, _>>()
             .map_err(|e| format!("peer.tls.cert: not PEM certificates: {e}"))?;

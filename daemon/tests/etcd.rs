@@ -392,8 +392,11 @@ async fn etcd_over_tls_with_client_certificates() {
     use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
     let certs = TempDir::new("etcd-certs");
     let write = |name: &str, text: String| {
+        use std::os::unix::fs::PermissionsExt;
         let p = certs.0.join(name);
         std::fs::write(&p, text).unwrap();
+        // (Private keys readable by their owner only, as the daemon asks.)
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
         p
     };
     let ca_key = KeyPair::generate().unwrap();

@@ -171,6 +171,12 @@ fn check_config_loads_the_tls_files_as_start_up_does() {
     let client = |cert: &str, key: &str| format!("ca = {ca:?}\ncert = {cert:?}\nkey = {key:?}\n");
     let node2 = (base.join("node-2.pem").display().to_string(), base.join("node-2.key").display().to_string());
     let good = peer_config_tls(1, &ports, "sm", &pools, &tls_inline(&base, 1));
+    // Node 1's key, readable by every user.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::copy(base.join("node-1.key"), base.join("open.key")).unwrap();
+        std::fs::set_permissions(base.join("open.key"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
     let (code, err) = check("good", good.clone() + &etcd(&client(&node2.0, &node2.1)));
     assert_eq!(code, Some(0), "the right files refused: {err}");
     let cases = [
@@ -180,6 +186,11 @@ fn check_config_loads_the_tls_files_as_start_up_does() {
             "peer.tls.cert: the certificate does not name",
         ),
         (good.replace("node-1.key", "missing.key"), "peer.tls.key: "),
+        (good.replace("node-1.key", "open.key"), "is open to other users (mode 644)"),
+        (
+            good.clone() + &etcd(&client(&node2.0, &base.join("open.key").display().to_string())),
+            "is open to other users",
+        ),
         (good.replace("ca.pem", "garbage.pem"), "peer.tls.ca: no PEM certificate"),
         (good.clone() + &etcd(&format!("ca = {garbage:?}\n")), "membership.tls.ca: no PEM certificate"),
         (good.clone() + &etcd(&client(&node2.0, &garbage)), "membership.tls.key: no PEM private key"),
