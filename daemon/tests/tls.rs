@@ -156,6 +156,12 @@ fn check_config_loads_the_tls_files_as_start_up_does() {
     kvmeshd::tls::make_certs(&base, &[1, 2], 1).unwrap();
     let garbage = base.join("garbage.pem");
     std::fs::write(&garbage, "not a certificate\n").unwrap();
+    {
+        // (Private as a key must be, so that what refuses it as one is its
+        // content.)
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&garbage, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let (ca, garbage) = (base.join("ca.pem").display().to_string(), garbage.display().to_string());
     let ports = [free_port(), free_port()];
     let pools = pool("p", "4MiB", "4KiB");
