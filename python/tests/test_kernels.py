@@ -85,6 +85,13 @@ def test_bad_arguments_are_invalid_argument():
     with pytest.raises(InvalidArgument):
         kernels.gather(shape, tensors, [0], [ro])  # read-only slot
     with pytest.raises(InvalidArgument):
+        kernels.gather(shape, tensors, [0], [tensors[0][:block]])  # a slot inside a tensor
+    with pytest.raises(InvalidArgument):
+        kernels.scatter(shape, tensors, [0], [tensors[-1][tensor_bytes - block:]])  # read where written
+    if count > 1:
+        with pytest.raises(InvalidArgument):
+            kernels.scatter(shape, [tensors[0]] * count, [0], [slot])  # tensors written twice at once
+    with pytest.raises(InvalidArgument):
         kernels.KvShape("paged", "float16", 1, 1, 1, 1, 1).sizes()
     with pytest.raises(InvalidArgument):
         kernels.KvShape("nhd", "float16", 1, 1, 0, 1, 1).sizes()

@@ -947,14 +947,62 @@ fn kv_move(
     let s = kv_shape(py, shape)?;
     let mem = Memory::from_code(device).ok_or_else(|| invalid(py, format!("device {device}")))?;
     let dir = if gather { Direction::Gather } else { Direction::Scatter };
+    // What `move_pages` needs beyond what kvmesh.kernels checked: the memory
+    // written does not overlap what is read (a slot that is a view of an
+    // engine tensor), nor, for a scatter (every tensor written at once),
+    // another tensor.
+    let (_, tensor_bytes) = s.tensors().map_err(|e| invalid(py, e.to_string()))?;
+    if let Some(why) = overlap(&tensors, tensor_bytes, &slots, slot_bytes, !gather) {
+        return Err(invalid(py, why));
+    }
     // kvmesh.kernels passes the addresses of arrays it holds
     // references to for the whole call, after checking each one is
     // contiguous, of the memory kind `device` names, as long as the shape
     // needs (tensors) or `slot_bytes` (slots), and writable where written;
-    // the GIL is released, but the arrays stay referenced by the caller.
-    // SAFETY: arrays held and checked by kvmesh.kernels.
+    // the GIL is released, but the arrays stay referenced by the caller;
+    // no slot overlaps a tensor, nor (scatter) a tensor another (checked
+    // above). Python code writing these arrays from another thread during
+    // the call breaks the contract as it would with any buffer handed to
+    // native code without the GIL.
+    // SAFETY: arrays held and checked by kvmesh.kernels and above.
     py.detach(|| unsafe { move_pages(&s, mem, dir, &tensors, &pages, &slots, slot_bytes) })
         .map_err(|e| gpu_error(py, e))
+}
+
+/// Why regions of a move overlap where they must not: a slot (`slot_bytes`
+/// at each of `slots`) with a tensor (`tensor_bytes` at each of
+/// `tensors`), or, with `tensors_written`, two tensors. `None` when none
+/// does.
+fn overlap(
+    tensors: &[u64],
+    tensor_bytes: usize,
+    slots: &[u64],
+    slot_bytes: usize,
+    tensors_written: bool,
+) -> Option<String> {
+    let end = |a: u64, n: usize| a.saturating_add(n as u64);
+    // Tensors by start, with the furthest end among those up to each.
+    let mut t: Vec<u64> = tensors.to_vec();
+    t.sort_unstable();
+    let mut reach = Vec::with_capacity(t.len());
+    let mut far = 0u64;
+    for (i, &a) in t.iter().enumerate() {
+        if tensors_written && i > 0 && a < far {
+            return Some("two engine tensors overlap (a scatter writes them all)".into());
+        }
+        far = far.max(end(a, tensor_bytes));
+        reach.push(far);
+    }
+    for (i, &s) in slots.iter().enumerate() {
+        let e = end(s, slot_bytes);
+        // Tensors starting before the slot ends; one overlaps if any of
+        // them ends after the slot starts.
+        let n = t.partition_point(|&a| a < e);
+        if n > 0 && reach[n - 1] > s {
+            return Some(format!("slots[{i}] overlaps an engine tensor (it is written or read where the other is)"));
+        }
+    }
+    None
 }
 
 /// `kvmesh._kvmesh.kvsum64(device, address, length)`.
