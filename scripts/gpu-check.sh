@@ -14,11 +14,14 @@
 #       process reading the lent pool), and python/gpu_cluster_check.py
 #       (two kvmeshd with GPU pools on loopback tcp: GPU blocks fetched
 #       from one by the other through host staging slots). Prints a JSON
-#       last line; under 5 minutes. Exit 0 ok, 1 a check failed, 77 no GPU
-#       here (skipped).
+#       last line, valid whatever a part printed (a part whose last line is
+#       not JSON — a panic, a timeout — is carried as a string); a few
+#       minutes, at most 8.5 when every part runs into its timeout (under
+#       the device tool's 10 minutes a command). Exit 0 ok, 1 a check
+#       failed, 77 no GPU here (skipped).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUNDLE=target/gpu-check
+BUNDLE=${KVMESH_GPU_BUNDLE:-target/gpu-check}
 
 if [[ "${1:-}" == "--build" ]]; then
     export PATH="$HOME/.cargo/bin:$PATH"
@@ -81,7 +84,7 @@ fi
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader >&2 || true
 
 set +e
-rust_out=$(timeout 240 "$BUNDLE/kvmesh-gpu-check")
+rust_out=$(timeout 150 "$BUNDLE/kvmesh-gpu-check")
 rust_rc=$?
 set -e
 printf '%s\n' "$rust_out" | sed '$d'
@@ -90,7 +93,7 @@ py_json='{"check":"python-gpu","skipped":"python3 missing"}'
 py_rc=77
 if command -v python3 >/dev/null; then
     set +e
-    py_json=$(PYTHONPATH="$BUNDLE/python" timeout 120 python3 "$BUNDLE/python/gpu_check.py" | tail -1)
+    py_json=$(PYTHONPATH="$BUNDLE/python" timeout 60 python3 "$BUNDLE/python/gpu_check.py" | tail -1)
     py_rc=$?
     set -e
 fi
@@ -122,9 +125,9 @@ TOML
     dpid=$!
     for _ in $(seq 100); do [[ -S "$dir/kvmeshd.sock" ]] && break; sleep 0.1; done
     set +e
-    dm_json=$(PYTHONPATH="$BUNDLE/python" timeout 180 python3 "$BUNDLE/python/gpu_daemon_check.py" "$dir/kvmeshd.sock" | tail -1)
+    dm_json=$(PYTHONPATH="$BUNDLE/python" timeout 90 python3 "$BUNDLE/python/gpu_daemon_check.py" "$dir/kvmeshd.sock" | tail -1)
     dm_rc=$?
-    cn_json=$(PYTHONPATH="$BUNDLE/python" timeout 180 python3 "$BUNDLE/python/gpu_connector_check.py" "$dir/kvmeshd.sock" | tail -1)
+    cn_json=$(PYTHONPATH="$BUNDLE/python" timeout 90 python3 "$BUNDLE/python/gpu_connector_check.py" "$dir/kvmeshd.sock" | tail -1)
     cn_rc=$?
     set -e
     kill "$dpid" 2>/dev/null || true
@@ -145,7 +148,7 @@ cl_rc=77
 if [[ $rust_rc -ne 77 ]] && command -v python3 >/dev/null; then
     set +e
     cl_json=$(LD_LIBRARY_PATH="$PWD/$BUNDLE/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" PYTHONPATH="$BUNDLE/python" \
-        timeout 180 python3 "$BUNDLE/python/gpu_cluster_check.py" --kvmeshd "$BUNDLE/kvmeshd" \
+        timeout 120 python3 "$BUNDLE/python/gpu_cluster_check.py" --kvmeshd "$BUNDLE/kvmeshd" \
         --device "cuda:${KVMESH_GPU:-0}" | tail -1)
     cl_rc=$?
     set -e
@@ -153,11 +156,26 @@ fi
 echo "cluster: $cl_json" >&2
 ok=false
 if [[ $rust_rc -eq 0 && ( $py_rc -eq 0 || $py_rc -eq 77 ) && ( $dm_rc -eq 0 || $dm_rc -eq 77 ) && ( $cn_rc -eq 0 || $cn_rc -eq 77 ) && ( $cl_rc -eq 0 || $cl_rc -eq 77 ) ]]; then ok=true; fi
-[[ -n "$rust_json" ]] || rust_json='null'
-[[ -n "$py_json" ]] || py_json='null'
-[[ -n "$dm_json" ]] || dm_json='null'
-[[ -n "$cn_json" ]] || cn_json='null'
-[[ -n "$cl_json" ]] || cl_json='null'
+# Each part's last line as JSON: as it is when it parses, else as a string
+# (what a panic or a timeout left), so the line below always parses.
+as_json() {
+    if [[ -z "$1" ]]; then
+        echo null
+    elif command -v python3 >/dev/null; then
+        python3 -c 'import json,sys; s=sys.argv[1]
+try: json.loads(s); print(s)
+except ValueError: print(json.dumps({"unparsed": s}))' "$1"
+    elif [[ $1 == \{*\} ]]; then
+        echo "$1"
+    else
+        printf '{"unparsed":"%s"}\n' "$(printf '%s' "$1" | tr -d '"\\' | tr -c '[:print:]' ' ')"
+    fi
+}
+rust_json=$(as_json "$rust_json")
+py_json=$(as_json "$py_json")
+dm_json=$(as_json "$dm_json")
+cn_json=$(as_json "$cn_json")
+cl_json=$(as_json "$cl_json")
 echo "{\"bench\":\"gpu-check-all\",\"ok\":$ok,\"rust_rc\":$rust_rc,\"python_rc\":$py_rc,\"daemon_rc\":$dm_rc,\"connector_rc\":$cn_rc,\"cluster_rc\":$cl_rc,\"rust\":$rust_json,\"python\":$py_json,\"daemon\":$dm_json,\"connector\":$cn_json,\"cluster\":$cl_json}"
 if [[ $rust_rc -eq 77 ]]; then exit 77; fi
 $ok
