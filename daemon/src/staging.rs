@@ -61,11 +61,19 @@ struct Side {
     permits: Arc<Semaphore>,
     total: usize,
     quarantined: AtomicUsize,
+    /// Woken when a slot is quarantined: a wait for more permits than are
+    /// left then takes fewer.
+    shrunk: tokio::sync::Notify,
 }
 
 impl Side {
     fn new(total: usize) -> Side {
-        Side { permits: Arc::new(Semaphore::new(total)), total, quarantined: AtomicUsize::new(0) }
+        Side {
+            permits: Arc::new(Semaphore::new(total)),
+            total,
+            quarantined: AtomicUsize::new(0),
+            shrunk: tokio::sync::Notify::new(),
+        }
     }
 
     /// Slots not quarantined.
@@ -142,16 +150,33 @@ impl Staging {
     /// without one are counted.
     async fn take(self: &Arc<Self>, recv: bool, n: usize, deadline: std::time::Instant) -> Vec<StagingSlot> {
         let side = if recv { &self.recv } else { &self.send };
-        let k = n.min(side.left());
-        let mut slots = Vec::with_capacity(k);
-        if k > 0 {
+        let mut slots = Vec::new();
+        loop {
+            let k = n.min(side.left());
+            if k == 0 {
+                break;
+            }
+            // A slot quarantined while this waits (its permit forgotten)
+            // can leave fewer than `k` permits for ever: then wait again
+            // for what is left, not until the deadline.
+            let shrunk = side.shrunk.notified();
+            tokio::pin!(shrunk);
+            shrunk.as_mut().enable();
+            if side.left() < k {
+                continue;
+            }
             let wait = Arc::clone(&side.permits).acquire_many_owned(k as u32);
-            if let Ok(Ok(mut permits)) = tokio::time::timeout_at(deadline.into(), wait).await {
+            let got = tokio::select! {
+                r = tokio::time::timeout_at(deadline.into(), wait) => r,
+                _ = &mut shrunk => continue,
+            };
+            if let Ok(Ok(mut permits)) = got {
                 while let Some(one) = if permits.num_permits() > 1 { permits.split(1) } else { None } {
                     slots.push(self.slot(one, recv));
                 }
                 slots.push(self.slot(permits, recv));
             }
+            break;
         }
         self.exhausted.fetch_add((n - slots.len()) as u64, Ordering::Relaxed);
         slots
@@ -227,6 +252,7 @@ impl StagingSlot {
         }
         let side = if self.recv { &self.staging.recv } else { &self.staging.send };
         side.quarantined.fetch_add(1, Ordering::Relaxed);
+        side.shrunk.notify_waiters();
     }
 }
 
@@ -350,6 +376,26 @@ mod tests {
         let t0 = Instant::now();
         assert!(st.take_recv(1, Instant::now() + Duration::from_secs(5)).await.is_none());
         assert!(t0.elapsed() < Duration::from_secs(1), "no read slot left: refused at once, not at the deadline");
+    }
+
+    /// A wave waiting for both read slots, one of them quarantined by
+    /// another batch meanwhile: it gets the one left as soon as that one is
+    /// back, not nothing at its deadline.
+    #[tokio::test]
+    async fn a_wave_waiting_for_a_slot_that_is_quarantined_takes_what_is_left() {
+        let st = Staging::new(4, 4096, 7, false).unwrap();
+        let held = st.take_recv(2, Instant::now() + Duration::from_millis(50)).await.unwrap();
+        let waiter = tokio::spawn({
+            let st = Arc::clone(&st);
+            async move { st.take_recv(2, Instant::now() + Duration::from_secs(10)).await.map(|v| v.len()) }
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let t0 = Instant::now();
+        let mut held = held.into_iter();
+        held.next().unwrap().quarantine();
+        drop(held);
+        assert_eq!(waiter.await.unwrap(), Some(1));
+        assert!(t0.elapsed() < Duration::from_secs(2), "waited {:?}", t0.elapsed());
     }
 
     /// A staged order: its jobs are copied into send slots and its items
