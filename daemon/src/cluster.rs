@@ -1869,10 +1869,12 @@ impl Cluster {
                 if m.id == me.id {
                     continue;
                 }
+                // Only the handshake read here: one made meanwhile (a
+                // read that met the restart reconnected) stays.
                 if let Some((inc, _, _)) = me.peers.conn_info(m.id).await
                     && inc != m.incarnation
                 {
-                    me.peers.reset(m.id).await;
+                    me.peers.reset_if(m.id, inc).await;
                 }
             }
         });
