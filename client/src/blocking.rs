@@ -82,7 +82,11 @@ impl Client {
             None => crate::default_socket_path(),
         };
         let inner = rt.block_on(crate::Client::connect_mode(path, mode))?;
-        Ok(Client { rt: Arc::new(Runtime(Some(rt))), inner })
+        let rt = Arc::new(Runtime(Some(rt)));
+        // Guards keep the runtime (and so the connection and session) as
+        // long as they live: a pin must not end while its block is read.
+        inner.keep_with_guards(Arc::clone(&rt) as Arc<dyn std::any::Any + Send + Sync>);
+        Ok(Client { rt, inner })
     }
 
     /// The async client (for futures passed to [`Client::block_on`]).

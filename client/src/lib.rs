@@ -239,6 +239,11 @@ const UNPIN_PIGGYBACK_WAIT: Duration = Duration::from_millis(1);
 struct Releases {
     unpins: std::sync::Mutex<Vec<pb::SlotRef>>,
     tx: mpsc::UnboundedSender<Release>,
+    /// What must live as long as any guard (the blocking client's runtime:
+    /// it runs the connection, whose end would end the session and every
+    /// pin with it while a guard still reads its slot). Guards hold this
+    /// struct; the release task holds it only weakly (no cycle).
+    keep: std::sync::OnceLock<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Releases {
@@ -824,7 +829,8 @@ impl Client {
             None => None,
         };
         let (tx, rx) = mpsc::unbounded_channel();
-        let releases = Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx });
+        let releases =
+            Arc::new(Releases { unpins: std::sync::Mutex::new(Vec::new()), tx, keep: std::sync::OnceLock::new() });
         tokio::spawn(release_loop(
             Calls { rpc: rpc.clone(), fast: fast.clone(), writes: hello.fast_path_writes },
             rx,
@@ -832,6 +838,28 @@ impl Client {
             hello.batch_keys_max.max(1) as usize,
         ));
         Ok(Client { inner: Arc::new(Inner { rpc, fast, pools, hello, releases, path }) })
+    }
+
+    /// Refuses guards this client did not make: their slots name another
+    /// session (or, after a daemon restart, someone else's slot of the same
+    /// number and generation), which this session would release or commit
+    /// in their owner's stead. The guards go back untouched (their own
+    /// client releases them when they drop).
+    fn check_own<'a>(&self, releases: impl Iterator<Item = &'a Option<Arc<Releases>>>) -> Result<()> {
+        for r in releases {
+            if !r.as_ref().is_some_and(|r| Arc::ptr_eq(r, &self.inner.releases)) {
+                return Err(ClientError::InvalidArgument(
+                    "a block pinned or allocated through another client (release it through that one)".into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Keeps `it` alive as long as this client or any guard made through it
+    /// (the blocking client's runtime). Set once; later calls do nothing.
+    pub(crate) fn keep_with_guards(&self, it: Arc<dyn std::any::Any + Send + Sync>) {
+        let _ = self.inner.releases.keep.set(it);
     }
 
     /// Whether lookups, pins and unpins use the fast path (a framed Unix
@@ -987,6 +1015,17 @@ impl Client {
                 continue;
             };
             let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
+            if s.pool != ns.pool {
+                // A `Namespace` of another client or daemon instance: its
+                // pool is not the one the daemon answered from.
+                err.get_or_insert_with(|| {
+                    ClientError::InvalidArgument(format!(
+                        "namespace {:?} says pool {}, the daemon answered a slot of pool {} (a Namespace from \
+                         another client or an earlier daemon?)",
+                        ns.name, ns.pool, s.pool
+                    ))
+                });
+            }
             let (Some(pool), Some(&key), None) = (pool, keys.get(i), &err) else {
                 self.inner.releases.unpin(slot);
                 continue;
@@ -1024,6 +1063,7 @@ impl Client {
     /// Unpins now and waits for the daemon's answer (dropping the guards
     /// unpins too, in the background).
     pub async fn unpin(&self, blocks: Vec<PinnedBlock>) -> Result<u32> {
+        self.check_own(blocks.iter().map(|b| &b.release))?;
         let mut refs = Vec::with_capacity(blocks.len());
         for mut b in blocks {
             b.release = None;
@@ -1104,6 +1144,16 @@ impl Client {
         overwrite: bool,
     ) -> Result<Vec<Allocation>> {
         self.check_batch(keys.len())?;
+        // A block the slot cannot hold would be written past its payload
+        // (a `Namespace` edited, or of another daemon instance).
+        if let Some(p) = self.inner.pools.get(ns.pool as usize)
+            && ns.block_bytes > p.info.slot_payload_bytes
+        {
+            return Err(ClientError::InvalidArgument(format!(
+                "namespace {:?}: blocks of {} bytes do not fit pool {}'s slots of {}",
+                ns.name, ns.block_bytes, ns.pool, p.info.slot_payload_bytes
+            )));
+        }
         let r = pb::AllocateRequest { namespace_id: ns.id, keys: pb_keys(keys), lease_ms, overwrite };
         let resp = self.calls().allocate(r).await?;
         // Every slot the daemon allocated is aborted on an error: an
@@ -1127,6 +1177,15 @@ impl Client {
                         continue;
                     };
                     let slot = SlotRef { pool: s.pool, slot: s.slot, generation: s.generation };
+                    if s.pool != ns.pool {
+                        err.get_or_insert_with(|| {
+                            ClientError::InvalidArgument(format!(
+                                "namespace {:?} says pool {}, the daemon allocated in pool {} (a Namespace from \
+                                 another client or an earlier daemon?)",
+                                ns.name, ns.pool, s.pool
+                            ))
+                        });
+                    }
                     let (Some(pool), Some(&key), None) = (pool, keys.get(i), &err) else {
                         self.inner.releases.abort(slot);
                         continue;
@@ -1165,6 +1224,7 @@ impl Client {
     /// them visible.
     pub async fn commit(&self, blocks: Vec<WritableBlock>) -> Result<Vec<CommitOutcome>> {
         self.check_batch(blocks.len())?;
+        self.check_own(blocks.iter().map(|b| &b.release))?;
         let mut refs = Vec::with_capacity(blocks.len());
         for mut b in blocks {
             b.release = None;
@@ -1210,6 +1270,7 @@ impl Client {
     /// Frees allocated, uncommitted slots.
     pub async fn abort(&self, blocks: Vec<WritableBlock>) -> Result<u32> {
         self.check_batch(blocks.len())?;
+        self.check_own(blocks.iter().map(|b| &b.release))?;
         let mut refs = Vec::with_capacity(blocks.len());
         for mut b in blocks {
             b.release = None;

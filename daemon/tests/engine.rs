@@ -766,6 +766,74 @@ async fn fast_path_answers_as_grpc_does_and_survives_bad_frames() {
     assert_eq!(g.stats().await.unwrap().pins_outstanding, 0);
 }
 
+/// Guards go back to the client that made them: another client's unpin,
+/// commit or abort of them is refused, and they stay as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_clients_guards_are_refused() {
+    let d = Daemon::start("foreign", &pool("p", "16MiB", "4KiB"));
+    let (a, b) = (d.client().await, d.client().await);
+    let ns = a.register_namespace("fg", 4096, "").await.unwrap();
+    let nsb = b.namespace("fg").await.unwrap();
+    a.put(&ns, &[(Key(1), &block_bytes(Key(1), 4096)[..])]).await.unwrap();
+    let pins: Vec<_> = a.pin(&ns, &[Key(1)]).await.unwrap().into_iter().flatten().collect();
+    let e = b.unpin(pins).await.expect_err("a's pins through b");
+    assert!(e.to_string().contains("another client"), "{e}");
+    let w = match a.allocate(&ns, &[Key(2)]).await.unwrap().pop().unwrap() {
+        Allocation::Allocated(w) => w,
+        o => panic!("{o:?}"),
+    };
+    let e = b.commit(vec![w]).await.expect_err("a's allocation through b");
+    assert!(e.to_string().contains("another client"), "{e}");
+    a.flush_releases().await;
+    // (The refused guards dropped: their own client released them.)
+    let s = a.stats().await.unwrap();
+    assert_eq!((s.pins_outstanding, s.allocations_outstanding), (0, 0), "{s:?}");
+    assert!(!b.lookup(&nsb, &[Key(2)]).await.unwrap().present[0], "nothing committed through b");
+}
+
+/// A `Namespace` whose blocks do not fit its pool's slots (edited, or of
+/// another daemon instance) is refused before anything is allocated: its
+/// writes would run past the slot's payload into the next block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_namespace_whose_blocks_overflow_the_slots_is_refused() {
+    let d = Daemon::start("nsforged", &pool("p", "16MiB", "4KiB"));
+    let c = d.client().await;
+    let ns = c.register_namespace("nf", 4096, "").await.unwrap();
+    let forged = kvmesh_client::Namespace { block_bytes: 8192, ..ns.clone() };
+    let e = c.allocate(&forged, &[Key(1)]).await.expect_err("8 KiB blocks in 4 KiB slots");
+    assert!(e.to_string().contains("do not fit"), "{e}");
+    assert_eq!(c.stats().await.unwrap().allocations_outstanding, 0);
+}
+
+/// A pin outlives the blocking client it came through: the client dropped
+/// while the guard is still read, the daemon keeps the pin (the session
+/// lives as long as a guard does), and the block stays its own. Before,
+/// dropping the client stopped its runtime, which closed the connection:
+/// the session ended, the pin with it, and the slot could be reused under
+/// the guard.
+#[test]
+fn a_pin_outlives_the_blocking_client_it_came_through() {
+    use kvmesh_client::blocking;
+    let d = Daemon::start("blockguard", &pool("p", "16MiB", "4KiB"));
+    let c = blocking::Client::connect(Some(&d.socket)).unwrap();
+    let ns = c.call(c.inner().register_namespace("bg", 4096, "")).unwrap();
+    let data = block_bytes(Key(5), 4096);
+    c.call(c.inner().put(&ns, &[(Key(5), &data[..])])).unwrap();
+    let pinned = c.call(c.inner().pin(&ns, &[Key(5)])).unwrap().pop().unwrap().expect("hit");
+    drop(c);
+    let other = blocking::Client::connect(Some(&d.socket)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let s = other.call(other.inner().stats()).unwrap();
+    assert_eq!(s.pins_outstanding, 1, "the pin ended with the client: {s:?}");
+    assert_eq!(pinned[..], data[..]);
+    drop(pinned);
+    let t0 = Instant::now();
+    while other.call(other.inner().stats()).unwrap().pins_outstanding != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(5), "the pin outlived its guard");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Dropping the last handle of a blocking client whose daemon hangs (a
 /// background unpin blocked on its answer) returns at once: the connection
 /// ends first, which wakes that unpin, then the runtime stops. Before, the
