@@ -235,6 +235,18 @@ class Planner:
         if req_id not in self.reqs:
             self.reqs[req_id] = _Req(list(tokens), salt, self.scheme.keys(tokens, salt))
 
+    def restart(self, req_id: str, tokens: Sequence[int], salt: Optional[bytes] = None) -> None:
+        """A request scheduled from the start again (new, or resumed after
+        a preemption freed its blocks): what was planned for it before is
+        forgotten (its load is planned anew; what it saved stays saved)."""
+        self.reqs.pop(req_id, None)
+        self.add(req_id, tokens, salt)
+
+    def replace_blocks(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """The request's whole block table (a request resumed after a
+        preemption gets a new one)."""
+        self.reqs[req_id].block_ids = list(block_ids)
+
     def allocated(self, req_id: str, block_ids: Sequence[int], num_computed_tokens: int, num_external_tokens: int) -> None:
         """Blocks were allocated: the request's whole block table so far, the
         tokens the engine had computed, and the external tokens it accepted

@@ -395,6 +395,142 @@ def test_the_vllm_adapter_in_vllms_call_order(daemon, monkeypatch):
             assert np.array_equal(la[:, blocks_a[i]], lb[:, blocks_b[i]]), f"block {i}"
 
 
+def _vllm_pair(daemon, monkeypatch, model):
+    """A vLLM adapter's worker factory and scheduler factory on `daemon`."""
+    from types import SimpleNamespace as NS
+
+    Role = fake_vllm(monkeypatch)
+    import kvmesh.vllm as kv
+
+    cfg = NS(
+        kv_transfer_config=NS(kv_connector_extra_config={"socket": daemon.socket}),
+        model_config=NS(model=model, dtype="float16", use_mla=False),
+        cache_config=NS(block_size=BT, cache_dtype="auto"),
+        parallel_config=NS(tensor_parallel_size=1, rank=0),
+    )
+    rng = np.random.default_rng(5)
+
+    def worker():
+        w = kv.KvmeshConnector(cfg, Role.WORKER)
+        caches = {f"layer.{i}": rng.standard_normal((2, NB, BT, H, D)).astype(np.float16) for i in range(L)}
+        w.register_kv_caches(caches)
+        return w, list(caches.values())
+
+    return worker, lambda: kv.KvmeshConnector(cfg, Role.SCHEDULER)
+
+
+def _vllm_step(sched, w, new_reqs, scheduled, cached=None):
+    from types import SimpleNamespace as NS
+
+    cached = cached or NS(req_ids=[], new_block_ids=[], num_computed_tokens=[])
+    out = NS(
+        scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled,
+    )
+    meta = sched.build_connector_meta(out)
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    w.wait_for_save()
+    return meta
+
+
+def _vllm_save(worker, sched_of, prompt, blocks):
+    """Engine A puts `prompt`'s whole chunks; returns its tensors."""
+    from types import SimpleNamespace as NS
+
+    wa, ta = worker()
+    sa = sched_of()
+    req = NS(request_id="a", all_token_ids=prompt, num_computed_tokens=0, lora_request=None, cache_salt=None)
+    assert sa.get_num_new_matched_tokens(req, 0) == (0, False)
+    sa.update_state_after_alloc(req, NS(get_block_ids=lambda: (blocks,)), 0)
+    new = NS(req_id="a", prompt_token_ids=prompt, block_ids=(blocks,), num_computed_tokens=0)
+    _vllm_step(sa, wa, [new], {"a": len(prompt)})
+    return ta
+
+
+def test_the_vllm_adapter_loads_after_the_engines_own_prefix(daemon, monkeypatch):
+    """vLLM asks for matches with the tokens its own prefix cache covers and
+    sets `request.num_computed_tokens` only after `update_state_after_alloc`:
+    the load must start after the engine's own blocks (kept as they are)
+    and cover every matched chunk. Before, it started at 0 (the stale
+    count): the engine's own block was overwritten and the last matched
+    chunk never loaded."""
+    from types import SimpleNamespace as NS
+
+    worker, sched_of = _vllm_pair(daemon, monkeypatch, "m-vllm-local")
+    prompt = tokens(4 * BT + 2, seed=31)
+    blocks_a = [5, 6, 7, 8, 9]
+    ta = _vllm_save(worker, sched_of, prompt, blocks_a)
+    wb, tb = worker()
+    sb = sched_of()
+    reqb = NS(request_id="b", all_token_ids=prompt, num_computed_tokens=0, lora_request=None, cache_salt=None)
+    # B's own prefix cache holds the first block.
+    n, _ = sb.get_num_new_matched_tokens(reqb, BT)
+    assert n == 3 * BT
+    blocks_b = [20, 1, 14, 3, 11]
+    own = [t[:, blocks_b[0]].copy() for t in tb]
+    sb.update_state_after_alloc(reqb, NS(get_block_ids=lambda: (blocks_b,)), n)
+    new = NS(req_id="b", prompt_token_ids=prompt, block_ids=(blocks_b,), num_computed_tokens=BT + n)
+    meta = _vllm_step(sb, wb, [new], {"b": 2})
+    assert [len(t.keys) for t in meta.plan.loads] == [3]
+    assert wb.get_block_ids_with_load_errors() == set()
+    for la, lb, o in zip(ta, tb, own):
+        assert np.array_equal(lb[:, blocks_b[0]], o), "the engine's own block was overwritten"
+        for i in range(1, 4):
+            assert np.array_equal(la[:, blocks_a[i]], lb[:, blocks_b[i]]), f"block {i} not loaded"
+
+
+def test_the_vllm_adapter_saves_nothing_computed_over_a_failed_load(daemon, monkeypatch):
+    """A load that failed in a step leaves that step's forward pass without
+    its context (vLLM recomputes the request afterwards): the chunks that
+    step computed must not be saved. Before, they were: wrong KV under valid
+    keys."""
+    from types import SimpleNamespace as NS
+
+    worker, sched_of = _vllm_pair(daemon, monkeypatch, "m-vllm-failed")
+    prompt = tokens(8 * BT + 2, seed=32)
+    _vllm_save(worker, sched_of, prompt[: 4 * BT + 2], [5, 6, 7, 8, 9])
+    wb, _ = worker()
+    sb = sched_of()
+    reqb = NS(request_id="b", all_token_ids=prompt, num_computed_tokens=0, lora_request=None, cache_salt=None)
+    n, _ = sb.get_num_new_matched_tokens(reqb, 0)
+    assert n == 4 * BT
+    blocks_b = list(range(10, 19))
+    sb.update_state_after_alloc(reqb, NS(get_block_ids=lambda: (blocks_b,)), n)
+    keys = wb._scheme_w.keys(prompt)
+    ns = wb._client.namespace(wb._scheme_w.namespace)
+    assert wb._client.remove(ns, [keys[1]]) == [True]
+    new = NS(req_id="b", prompt_token_ids=prompt, block_ids=(blocks_b,), num_computed_tokens=n)
+    meta = _vllm_step(sb, wb, [new], {"b": len(prompt) - n})
+    assert meta.plan.saves and meta.plan.saves[0].keys == keys[4:8], "the plan saves chunks 4-7"
+    assert wb.get_block_ids_with_load_errors(), "the load failed"
+    present = wb._client.contains(ns, keys[4:8])
+    assert not any(present), f"chunks computed over a failed load were saved: {present}"
+
+
+def test_a_preempted_request_is_loaded_again_into_its_new_blocks():
+    """A request preempted after its load (its blocks freed) and resumed:
+    its load is planned again, into the new block table, which replaces the
+    old one (vLLM sends the whole new table as the resumed request's new
+    block ids). Before, no load was planned on resume and the table was
+    doubled (later saves read the wrong blocks)."""
+    scheme = KeyScheme("test-model", "float16", "nhd", BT, 1, 0, 1)
+    p = Planner(None, scheme)
+    prompt = tokens(4 * BT + 2, seed=33)
+    p.restart("r", prompt)
+    p.allocated("r", [1, 2, 3, 4, 5], 0, 4 * BT)
+    first = p.step({"r": 4 * BT + 2})
+    assert [t.pages for t in first.loads] == [[[1], [2], [3], [4]]]
+    # Preempted, resumed with other blocks.
+    p.restart("r", prompt)
+    p.allocated("r", [7, 8, 9, 10, 11], 0, 4 * BT)
+    p.replace_blocks("r", [7, 8, 9, 10, 11])
+    again = p.step({"r": 4 * BT + 2})
+    assert [t.pages for t in again.loads] == [[[7], [8], [9], [10]]]
+    assert p.reqs["r"].block_ids == [7, 8, 9, 10, 11]
+
+
 def test_the_vllm_adapter_refuses_other_vllm_versions_at_import(monkeypatch):
     fake_vllm(monkeypatch, version="0.11.0")
     with pytest.raises(ImportError, match="0.33"):

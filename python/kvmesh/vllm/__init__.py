@@ -91,6 +91,13 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._mover: Optional[Mover] = None
         self._ns = None
         self._load_errors: Set[int] = set()
+        # Requests whose load failed in the step being run: nothing of theirs
+        # is saved in that step (it was computed over missing context).
+        self._failed_loads: Set[str] = set()
+        # Per request: the tokens the engine had computed itself when vLLM
+        # asked for matches (`request.num_computed_tokens` is set only after
+        # `update_state_after_alloc`).
+        self._local_computed: Dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
             # The namespace does not name the layout (blocks are packed the
             # same for every layout): the scheduler needs none.
@@ -131,13 +138,22 @@ class KvmeshConnector(KVConnectorBase_V1):
         assert p is not None
         if p.ns is None:
             p.ns = self._namespace(p.scheme)
+        self._local_computed[request.request_id] = num_computed_tokens
         return p.matched_tokens(request.all_token_ids, num_computed_tokens, self._salt(request)), False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         p = self._planner
         assert p is not None
-        p.add(request.request_id, request.all_token_ids, self._salt(request))
-        p.allocated(request.request_id, blocks.get_block_ids()[0], request.num_computed_tokens, num_external_tokens)
+        # Called once per scheduling from the start: a new request, or one
+        # resumed after a preemption (its blocks were freed): plan it anew.
+        # The engine's own computed tokens are those it told
+        # `get_num_new_matched_tokens` (vLLM sets `request.num_computed_tokens`
+        # only after this call: a new request still says 0 here, and loads
+        # planned from 0 overwrote the engine's own prefix blocks and left
+        # the matched chunks after them unloaded).
+        computed = self._local_computed.pop(request.request_id, request.num_computed_tokens)
+        p.restart(request.request_id, request.all_token_ids, self._salt(request))
+        p.allocated(request.request_id, blocks.get_block_ids()[0], computed, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         p = self._planner
@@ -149,12 +165,21 @@ class KvmeshConnector(KVConnectorBase_V1):
                 p.allocated(new.req_id, new.block_ids[0], new.num_computed_tokens, 0)
             done[new.req_id] = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
         cached = scheduler_output.scheduled_cached_reqs
+        resumed_ids = getattr(cached, "resumed_req_ids", None)
+        resumed_flags = getattr(cached, "resumed_from_preemption", None)
         for i, req_id in enumerate(cached.req_ids):
             if req_id not in p.reqs:
                 continue
             ids = cached.new_block_ids[i]
+            resumed = (resumed_ids is not None and req_id in resumed_ids) or (
+                resumed_flags is not None and i < len(resumed_flags) and bool(resumed_flags[i])
+            )
             if ids is not None:
-                p.extend(req_id, ids[0])
+                # A resumed request's new block ids are its whole new table.
+                if resumed:
+                    p.replace_blocks(req_id, ids[0])
+                else:
+                    p.extend(req_id, ids[0])
             done[req_id] = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
         # Only prompt tokens are saved (generated tokens are not in the
         # prompt of a later request unless it repeats them as its prompt).
@@ -163,6 +188,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         return KvmeshMetadata(p.step(done))
 
     def request_finished(self, request: Any, block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
+        self._local_computed.pop(request.request_id, None)
         if self._planner is not None:
             self._planner.finished(request.request_id)
         return False, None
@@ -203,8 +229,12 @@ class KvmeshConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         if self._mover is None or not isinstance(meta, KvmeshMetadata):
             return
+        self._failed_loads = set()
         for task in meta.plan.loads:
-            self._load_errors |= self._mover.load(task)
+            failed = self._mover.load(task)
+            if failed:
+                self._failed_loads.add(task.req_id)
+            self._load_errors |= failed
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -217,6 +247,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         if self._mover is None or not isinstance(meta, KvmeshMetadata) or not (self._scheme_w and self._scheme_w.writes):
             return
         for task in meta.plan.saves:
+            # This step computed those chunks over context whose load failed
+            # (vLLM recomputes the request after the step): saved, they
+            # would be wrong KV under valid keys.
+            if task.req_id in self._failed_loads:
+                continue
             self._mover.save(task)
 
     def get_block_ids_with_load_errors(self) -> Set[int]:
