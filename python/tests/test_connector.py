@@ -282,6 +282,26 @@ def test_sglang_storage_moves_pages_between_two_host_pools(daemon, monkeypatch):
     # Set again: already held pages count as stored.
     assert a.batch_set_v1(keys[:3], a_idx[:12]) == [True] * 3
     assert page_key(keys[0]) != page_key(keys[1]) and len(page_key(keys[0])) == 16
+    # Pages of another KV dtype, or of another pipeline stage, are other
+    # namespaces: same size, other bytes (before, bf16 and fp16 pages, and
+    # the stages' layers, were read as each other's).
+    pf = HostPool(8, seed=3)
+    pf.dtype = "float16"
+    pa.dtype = "bfloat16"
+    fp16, bf16 = KvmeshStorage(cfg, {}), KvmeshStorage(cfg, {})
+    fp16.register_mem_pool_host(pf)
+    bf16.register_mem_pool_host(pa)
+    assert bf16.batch_set_v1(keys[:2], a_idx[:8]) == [True] * 2
+    assert fp16.batch_exists(keys) == 0, "bf16 pages found by an fp16 engine"
+    pp = [KvmeshStorage(SimpleNamespace(**{**cfg.__dict__, "pp_rank": r, "pp_size": 2}), {}) for r in (0, 1)]
+    pp[0].register_mem_pool_host(HostPool(8, seed=4))
+    pp[1].register_mem_pool_host(HostPool(8, seed=5))
+    assert pp[0].batch_set_v1(keys[:2], a_idx[:8]) == [True] * 2
+    assert pp[1].batch_exists(keys) == 0, "stage 0's layers found by stage 1"
+    # A daemon not reachable: no shared cache, not a failed start.
+    gone = KvmeshStorage(SimpleNamespace(**{**cfg.__dict__, "extra_config": {"socket": "/nonexistent/kvmesh.sock"}}), {})
+    gone.register_mem_pool_host(HostPool(8, seed=6))
+    assert gone.batch_exists(keys) == 0 and gone.batch_get_v1(keys, b_idx) == [False] * 4
     # MLA: rank 1 does not write, and says so as success.
     mla1 = KvmeshStorage(SimpleNamespace(**{**cfg.__dict__, "is_mla_model": True, "tp_rank": 1, "tp_size": 2}), {})
     mla1.register_mem_pool_host(pb)

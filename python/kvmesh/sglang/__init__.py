@@ -56,10 +56,18 @@ class KvmeshStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
     def __init__(self, storage_config: Any = None, kwargs: Optional[dict] = None) -> None:
         extra = dict(getattr(storage_config, "extra_config", None) or {})
         self.config = storage_config
-        self.client = kvmesh.Client(extra.get("socket") or os.environ.get("KVMESH_SOCKET"))
         self.mla = bool(getattr(storage_config, "is_mla_model", False))
         self.tp_rank = int(getattr(storage_config, "tp_rank", 0))
         self.tp_size = int(getattr(storage_config, "tp_size", 1))
+        self.pp_rank = int(getattr(storage_config, "pp_rank", 0) or 0)
+        self.pp_size = int(getattr(storage_config, "pp_size", 1) or 1)
+        # A daemon not (yet) reachable: the server runs without the shared
+        # cache (every page a miss), not fail to start.
+        try:
+            self.client: Any = kvmesh.Client(extra.get("socket") or os.environ.get("KVMESH_SOCKET"))
+        except kvmesh.KvmeshError as e:
+            log.warning("kvmesh: daemon not reachable (%s): running without the shared cache", e)
+            self.client = None
         self.model = str(extra.get("model_tag") or getattr(storage_config, "model_name", None) or "model")
         self.mem_pool_host: Any = None
         self.ns: Any = None
@@ -75,9 +83,21 @@ class KvmeshStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         _, sizes = mem_pool_host.get_page_buffer_meta(self._first_page_indices(mem_pool_host))
         self.page_bytes = int(sum(sizes))
         rank = "mla" if self.mla else f"tp{self.tp_rank}of{self.tp_size}"
+        # What changes a page's bytes is in the name, so that engines whose
+        # pages differ never read each other's: the KV dtype (bf16 and fp16
+        # pages have the same size), and the pipeline stage (stages hold
+        # different layers, often as many).
+        if self.pp_size > 1:
+            rank += f"/pp{self.pp_rank}of{self.pp_size}"
+        dtype = str(getattr(mem_pool_host, "dtype", "") or "")
         layout = str(getattr(mem_pool_host, "layout", ""))
-        name = f"kvmesh/sglang/{self.model}/{rank}/page{mem_pool_host.page_size}/{self.page_bytes}B/{layout}"
-        self.ns = self.client.register_namespace(name, self.page_bytes, layout)
+        name = f"kvmesh/sglang/{self.model}/{rank}/{dtype}/page{mem_pool_host.page_size}/{self.page_bytes}B/{layout}"
+        if self.client is None:
+            return
+        try:
+            self.ns = self.client.register_namespace(name, self.page_bytes, layout)
+        except kvmesh.KvmeshError as e:
+            log.warning("kvmesh: namespace %s not registered (%s): running without the shared cache", name, e)
 
     @staticmethod
     def _first_page_indices(pool: Any) -> Any:
@@ -182,7 +202,7 @@ class KvmeshStorage(HiCacheStorage):  # type: ignore[misc,valid-type]
         raise NotImplementedError("kvmesh.sglang implements the zero-copy interface: set interface_v1")
 
     def clear(self) -> None:
-        if self.ns is not None:
+        if self.ns is not None and self.client is not None:
             self.client.invalidate_namespace(self.ns)
 
     def get_stats(self) -> Any:
