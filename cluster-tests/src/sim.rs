@@ -1678,8 +1678,15 @@ impl World {
                 let cur = self.etcd.kv.get("/view").map_or(0, |v| v.1);
                 if cur == expect {
                     self.note(format!("t={} n{node} view txn at rev {cur}: {value}", self.now));
-                    if let Some((epoch, m)) = parse_etcd_view(&value) {
-                        self.check_m1(&etcd_view(epoch, &m));
+                    match parse_etcd_view(&value) {
+                        Some((epoch, m)) => self.check_m1(&etcd_view(epoch, &m)),
+                        // (Every proposal is a view `format_etcd_view` wrote:
+                        // one that does not parse is a bug, not a view M1
+                        // may skip.)
+                        None => {
+                            self.pending_fail
+                                .get_or_insert(("M1", format!("n{node} proposed an unparsable view {value:?}")));
+                        }
                     }
                     self.etcd.put("/view", value, None);
                 }

@@ -979,7 +979,17 @@ async fn run(a: Args) -> Result<bool, String> {
     if let Err(e) = &healed {
         eprintln!("nemesis: the cluster did not heal: {e}");
     }
-    let clean = rep.clean() && healed.is_ok();
+    // A run that verified no read, or injected no fault, showed nothing:
+    // it must not pass as clean (a run too short, a cluster that served
+    // nothing).
+    let exercised = rep.hits > 0 && fault_count > 0;
+    if !exercised {
+        eprintln!(
+            "nemesis: the run verified {} reads and injected {fault_count} faults: nothing was shown (fails)",
+            rep.hits
+        );
+    }
+    let clean = rep.clean() && healed.is_ok() && exercised;
     if !rep.clean() {
         // What happened to the first offending keys, for the diagnosis.
         let mut text = String::new();
