@@ -65,11 +65,15 @@ class KeyScheme:
         tp_size: int = 1,
         mla: bool = False,
         tag: str = "",
+        pp_rank: int = 0,
+        pp_size: int = 1,
     ) -> None:
         if block_tokens <= 0 or chunk_blocks <= 0:
             raise ValueError("block_tokens and chunk_blocks must be positive")
         if not (0 <= tp_rank < tp_size):
             raise ValueError(f"tp_rank {tp_rank} outside tp_size {tp_size}")
+        if not (0 <= pp_rank < pp_size):
+            raise ValueError(f"pp_rank {pp_rank} outside pp_size {pp_size}")
         self.model = model
         self.kv_dtype = str(kv_dtype).replace("torch.", "")
         self.layout = layout
@@ -79,6 +83,8 @@ class KeyScheme:
         self.tp_size = tp_size
         self.mla = mla
         self.tag = tag
+        self.pp_rank = pp_rank
+        self.pp_size = pp_size
 
     @property
     def chunk_tokens(self) -> int:
@@ -92,6 +98,10 @@ class KeyScheme:
         # attention backends share blocks.
         rank = "mla" if self.mla else f"tp{self.tp_rank}of{self.tp_size}"
         parts = [self.model, self.kv_dtype, f"b{self.block_tokens}x{self.chunk_blocks}", rank]
+        # Pipeline stages hold different layers (MLA ones too): each its own
+        # namespace. (Not named without PP: names stay what they were.)
+        if self.pp_size > 1:
+            parts.append(f"pp{self.pp_rank}of{self.pp_size}")
         if self.tag:
             parts.append(self.tag)
         return "kvmesh/" + "/".join(parts)

@@ -82,6 +82,17 @@ def test_namespaces_separate_ranks_except_mla():
     assert m0.namespace == m1.namespace and m0.writes and not m1.writes
     with pytest.raises(ValueError):
         KeyScheme("m", "float16", "nhd", 16, 1, tp_rank=2, tp_size=2)
+    # Pipeline stages hold other layers: other namespaces (MLA too); no PP,
+    # the names as before.
+    p0 = KeyScheme("m", "float16", "nhd", 16, 1, pp_rank=0, pp_size=2)
+    p1 = KeyScheme("m", "float16", "nhd", 16, 1, pp_rank=1, pp_size=2)
+    assert p0.namespace != p1.namespace
+    assert KeyScheme("m", "float16", "nhd", 16, 1).namespace == "kvmesh/m/float16/b16x1/tp0of1"
+    q0 = KeyScheme("m", "float16", "mla", 16, 1, mla=True, pp_rank=0, pp_size=2)
+    q1 = KeyScheme("m", "float16", "mla", 16, 1, mla=True, pp_rank=1, pp_size=2)
+    assert q0.namespace != q1.namespace and q0.writes and q1.writes
+    with pytest.raises(ValueError):
+        KeyScheme("m", "float16", "nhd", 16, 1, pp_rank=2, pp_size=2)
 
 
 @pytest.mark.parametrize("layout", ["nhd", "hnd", "flashinfer", "mla"])

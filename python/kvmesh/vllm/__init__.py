@@ -86,6 +86,7 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._model = str(extra.get("model_tag") or mc.model)
         self._dtype = str(cc.cache_dtype if cc.cache_dtype != "auto" else mc.dtype).replace("torch.", "")
         self._tp = (getattr(pc, "rank", 0) % pc.tensor_parallel_size, pc.tensor_parallel_size)
+        self._pp = (0, max(1, int(getattr(pc, "pipeline_parallel_size", 1) or 1)))
         self._layout: Optional[str] = None
         self._planner: Optional[Planner] = None
         self._mover: Optional[Mover] = None
@@ -107,9 +108,18 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     # ----- helpers -----
 
-    def _scheme(self, layout: str, rank: int) -> KeyScheme:
+    def _scheme(self, layout: str, rank: int, pp_rank: int = 0) -> KeyScheme:
         return KeyScheme(
-            self._model, self._dtype, layout, self._block_tokens, self._chunk_blocks, rank, self._tp[1], mla=self._use_mla
+            self._model,
+            self._dtype,
+            layout,
+            self._block_tokens,
+            self._chunk_blocks,
+            rank,
+            self._tp[1],
+            mla=self._use_mla,
+            pp_rank=pp_rank,
+            pp_size=self._pp[1],
         )
 
     def _namespace(self, scheme: KeyScheme) -> Any:
@@ -213,7 +223,15 @@ class KvmeshConnector(KVConnectorBase_V1):
             rank = get_tensor_model_parallel_rank()
         except Exception:  # pragma: no cover - depends on vLLM's state
             pass
-        scheme = self._scheme(self._layout, rank)
+        pp_rank = 0
+        if self._pp[1] > 1:
+            # Each pipeline stage its own namespace (its own layers). The
+            # scheduler looks up stage 0's: a block another stage lacks is
+            # a failed load there, recomputed.
+            from vllm.distributed.parallel_state import get_pp_group
+
+            pp_rank = get_pp_group().rank_in_group
+        scheme = self._scheme(self._layout, rank, pp_rank)
         shape = kernels.KvShape(self._layout, str(t.dtype), len(tensors), num_blocks, block_tokens, heads, dim)
         packing = Packing(shape, self._chunk_blocks)
         # With `"gpu_pool": true` the daemon has a pool on this GPU and the
