@@ -322,7 +322,7 @@ async fn session(
     // credited every later answer to the keepalive sent one interval
     // before the one it answered: safe, but each lease then ran from an
     // interval too early.)
-    let mut pending: VecDeque<(Option<u64>, Instant)> = VecDeque::new();
+    let mut pending: VecDeque<(u64, Instant)> = VecDeque::new();
     // A keepalive unanswered this long means a connection that stalled
     // without closing (a host gone, packets dropped): etcd has expired the
     // lease by then anyway, and without this the session would wait for
@@ -369,11 +369,11 @@ async fn session(
                     continue;
                 }
                 keeper.keep_alive().await.map_err(e("lease keepalive"))?;
-                pending.push_back((Some(sent), Instant::now()));
+                pending.push_back((sent, Instant::now()));
             }
             a = answers.message() => {
                 let a = a.map_err(e("lease keepalive"))?.ok_or("lease keepalive stream ended")?;
-                let sent = pending.pop_front().and_then(|p| p.0);
+                let sent = pending.pop_front().map(|p| p.0);
                 if a.ttl() <= 0 {
                     return Err(format!("lease {lease} expired in etcd"));
                 }

@@ -368,48 +368,21 @@ def test_the_vllm_adapter_in_vllms_call_order(daemon, monkeypatch):
     reports a chunk removed meanwhile for recompute."""
     from types import SimpleNamespace as NS
 
-    Role = fake_vllm(monkeypatch)
-    import kvmesh.vllm as kv
-
-    cfg = NS(
-        kv_transfer_config=NS(kv_connector_extra_config={"socket": daemon.socket}),
-        model_config=NS(model="m-vllm", dtype="float16", use_mla=False),
-        cache_config=NS(block_size=BT, cache_dtype="auto"),
-        parallel_config=NS(tensor_parallel_size=1, rank=0),
-    )
-    rng = np.random.default_rng(3)
-
-    def worker():
-        w = kv.KvmeshConnector(cfg, Role.WORKER)
-        caches = {f"layer.{i}": rng.standard_normal((2, NB, BT, H, D)).astype(np.float16) for i in range(L)}
-        w.register_kv_caches(caches)
-        return w, list(caches.values())
-
-    def step(sched, w, new_reqs, computed):
-        out = NS(
-            scheduled_new_reqs=new_reqs,
-            scheduled_cached_reqs=NS(req_ids=[], new_block_ids=[], num_computed_tokens=[]),
-            num_scheduled_tokens={r.req_id: computed for r in new_reqs},
-        )
-        meta = sched.build_connector_meta(out)
-        w.bind_connector_metadata(meta)
-        w.start_load_kv(None)
-        w.wait_for_save()
-        return meta
-
+    worker, sched_of = _vllm_pair(daemon, monkeypatch, "m-vllm")
     prompt = tokens(4 * BT + 2, seed=21)
     wa, ta = worker()
-    sa = kv.KvmeshConnector(cfg, Role.SCHEDULER)
+    sa = sched_of()
     req = NS(request_id="a", all_token_ids=prompt, num_computed_tokens=0, lora_request=None, cache_salt=None)
     assert sa.get_num_new_matched_tokens(req, 0) == (0, False)
     blocks_a = [5, 6, 7, 8, 9]
     sa.update_state_after_alloc(req, NS(get_block_ids=lambda: (blocks_a,)), 0)
-    meta = step(sa, wa, [NS(req_id="a", prompt_token_ids=prompt, block_ids=(blocks_a,), num_computed_tokens=0)], len(prompt))
+    new = NS(req_id="a", prompt_token_ids=prompt, block_ids=(blocks_a,), num_computed_tokens=0)
+    meta = _vllm_step(sa, wa, [new], {"a": len(prompt)})
     assert len(meta.plan.saves[0].keys) == 4 and wa._mover.saved_chunks == 4
     assert sa.request_finished(req, blocks_a) == (False, None)
 
     wb, tb = worker()
-    sb = kv.KvmeshConnector(cfg, Role.SCHEDULER)
+    sb = sched_of()
     reqb = NS(request_id="b", all_token_ids=prompt, num_computed_tokens=0, lora_request=None, cache_salt=None)
     n, is_async = sb.get_num_new_matched_tokens(reqb, 0)
     assert (n, is_async) == (4 * BT, False)
@@ -418,7 +391,8 @@ def test_the_vllm_adapter_in_vllms_call_order(daemon, monkeypatch):
     # The last chunk goes before the workers load.
     ns = wb._client.namespace(wb._scheme_w.namespace)
     assert wb._client.remove(ns, [wb._scheme_w.keys(prompt)[3]]) == [True]
-    step(sb, wb, [NS(req_id="b", prompt_token_ids=prompt, block_ids=(blocks_b,), num_computed_tokens=n)], 2)
+    newb = NS(req_id="b", prompt_token_ids=prompt, block_ids=(blocks_b,), num_computed_tokens=n)
+    _vllm_step(sb, wb, [newb], {"b": 2})
     assert wb.get_block_ids_with_load_errors() == {blocks_b[3]}
     assert wb.get_block_ids_with_load_errors() == set(), "reported once"
     for i in range(3):

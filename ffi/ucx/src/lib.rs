@@ -1221,11 +1221,7 @@ impl RemoteKey<'_> {
             return None;
         }
         let first = self.local_address(remote_addr)?;
-        let last = self.local_address(remote_addr.checked_add(bytes - 1)?)?;
-        if !first.is_multiple_of(8) || last.checked_sub(first)? as u64 != bytes - 1 {
-            return None;
-        }
-        if !mapped_readable(first, usize::try_from(bytes).ok()?) {
+        if !first.is_multiple_of(8) || self.maps_extent(remote_addr, bytes) != Some(true) {
             return None;
         }
         let w = Arc::new(RemoteWords {
