@@ -53,7 +53,7 @@ use crate::config::{CoherenceConfig, MembershipConfig, PeerEntry};
 use crate::dataplane::{Control, Mode, TransferItem, TransferOutcome};
 use crate::peers::{Peers, TestHook};
 use crate::staging::is_staged;
-use crate::store::{FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
+use crate::store::{Detached, FETCH_SESSION, PEER_SESSION_BASE, PinOutcome, SessionId, SlotRef, Store};
 use kvmesh_coherence::membership::{KeepAlive, Membership, MembershipAction, StaticConfig, static_membership};
 
 mod push;
@@ -703,7 +703,9 @@ impl Cluster {
                     .begin_read(g, Read { op, from, remote, expect, dest: p.dest, deadline, started: Instant::now() });
                 self.read_pushed(g, from, read, p, queue);
             }
-            Action::StartRead { op, from, remote, expect, deadline } => match self.alloc_fetch_slot(&expect, queue) {
+            Action::StartRead { op, from, remote, expect, deadline } => match self
+                .alloc_fetch_slot(&g.node, &expect, queue)
+            {
                 Some(dest) => {
                     let read =
                         self.begin_read(g, Read { op, from, remote, expect, dest, deadline, started: Instant::now() });
@@ -978,10 +980,10 @@ impl Cluster {
 
     /// Reserves a local slot for a fetch (owned by the core until it
     /// commits or frees it).
-    fn alloc_fetch_slot(&self, expect: &CoreMeta, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
+    fn alloc_fetch_slot(&self, node: &Node, expect: &CoreMeta, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
         let mut st = self.store.lock();
         let ns = st.namespace_by_fingerprint(expect.key.ns)?;
-        fetch_slot_in(&mut st, ns.id, expect.key, queue)
+        fetch_slot_in(&mut st, node, ns.id, expect.key, queue)
     }
 
     /// Reads a batch of slots from one holder (`posted`: already handed
@@ -2264,9 +2266,13 @@ impl Cluster {
         let (res, evicted) = {
             let mut st = self.store.lock();
             // A draining daemon takes no new puts (as alone: `Store::allocate`).
+            // (Blocks the core keeps for readers stay: see `allocate_detached`.)
+            let node = &g.node;
+            let keep = |fp: u64, k: Key| node.holds_for_readers(&block_key(fp, k));
+            let how = Detached { exists_check: !overwrite, keep: &keep };
             let res = st
                 .check_not_draining()
-                .and_then(|()| st.allocate_detached(session, ns, keys, lease_ms, !overwrite, Instant::now()));
+                .and_then(|()| st.allocate_detached(session, ns, keys, lease_ms, how, Instant::now()));
             (res, st.take_evicted())
         };
         let any = !evicted.is_empty();
@@ -2780,14 +2786,16 @@ enum Dest {
 /// A fetch slot for `key` in namespace `ns`, reserved under the store
 /// lock `st` ([`Cluster::alloc_fetch_slot`]); what that evicted goes to
 /// `queue`.
-fn fetch_slot_in(st: &mut Store, ns: u32, key: BlockKey, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
+fn fetch_slot_in(st: &mut Store, node: &Node, ns: u32, key: BlockKey, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
+    let keep = |fp: u64, k: Key| node.holds_for_readers(&block_key(fp, k));
+    let how = Detached { exists_check: false, keep: &keep };
     let r =
-        st.allocate_detached(FETCH_SESSION, ns, &[Key(key.key)], 0, false, Instant::now()).ok().and_then(|(v, _)| {
-            match v.first() {
+        st.allocate_detached(FETCH_SESSION, ns, &[Key(key.key)], 0, how, Instant::now()).ok().and_then(
+            |(v, _)| match v.first() {
                 Some(crate::store::AllocOutcome::Allocated { slot, .. }) => Some(*slot),
                 _ => None,
-            }
-        });
+            },
+        );
     for (fp, k) in st.take_evicted() {
         queue.push_back(Event::Evict { key: block_key(fp, k) });
     }

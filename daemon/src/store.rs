@@ -31,6 +31,20 @@ use crate::memory::{CudaMemory, PoolMemory};
 /// Identifies an engine connection.
 pub type SessionId = u64;
 
+/// Which indexed blocks (namespace fingerprint, key) eviction must pass
+/// over as if pinned (see [`Store::allocate_detached`]).
+pub type Keep<'a> = &'a dyn Fn(u64, Key) -> bool;
+
+/// How a clustered allocation ([`Store::allocate_detached`]) treats what
+/// is cached.
+#[derive(Clone, Copy)]
+pub struct Detached<'a> {
+    /// A key whose Valid copy is here answers `Exists`.
+    pub exists_check: bool,
+    /// Blocks eviction passes over as if pinned.
+    pub keep: Keep<'a>,
+}
+
 /// Session of the daemon's own fetches from peers.
 pub const FETCH_SESSION: SessionId = u64::MAX - 1;
 /// Sessions of read grants to peers: this plus the peer's node id.
@@ -780,19 +794,25 @@ impl Store {
 
     /// Reserves slots for a clustered put or fetch: never indexed until the
     /// coherence core commits them, so a key may get a slot while its
-    /// current version is Valid (an overwrite). With `exists_check`, a key
-    /// whose Valid copy is here answers `Exists` instead. A key twice in the
-    /// batch answers `InProgress` the second time.
+    /// current version is Valid (an overwrite). With `how.exists_check`, a
+    /// key whose Valid copy is here answers `Exists` instead. A key twice in
+    /// the batch answers `InProgress` the second time.
+    ///
+    /// `how.keep(fingerprint, key)`: blocks the coherence core still holds for
+    /// readers (a grant not yet pinned here: its store pin is taken when
+    /// the grant's batch leaves) are passed over by eviction as if pinned,
+    /// so the store never frees a slot the core still counts granted (a
+    /// copy the core would keep announcing with no slot behind it).
     pub fn allocate_detached(
         &mut self,
         session: SessionId,
         ns: u32,
         keys: &[Key],
         lease_ms: u64,
-        exists_check: bool,
+        how: Detached<'_>,
         now: Instant,
     ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
-        self.allocate_inner(session, ns, keys, lease_ms, Some(exists_check), now)
+        self.allocate_inner(session, ns, keys, lease_ms, Some(how), now)
     }
 
     /// Makes a slot of a clustered put or fetch Valid at `version` (the
@@ -1366,7 +1386,7 @@ impl Store {
         Ok((released, unknown))
     }
 
-    fn queues_evict_one(&mut self, p: u32) -> bool {
+    fn queues_evict_one(&mut self, p: u32, keep: Keep<'_>) -> bool {
         let pool = &mut self.pools[p as usize];
         let live = pool.small_live + pool.main_live;
         // Each live entry is visited at most 4 times (freq <= 3) plus once
@@ -1394,7 +1414,7 @@ impl Store {
             if slot.generation != gen_ || slot.queue != expect || slot.state != State::Valid {
                 continue; // stale entry of a freed or removed slot
             }
-            if slot.pins > 0 {
+            if slot.pins > 0 || self.namespaces.get(slot.ns as usize).is_some_and(|n| keep(n.fingerprint, slot.key)) {
                 pinned_seen += 1;
                 if pinned_seen > live {
                     // every live slot is pinned
@@ -1466,15 +1486,15 @@ impl Store {
         pool.free.push(s);
     }
 
-    fn take_free_slot(&mut self, p: u32) -> Option<u32> {
-        if self.pools[p as usize].free.is_empty() && !self.queues_evict_one(p) {
+    fn take_free_slot(&mut self, p: u32, keep: Keep<'_>) -> Option<u32> {
+        if self.pools[p as usize].free.is_empty() && !self.queues_evict_one(p, keep) {
             return None;
         }
         self.pools[p as usize].free.pop()
     }
 
     /// Evicts down to the low watermark if a pool is above the high one.
-    fn apply_watermarks(&mut self, p: u32) {
+    fn apply_watermarks(&mut self, p: u32, keep: Keep<'_>) {
         let (n, used) = {
             let pool = &self.pools[p as usize];
             (pool.slot_count() as f64, pool.used() as f64)
@@ -1482,7 +1502,7 @@ impl Store {
         if used > self.cfg.eviction.high_watermark * n {
             let target = (self.cfg.eviction.low_watermark * n).floor() as u32;
             while self.pools[p as usize].used() > target {
-                if !self.queues_evict_one(p) {
+                if !self.queues_evict_one(p, keep) {
                     break;
                 }
             }
@@ -1529,17 +1549,21 @@ impl Store {
         Ok(())
     }
 
-    /// `detached`: `None` for an indexed allocation; `Some(exists_check)`
-    /// for one outside the index (see `allocate_detached`).
+    /// `detached`: `None` for an indexed allocation; `Some` for one outside
+    /// the index (see `allocate_detached`).
     fn allocate_inner(
         &mut self,
         session: SessionId,
         ns: u32,
         keys: &[Key],
         lease_ms: u64,
-        detached: Option<bool>,
+        detached: Option<Detached<'_>>,
         now: Instant,
     ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
+        let keep: Keep<'_> = match detached {
+            Some(d) => d.keep,
+            None => &|_, _| false,
+        };
         let nsd = self.namespace(ns)?.clone();
         self.check_allowance(session, keys.len())?;
         let deadline = now + self.lease(lease_ms);
@@ -1560,13 +1584,13 @@ impl Store {
                         continue;
                     }
                 }
-                Some(true) if self.valid_slot(ns, key).is_some() => {
+                Some(Detached { exists_check: true, .. }) if self.valid_slot(ns, key).is_some() => {
                     out.push(AllocOutcome::Exists);
                     continue;
                 }
                 Some(_) => {}
             }
-            let Some(s) = self.take_free_slot(p) else {
+            let Some(s) = self.take_free_slot(p, keep) else {
                 // Roll back this batch: nothing was visible yet.
                 for (k, s) in taken {
                     self.unindex(ns, k, p, s);
@@ -1620,7 +1644,7 @@ impl Store {
             }
         }
         self.lease_drop_if_empty(lease);
-        self.apply_watermarks(p);
+        self.apply_watermarks(p, keep);
         Ok((out, deadline))
     }
 
@@ -2187,6 +2211,11 @@ mod tests {
     use super::*;
     use std::collections::HashMap;
 
+    /// A clustered allocation that keeps nothing from eviction.
+    fn detached(exists_check: bool) -> Detached<'static> {
+        Detached { exists_check, keep: &|_, _| false }
+    }
+
     fn store(slots: u64, extra: &str) -> Store {
         let stride = slot_stride(4096);
         let text = format!(
@@ -2646,7 +2675,7 @@ mod tests {
         st.set_coherent();
         let ns = st.register_namespace("n", 4096, "").unwrap().id;
         let now = Instant::now();
-        let (out, _) = st.allocate_detached(FETCH_SESSION, ns, &[Key(1), Key(2)], 0, false, now).unwrap();
+        let (out, _) = st.allocate_detached(FETCH_SESSION, ns, &[Key(1), Key(2)], 0, detached(false), now).unwrap();
         let slots: Vec<SlotRef> = out
             .iter()
             .map(|o| match o {
@@ -2696,7 +2725,7 @@ mod tests {
                 0..=2 => {
                     // A put or a fetch: a slot outside the index, owned by the core.
                     let (who, exists_check) = if rnd(2) == 0 { (session, rnd(2) == 0) } else { (FETCH_SESSION, false) };
-                    if let Ok((out, _)) = st.allocate_detached(who, ns, &[key], 0, exists_check, now)
+                    if let Ok((out, _)) = st.allocate_detached(who, ns, &[key], 0, detached(exists_check), now)
                         && let AllocOutcome::Allocated { slot, payload_offset } = out[0]
                     {
                         st.pools[0].memory.copy_in(payload_offset, &[(key.0 & 0xff) as u8; 4096]).unwrap();
@@ -2877,6 +2906,37 @@ mod tests {
             );
             st.check_invariants().unwrap();
         }
+    }
+
+    /// Clustered eviction passes over the blocks the coherence core keeps
+    /// for readers (a grant whose store pin is not taken yet) as if they
+    /// were pinned, and frees another block instead; with everything kept
+    /// or pinned, an allocation is refused rather than freeing a kept slot.
+    #[test]
+    fn clustered_eviction_passes_over_blocks_the_core_keeps() {
+        let mut st = store(4, "[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0");
+        st.set_coherent();
+        let ns = st.register_namespace("n", 4096, "").unwrap().id;
+        let fp = st.namespace(ns).unwrap().fingerprint;
+        let now = Instant::now();
+        for (i, k) in (0..4u128).map(Key).enumerate() {
+            let (out, _) = st.allocate_detached(1, ns, &[k], 0, detached(false), now).unwrap();
+            let AllocOutcome::Allocated { slot, .. } = out[0] else { panic!("{out:?}") };
+            assert!(st.begin_commit(1, &[slot]).unwrap()[0].is_some());
+            assert!(st.commit_core(slot, i as u64 + 1, 7, false));
+        }
+        // Key 0 is the oldest: the first victim, unless the core keeps it.
+        let keep0: Keep<'_> = &|f, k| f == fp && k == Key(0);
+        st.allocate_detached(1, ns, &[Key(10)], 0, Detached { exists_check: false, keep: keep0 }, now).unwrap();
+        assert_eq!(st.take_evicted(), vec![(fp, Key(1))], "the kept block was evicted");
+        assert!(st.valid_slot(ns, Key(0)).is_some());
+        // Everything kept: no slot, and nothing freed.
+        let all: Keep<'_> = &|_, _| true;
+        let got = st.allocate_detached(1, ns, &[Key(11)], 0, Detached { exists_check: false, keep: all }, now);
+        assert!(matches!(got, Err(Error::ResourceExhausted(_))), "{got:?}");
+        assert!(st.take_evicted().is_empty());
+        assert!(st.valid_slot(ns, Key(0)).is_some() && st.valid_slot(ns, Key(2)).is_some());
+        st.check_invariants().unwrap();
     }
 
     /// A slot's pin count never wraps: a pin of a slot pinned u32::MAX

@@ -1079,3 +1079,53 @@ async fn a_peer_from_before_push_invitations_is_not_invited_tcp() {
     assert_eq!(cb.stats().await.unwrap().remote_fetched, 32);
     assert_eq!(ca.stats().await.unwrap().remote_fetched, 32);
 }
+
+/// A block the holder granted in a batch not sent yet is not evicted by an
+/// allocation meanwhile: the store passes over what the coherence core
+/// keeps for readers. Before, the store freed the granted slot (its pin
+/// was taken only when the batch left); the core kept the copy with no
+/// slot behind it (a phantom it went on announcing), and the reader was
+/// refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_granted_in_an_unsent_batch_is_not_evicted() {
+    let ports = [free_port(), free_port()];
+    // A: one small pool, eviction only when full, and batches that wait
+    // 600 ms for company (none leaves when A's input runs dry).
+    let a_extra = "[eviction]\nhigh_watermark = 1.0\nlow_watermark = 1.0\n\
+                   [coherence]\nflush_when_idle = false\nflush_delay_us = 600000\n";
+    let a = Daemon::start("granted-a", &(peer_config(1, &ports, "sm", &pool("p16k", "512KiB", "16KiB")) + a_extra));
+    let b = Daemon::start("granted-b", &peer_config(2, &ports, "sm", &pools()));
+    let (ca, cb) = clients(&a, &b).await;
+    let sa = ca.register_namespace("small", 16384, "l").await.unwrap();
+    let sb = cb.register_namespace("small", 16384, "l").await.unwrap();
+    let slots = ca.stats().await.unwrap().pools[0].slots as u128;
+    assert!(slots >= 4, "{slots}");
+    // Key 0 first (the first block eviction would take), then the rest of the pool.
+    put_all(&ca, &sa, &[Key(0)]).await;
+    put_all(&ca, &sa, &(1..slots).map(Key).collect::<Vec<_>>()).await;
+    let s = ca.stats().await.unwrap();
+    assert_eq!((s.pools[0].valid, s.pools[0].free), (slots as u32, 0), "{:?}", s.pools[0]);
+    let grants = |s: kvmesh_client::Stats| s.coherence.unwrap().grants_outstanding;
+    let before = grants(ca.stats().await.unwrap());
+
+    // B's get of key 0: A grants it; the grant waits in A's unsent batch.
+    let getter = tokio::spawn(async move { cb.pin(&sb, &[Key(0)]).await.map(|v| (v, sb)) });
+    let t = Instant::now();
+    while grants(ca.stats().await.unwrap()) == before {
+        assert!(t.elapsed() < Duration::from_secs(5), "A never granted key 0");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let seen = t.elapsed();
+    // An engine put on A now: the full pool evicts one block.
+    put_all(&ca, &sa, &[Key(1000)]).await;
+    let (got, sb) = getter.await.unwrap().unwrap();
+    let blk = got[0].as_ref().expect("the granted block reached B");
+    assert_eq!(&blk[..], &block_bytes(Key(0), sb.block_bytes as usize)[..]);
+    // A still has key 0 (another block went), and serves it.
+    let pinned = ca.pin(&sa, &[Key(0)]).await.unwrap();
+    assert_eq!(&pinned[0].as_ref().expect("A's own key 0")[..], &block_bytes(Key(0), sa.block_bytes as usize)[..]);
+    let evicted = ca.stats().await.unwrap().evictions;
+    assert_eq!(evicted, 1, "one block made room");
+    // (The grant was seen within the batch's 600 ms: the put came before it left.)
+    assert!(seen < Duration::from_millis(400), "the grant was seen only after {seen:?}: the check did not run");
+}

@@ -644,6 +644,16 @@ impl Node {
         self.slots.get(&slot).is_some_and(|h| h.grants.contains_key(&grant))
     }
 
+    /// Whether this node holds a copy of `key` whose slot is pinned or
+    /// granted: a slot its driver's store must not free (a store that
+    /// evicts on its own asks this first; the core then still has the
+    /// copy it announces, with its bytes behind it).
+    pub fn holds_for_readers(&self, key: &BlockKey) -> bool {
+        self.copies
+            .get(key)
+            .is_some_and(|c| self.slots.get(&c.slot).is_some_and(|h| h.pins > 0 || !h.grants.is_empty()))
+    }
+
     /// Whether a copy of `key` could be evicted now (no pins, no grants).
     pub fn can_evict(&self, key: &BlockKey) -> bool {
         self.copies.get(key).is_some_and(|c| self.slots.get(&c.slot).is_none_or(|h| h.pins == 0 && h.grants.is_empty()))

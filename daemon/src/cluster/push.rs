@@ -193,7 +193,7 @@ impl Cluster {
             {
                 continue;
             }
-            let Some((dest, stride, cap, mapping)) = self.reserve_push_slot(key, queue) else { continue };
+            let Some((dest, stride, cap, mapping)) = self.reserve_push_slot(&g.node, key, queue) else { continue };
             let d = to_store(dest);
             let tag = self.peers.next_tag();
             let item = TransferItem {
@@ -235,6 +235,7 @@ impl Cluster {
     /// a host pool UCX receives into: slot, stride, payload capacity, mapping.
     fn reserve_push_slot(
         &self,
+        node: &Node,
         key: BlockKey,
         queue: &mut VecDeque<Event>,
     ) -> Option<(CoreSlot, u64, u64, Arc<kvmesh_ffi_os::SharedMapping>)> {
@@ -248,7 +249,7 @@ impl Cluster {
         let p = st.pools().get(ns.pool as usize)?;
         let mapping = p.memory.host().filter(|_| !is_staged(&p.memory))?.clone();
         let (stride, cap) = (p.stride, p.slot_payload_bytes);
-        let slot = fetch_slot_in(&mut st, ns.id, key, queue)?;
+        let slot = fetch_slot_in(&mut st, node, ns.id, key, queue)?;
         Some((slot, stride, cap, mapping))
     }
 
