@@ -197,10 +197,21 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
         let cert = ca_params()?.self_signed(&k).map_err(err)?;
         write(&ca_pem, cert.pem().as_bytes(), false)?;
         write(&ca_key, k.serialize_pem().as_bytes(), true)?;
-        written.extend([ca_pem, ca_key]);
+        written.extend([ca_pem.clone(), ca_key]);
         k
     };
     let issuer = Issuer::new(ca_params()?, ca_key_pair);
+    // Every certificate is checked against ca.pem as the daemons will check
+    // it (a reused ca.key that is not that CA's key would only show as
+    // refused handshakes) before anything is written. (The CA's own
+    // validity period is not checked, here or by the daemons: rustls takes
+    // ca.pem as a trust anchor, whose dates it does not read.)
+    let ca_der = {
+        let pem = std::fs::read(&ca_pem).map_err(|e| format!("{}: {e}", ca_pem.display()))?;
+        CertificateDer::from_pem_slice(&pem).map_err(|e| format!("{}: {e}", ca_pem.display()))?
+    };
+    let anchor = webpki::anchor_from_trusted_cert(&ca_der).map_err(|e| format!("{}: {e}", ca_pem.display()))?;
+    let mut made = Vec::new();
     for &id in nodes {
         let mut p = CertificateParams::new(vec![node_name(id)]).map_err(err)?;
         p.distinguished_name.push(DnType::CommonName, node_name(id));
@@ -208,13 +219,37 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
         p.not_after = now + time::Duration::days(i64::from(days));
         let k = KeyPair::generate().map_err(err)?;
         let cert = p.signed_by(&k, &issuer).map_err(err)?;
+        let leaf = webpki::EndEntityCert::try_from(cert.der()).map_err(|e| format!("node {id}: {e}"))?;
+        let unix = rustls_pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+            now.unix_timestamp().max(0) as u64,
+        ));
+        leaf.verify_for_usage(CA_ALGS, &[anchor.clone()], &[], unix, webpki::KeyUsage::server_auth(), None, None)
+            .map_err(|e| {
+                format!(
+                    "{}: ca.key is not the key of the CA in ca.pem ({e:?}): put the CA's own key back (or remove \
+                 both to make a new CA)",
+                    dir.display()
+                )
+            })?;
+        made.push((id, cert.pem(), k.serialize_pem()));
+    }
+    for (id, cert, key) in made {
         let (c, kf) = (dir.join(format!("node-{id}.pem")), dir.join(format!("node-{id}.key")));
-        write(&c, cert.pem().as_bytes(), false)?;
-        write(&kf, k.serialize_pem().as_bytes(), true)?;
+        write(&c, cert.as_bytes(), false)?;
+        write(&kf, key.as_bytes(), true)?;
         written.extend([c, kf]);
     }
     Ok(written)
 }
+
+/// Signature algorithms a CA made by `make_certs` (rcgen's default, ECDSA
+/// P-256) or another common one may sign with.
+static CA_ALGS: &[&dyn rustls_pki_types::SignatureVerificationAlgorithm] = &[
+    webpki::ring::ECDSA_P256_SHA256,
+    webpki::ring::ECDSA_P384_SHA384,
+    webpki::ring::ED25519,
+    webpki::ring::RSA_PKCS1_2048_8192_SHA256,
+];
 
 fn write(p: &Path, data: &[u8], secret: bool) -> Result<(), String> {
     use std::io::Write;
@@ -262,6 +297,16 @@ mod tests {
         }
         let mode = std::fs::metadata(dir.join("node-1.key")).unwrap().permissions();
         assert_eq!(std::os::unix::fs::PermissionsExt::mode(&mode) & 0o777, 0o600);
+        // A key that is not the CA's: refused, and nothing written.
+        let other = dir.join("other");
+        make_certs(&other, &[1], 1).unwrap();
+        let kept_ca_key = std::fs::read(dir.join("ca.key")).unwrap();
+        std::fs::copy(other.join("ca.key"), dir.join("ca.key")).unwrap();
+        let e = make_certs(&dir, &[5], 1).unwrap_err();
+        assert!(e.contains("ca.key is not the key of the CA in ca.pem"), "{e}");
+        assert!(!dir.join("node-5.pem").exists());
+        std::fs::write(dir.join("ca.key"), kept_ca_key).unwrap();
+        make_certs(&dir, &[5], 1).unwrap();
         // A CA certificate without its key is never replaced.
         std::fs::remove_file(dir.join("ca.key")).unwrap();
         let e = make_certs(&dir, &[4], 1).unwrap_err();
