@@ -51,6 +51,9 @@ struct PeerState {
     takes_locate_registration: std::sync::atomic::AtomicBool,
     /// Its handshake said it takes push invitations (`Frame.push_invites`).
     takes_push_invites: std::sync::atomic::AtomicBool,
+    /// Why the last attempt to reach it failed, since it was last reached
+    /// (each new reason is logged as a warning, repeats at debug).
+    failing: Mutex<Option<String>>,
 }
 
 /// Test-only fault injection, from the environment (`KVMESH_TEST_HOOK`).
@@ -138,6 +141,7 @@ impl Peers {
                     renewed_at: Mutex::new(None),
                     takes_locate_registration: std::sync::atomic::AtomicBool::new(false),
                     takes_push_invites: std::sync::atomic::AtomicBool::new(false),
+                    failing: Mutex::new(None),
                 })
             })
             .collect();
@@ -251,10 +255,23 @@ impl Peers {
                 p.takes_locate_registration.store(c.takes_locate_registration, Ordering::Relaxed);
                 p.takes_push_invites.store(c.takes_push_invites, Ordering::Relaxed);
                 *p.conn.lock().await = Some(c);
+                if p.failing.lock().take().is_some() {
+                    tracing::info!(peer = p.entry.id, addr = %p.entry.addr, "peer reached");
+                }
                 true
             }
             Err(e) => {
-                tracing::debug!(peer = p.entry.id, addr = %p.entry.addr, "peer not reachable: {e}");
+                // A peer restarting is unreachable for a while: the first
+                // failure (and each new reason: a refused certificate, a
+                // peer naming another node id) is a warning, repeats are not.
+                let mut failing = p.failing.lock();
+                if failing.as_deref() != Some(e.as_str()) {
+                    tracing::warn!(peer = p.entry.id, addr = %p.entry.addr, "peer not reachable: {e}");
+                    *failing = Some(e);
+                } else {
+                    tracing::debug!(peer = p.entry.id, addr = %p.entry.addr, "peer not reachable: {e}");
+                }
+                drop(failing);
                 *p.retry_at.lock() = Instant::now() + Duration::from_millis(500);
                 false
             }
@@ -263,7 +280,7 @@ impl Peers {
 
     async fn handshake(&self, e: &PeerEntry) -> Result<Connected, String> {
         let ep = self.endpoint(e.id, &e.addr)?.connect_timeout(CONTROL_TIMEOUT).timeout(CONTROL_TIMEOUT);
-        let channel = ep.connect().await.map_err(|err| format!("connect: {err}"))?;
+        let channel = ep.connect().await.map_err(|err| format!("connect: {}", error_chain(&err)))?;
         let mut client = PeerClient::new(channel).max_decoding_message_size(16 << 20);
         let req = pb::HandshakeRequest {
             node_id: self.node_id,
@@ -1016,4 +1033,17 @@ mod tests {
         assert!(order_of(&st, &order(3), false, None).items.iter().all(|i| i.len == 0));
         assert!(order_of(&st, &order(2), true, None).items.iter().all(|i| i.len == 0));
     }
+}
+
+/// An error with its sources ("transport error: ...: certificate not
+/// trusted"): tonic's transport error alone says only "transport error".
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
 }
