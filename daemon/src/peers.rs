@@ -947,6 +947,19 @@ impl pb::peer_server::Peer for PeerService {
     }
 }
 
+/// An error with its sources ("transport error: ...: certificate not
+/// trusted"): tonic's transport error alone says only "transport error".
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1033,17 +1046,4 @@ mod tests {
         assert!(order_of(&st, &order(3), false, None).items.iter().all(|i| i.len == 0));
         assert!(order_of(&st, &order(2), true, None).items.iter().all(|i| i.len == 0));
     }
-}
-
-/// An error with its sources ("transport error: ...: certificate not
-/// trusted"): tonic's transport error alone says only "transport error".
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
 }

@@ -223,14 +223,22 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
         let unix = rustls_pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(
             now.unix_timestamp().max(0) as u64,
         ));
-        leaf.verify_for_usage(CA_ALGS, &[anchor.clone()], &[], unix, webpki::KeyUsage::server_auth(), None, None)
-            .map_err(|e| {
-                format!(
-                    "{}: ca.key is not the key of the CA in ca.pem ({e:?}): put the CA's own key back (or remove \
+        leaf.verify_for_usage(
+            CA_ALGS,
+            std::slice::from_ref(&anchor),
+            &[],
+            unix,
+            webpki::KeyUsage::server_auth(),
+            None,
+            None,
+        )
+        .map_err(|e| {
+            format!(
+                "{}: ca.key is not the key of the CA in ca.pem ({e:?}): put the CA's own key back (or remove \
                  both to make a new CA)",
-                    dir.display()
-                )
-            })?;
+                dir.display()
+            )
+        })?;
         made.push((id, cert.pem(), k.serialize_pem()));
     }
     for (id, cert, key) in made {
