@@ -1328,6 +1328,7 @@ impl Cluster {
                 cluster,
                 runtime,
                 from,
+                inc,
                 reads: reads.to_vec(),
                 index,
                 geometry,
@@ -1344,7 +1345,7 @@ impl Cluster {
             return Wave { refused, posted: None };
         }
         let (_, rx) = dp.transfer_ordered(mode, from, inc, items, orders, until);
-        Wave { refused, posted: Some(Posted { rx, index, geometry, mode, t_post }) }
+        Wave { refused, posted: Some(Posted { rx, index, geometry, mode, t_post, inc }) }
     }
 
     /// A batch of reads ended: its time, its hashing time, its bytes.
@@ -1375,7 +1376,7 @@ impl Cluster {
         for (i, e) in wave.refused {
             report(i, Err(e), &mut reported);
         }
-        let Some(Posted { mut rx, index, mut geometry, mode, t_post }) = wave.posted else {
+        let Some(Posted { mut rx, index, mut geometry, mode, t_post, inc }) = wave.posted else {
             return reported;
         };
         let mut failed = false;
@@ -1450,7 +1451,9 @@ impl Cluster {
         tracing::trace!(from, reads = index.len(), move_us = t_post.elapsed().as_micros() as u64, "slots read");
         self.read_batch_done(t_post, validating, moved);
         if failed && mode != Mode::Recv {
-            self.peers.reset(from).await;
+            // (Only the handshake the reads went through: a newer one, with
+            // the peer's next incarnation, stays.)
+            self.peers.reset_if(from, inc).await;
         }
         reported
     }
@@ -2673,6 +2676,8 @@ struct Posted {
     mode: Mode,
     /// When it was handed to the data plane.
     t_post: Instant,
+    /// The holder's incarnation the reads went to.
+    inc: u64,
 }
 
 /// The posted reads of a small wave, reporting their outcomes on the
@@ -2685,6 +2690,8 @@ struct InlineReads {
     /// Entered while feeding the core (it spawns tasks).
     runtime: tokio::runtime::Handle,
     from: NodeId,
+    /// The holder's incarnation the reads went to.
+    inc: u64,
     /// The wave's reads.
     reads: Vec<Read>,
     /// Per posted read: its index in `reads`.
@@ -2745,8 +2752,8 @@ impl InlineReads {
             tracing::trace!(from = self.from, reads = self.index.len(), move_us, "slots read (inline)");
             c.read_batch_done(self.t_post, self.validating, self.moved);
             if self.failed && self.mode != Mode::Recv {
-                let from = self.from;
-                self.runtime.spawn(async move { c.peers.reset(from).await });
+                let (from, inc) = (self.from, self.inc);
+                self.runtime.spawn(async move { c.peers.reset_if(from, inc).await });
             }
         }
     }

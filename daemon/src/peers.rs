@@ -337,13 +337,6 @@ impl Peers {
         })
     }
 
-    async fn drop_conn(&self, p: &PeerState) {
-        *p.conn.lock().await = None;
-        p.takes_locate_registration.store(false, Ordering::Relaxed);
-        p.takes_push_invites.store(false, Ordering::Relaxed);
-        *p.retry_at.lock() = Instant::now();
-    }
-
     /// Whether peer `id`'s handshake said it takes locate-time
     /// registrations (locates to it are sent plain otherwise).
     pub fn takes_locate_registration(&self, id: u32) -> bool {
@@ -393,14 +386,6 @@ impl Peers {
         }
     }
 
-    /// Forgets the handshake with `id` (it restarted or failed); the
-    /// background task shakes hands again.
-    pub async fn reset(&self, id: u32) {
-        if let Some(p) = self.peers.iter().find(|p| p.entry.id == id) {
-            self.drop_conn(p).await;
-        }
-    }
-
     /// Forgets the handshake with `id` only if it is with incarnation
     /// `inc` (so concurrent callers do not drop a fresh one).
     pub async fn reset_if(&self, id: u32, inc: u64) {
@@ -409,6 +394,7 @@ impl Peers {
             if g.as_ref().is_some_and(|c| c.incarnation == inc) {
                 *g = None;
                 p.takes_locate_registration.store(false, Ordering::Relaxed);
+                p.takes_push_invites.store(false, Ordering::Relaxed);
                 *p.retry_at.lock() = Instant::now();
             }
         }

@@ -214,6 +214,7 @@ impl Cluster {
                 geometry: vec![(stride, cap, Some(Dest::Pool(mapping)))],
                 mode: Mode::Recv,
                 t_post: Instant::now(),
+                inc,
             };
             let Ok(id) = self.peers.dataplane().post_passive(Mode::Recv, to, inc, vec![item], until, done) else {
                 // Not taken (the data plane's queue is full): no receive,
@@ -380,6 +381,7 @@ impl Cluster {
                     reported: vec![false],
                     mode: Mode::Recv,
                     t_post: posted.t_post,
+                    inc: posted.inc,
                     moved: 0,
                     validating: Duration::ZERO,
                     failed: false,
