@@ -262,6 +262,44 @@ impl Releases {
     }
 }
 
+/// Slots taken from their guards (or from the release queue) and not yet
+/// sent to the daemon. Dropped — the call that was to send them was
+/// cancelled, or failed before them — they go back to the release queue.
+/// A slot is taken out (`send`) right before the request naming it starts,
+/// and never put back after: a request that may have been sent is not
+/// repeated (a second unpin would release another guard's pin of the same
+/// slot).
+struct Unsent<'a> {
+    releases: &'a Releases,
+    /// Aborts (uncommitted allocations), else unpins.
+    abort: bool,
+    slots: Vec<pb::SlotRef>,
+}
+
+impl Unsent<'_> {
+    /// The first `n` slots, to be sent now.
+    fn send(&mut self, n: usize) -> Vec<pb::SlotRef> {
+        let n = n.min(self.slots.len());
+        self.slots.drain(..n).collect()
+    }
+}
+
+impl Drop for Unsent<'_> {
+    fn drop(&mut self) {
+        for s in self.slots.drain(..) {
+            if self.abort {
+                self.releases.abort(SlotRef { pool: s.pool, slot: s.slot, generation: s.generation });
+            } else {
+                let mut q = self.releases.unpins.lock().unwrap_or_else(|e| e.into_inner());
+                q.push(s);
+                if q.len() == 1 {
+                    let _ = self.releases.tx.send(Release::Wake);
+                }
+            }
+        }
+    }
+}
+
 /// A GPU pool of the daemon, imported into this process.
 struct ImportedGpu {
     gpu: Arc<Gpu>,
@@ -979,11 +1017,13 @@ impl Client {
     /// `stop_at_first_miss`, entries end at the first miss.
     pub async fn pin_with(&self, ns: &Namespace, keys: &[Key], opts: PinOptions) -> Result<Vec<Option<PinnedBlock>>> {
         self.check_batch(keys.len())?;
-        let mut release = self.inner.releases.take_unpins();
+        // (Queued again if this call ends before they are sent.)
+        let mut carried =
+            Unsent { releases: &self.inner.releases, abort: false, slots: self.inner.releases.take_unpins() };
         let max = self.inner.hello.batch_keys_max as usize;
-        if release.len() > max {
+        if carried.slots.len() > max {
             // More than one request can carry: send the excess on its own.
-            let rest = release.split_off(max);
+            let rest = carried.slots.split_off(max);
             self.calls().unpin(pb::UnpinRequest { slots: rest }).await?;
         }
         let r = pb::PinRequest {
@@ -991,7 +1031,7 @@ impl Client {
             keys: pb_keys(keys),
             lease_ms: opts.lease_ms,
             stop_at_first_miss: opts.stop_at_first_miss,
-            release,
+            release: carried.send(max),
         };
         let resp = self.calls().pin(r).await?;
         // Every slot the daemon pinned is released on an error: a hit
@@ -1064,14 +1104,17 @@ impl Client {
     /// unpins too, in the background).
     pub async fn unpin(&self, blocks: Vec<PinnedBlock>) -> Result<u32> {
         self.check_own(blocks.iter().map(|b| &b.release))?;
-        let mut refs = Vec::with_capacity(blocks.len());
+        // Batches not sent when this call ends (cancelled, or a batch
+        // failed) are unpinned in the background.
+        let mut left = Unsent { releases: &self.inner.releases, abort: false, slots: Vec::with_capacity(blocks.len()) };
         for mut b in blocks {
             b.release = None;
-            refs.push(b.slot.into());
+            left.slots.push(b.slot.into());
         }
         let mut released = 0;
-        for chunk in refs.chunks(self.inner.hello.batch_keys_max.max(1) as usize) {
-            released += self.calls().unpin(pb::UnpinRequest { slots: chunk.to_vec() }).await?.released;
+        while !left.slots.is_empty() {
+            let chunk = left.send(self.inner.hello.batch_keys_max.max(1) as usize);
+            released += self.calls().unpin(pb::UnpinRequest { slots: chunk }).await?.released;
         }
         Ok(released)
     }
@@ -1226,12 +1269,26 @@ impl Client {
         self.check_batch(blocks.len())?;
         self.check_own(blocks.iter().map(|b| &b.release))?;
         let mut refs = Vec::with_capacity(blocks.len());
+        let mut slots = Vec::with_capacity(blocks.len());
         for mut b in blocks {
             b.release = None;
             refs.push(b.slot.into());
+            slots.push(b.slot);
             // dropping `b` here releases the write claim before the commit
         }
-        let resp = self.calls().commit(pb::CommitRequest { slots: refs }).await?;
+        // A commit that fails is aborted in the background (an abort of a
+        // slot the daemon committed, or aborted, meanwhile does nothing);
+        // one cancelled once started still reaches the daemon (see
+        // `Calls`).
+        let resp = match self.calls().commit(pb::CommitRequest { slots: refs }).await {
+            Ok(r) => r,
+            Err(e) => {
+                for s in slots {
+                    self.inner.releases.abort(s);
+                }
+                return Err(e);
+            }
+        };
         Ok(resp
             .status
             .iter()
@@ -1272,11 +1329,22 @@ impl Client {
         self.check_batch(blocks.len())?;
         self.check_own(blocks.iter().map(|b| &b.release))?;
         let mut refs = Vec::with_capacity(blocks.len());
+        let mut slots = Vec::with_capacity(blocks.len());
         for mut b in blocks {
             b.release = None;
             refs.push(b.slot.into());
+            slots.push(b.slot);
         }
-        Ok(self.calls().abort(pb::AbortRequest { slots: refs }).await?.aborted)
+        match self.calls().abort(pb::AbortRequest { slots: refs }).await {
+            Ok(r) => Ok(r.aborted),
+            Err(e) => {
+                // Again in the background (a repeated abort does nothing).
+                for s in slots {
+                    self.inner.releases.abort(s);
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Stores whole blocks: allocate, copy into the pool, commit. Keys
@@ -1413,13 +1481,21 @@ impl Calls {
     async fn pin(&mut self, r: pb::PinRequest) -> Result<pb::PinResponse> {
         match &self.fast {
             Some(f) => f.call(kvmesh_common::handshake::fast::PIN, &r).await,
+            // (Releases it carries are sent once it started.)
+            None if !r.release.is_empty() => {
+                let mut rpc = self.rpc.clone();
+                detached(async move { rpc.pin(r).await }).await
+            }
             None => Ok(self.rpc.pin(r).await?.into_inner()),
         }
     }
     async fn unpin(&mut self, r: pb::UnpinRequest) -> Result<pb::UnpinResponse> {
         match &self.fast {
             Some(f) => f.call(kvmesh_common::handshake::fast::UNPIN, &r).await,
-            None => Ok(self.rpc.unpin(r).await?.into_inner()),
+            None => {
+                let mut rpc = self.rpc.clone();
+                detached(async move { rpc.unpin(r).await }).await
+            }
         }
     }
     /// The fast path where it takes writes.
@@ -1435,14 +1511,35 @@ impl Calls {
     async fn commit(&mut self, r: pb::CommitRequest) -> Result<pb::CommitResponse> {
         match self.writes() {
             Some(f) => f.call(kvmesh_common::handshake::fast::COMMIT, &r).await,
-            None => Ok(self.rpc.commit(r).await?.into_inner()),
+            None => {
+                let mut rpc = self.rpc.clone();
+                detached(async move { rpc.commit(r).await }).await
+            }
         }
     }
     async fn abort(&mut self, r: pb::AbortRequest) -> Result<pb::AbortResponse> {
         match self.writes() {
             Some(f) => f.call(kvmesh_common::handshake::fast::ABORT, &r).await,
-            None => Ok(self.rpc.abort(r).await?.into_inner()),
+            None => {
+                let mut rpc = self.rpc.clone();
+                detached(async move { rpc.abort(r).await }).await
+            }
         }
+    }
+}
+
+/// Runs a gRPC call that releases slots in a task of its own: once
+/// started, it reaches the daemon even if its caller is cancelled (a
+/// tonic call dropped before its request went out is never sent, and the
+/// guards it consumed would be released only by their lease). Fast-path
+/// calls need none of this: their request is written or queued when they
+/// are first polled.
+async fn detached<T: Send + 'static>(
+    call: impl std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>> + Send + 'static,
+) -> Result<T> {
+    match tokio::spawn(call).await {
+        Ok(r) => Ok(r?.into_inner()),
+        Err(e) => Err(ClientError::Protocol(format!("call task ended: {e}"))),
     }
 }
 

@@ -1062,3 +1062,66 @@ async fn fast_path_takes_allocate_commit_and_abort() {
     tokio::task::block_in_place(|| t.join()).unwrap();
     assert_eq!(g.lookup(&ns, &(400..410u128).map(Key).collect::<Vec<_>>()).await.unwrap().prefix_len, 10);
 }
+
+/// Polls a call once, then drops it: a caller cancelled (a `select!`, a
+/// timeout) after the call started.
+fn poll_once_and_drop<F: std::future::Future>(f: F) {
+    let mut f = std::pin::pin!(f);
+    let waker = std::task::Waker::noop();
+    assert!(f.as_mut().poll(&mut std::task::Context::from_waker(waker)).is_pending(), "the call ended at once");
+}
+
+/// An `unpin`, `commit` or `abort` cancelled once started still releases
+/// everything it took from its guards, on the fast path and over gRPC:
+/// an unpin's batches not sent yet are unpinned in the background, a
+/// commit or abort started over gRPC reaches the daemon. Before, those
+/// slots stayed pinned or allocated until their lease ended.
+#[tokio::test]
+async fn a_cancelled_unpin_commit_or_abort_still_releases() {
+    // (One thread: nothing runs between the first poll and the drop.)
+    let d = Daemon::start("cancel", &format!("[limits]\nbatch_keys_max = 2\n{}", pool("p", "8MiB", "4KiB")));
+    for (base, fast) in [(0u128, true), (100, false)] {
+        let c = Client::connect_with(&d.socket, fast).await.unwrap();
+        let ns = c.register_namespace("cx", 4096, "").await.unwrap();
+        let keys: Vec<Key> = (base..base + 4).map(Key).collect();
+        for k in &keys {
+            c.put(&ns, &[(*k, &block_bytes(*k, 4096)[..])]).await.unwrap();
+        }
+        let long = PinOptions { lease_ms: 60_000, ..Default::default() };
+        let mut guards = c.pin_with(&ns, &keys[..2], long).await.unwrap();
+        guards.extend(c.pin_with(&ns, &keys[2..], long).await.unwrap());
+        let guards: Vec<_> = guards.into_iter().map(|g| g.expect("cached")).collect();
+        assert_eq!(c.stats().await.unwrap().pins_outstanding, 4);
+        // Two batches of two: the second is never sent by this call.
+        poll_once_and_drop(c.unpin(guards));
+        let (wk, ak) = (Key(base + 10), Key(base + 11));
+        let mut w = Vec::new();
+        for k in [wk, ak] {
+            match c.allocate_with_lease(&ns, &[k], 60_000).await.unwrap().pop() {
+                Some(Allocation::Allocated(mut b)) => {
+                    b.write(&block_bytes(k, 4096)).unwrap();
+                    w.push(b);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let (a, cm) = (w.pop().unwrap(), w.pop().unwrap());
+        poll_once_and_drop(c.commit(vec![cm]));
+        poll_once_and_drop(c.abort(vec![a]));
+        c.flush_releases().await;
+        let t = Instant::now();
+        let s = loop {
+            let s = c.stats().await.unwrap();
+            if s.pins_outstanding == 0 && s.allocations_outstanding == 0 {
+                break s;
+            }
+            assert!(t.elapsed() < Duration::from_secs(5), "fast path {fast}: left behind: {s:?}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(s.lease_expirations, 0, "fast path {fast}: released by lease, not by the client: {s:?}");
+        // The cancelled commit was carried out, not turned into an abort.
+        let got = c.pin(&ns, &[wk]).await.unwrap();
+        assert_eq!(&got[0].as_ref().expect("committed")[..], &block_bytes(wk, 4096)[..], "fast path {fast}");
+        assert!(c.pin(&ns, &[ak]).await.unwrap()[0].is_none(), "fast path {fast}: the aborted block");
+    }
+}
