@@ -1243,7 +1243,7 @@ impl World {
             self.ops.insert((n, inc, op), OpInfo::Invalidate);
             self.drive(n, Event::ClientInvalidate { op, key });
         } else {
-            self.drive(n, Event::Evict { key });
+            self.drive(n, Event::Evict { key, slot: None });
         }
     }
 
@@ -1269,7 +1269,7 @@ impl World {
                     .map(|c| c.copies().map(|(k, _, _)| k).collect())
                     .unwrap_or_default();
                 for k in keys {
-                    self.drive(n, Event::Evict { key: k });
+                    self.drive(n, Event::Evict { key: k, slot: None });
                 }
                 self.alloc(n)
             }

@@ -2243,7 +2243,7 @@ impl Cluster {
                 let key = block_key(fingerprint, k);
                 let can = g.node.can_evict(&key);
                 if can {
-                    self.feed_locked(&mut g, Event::Evict { key });
+                    self.feed_locked(&mut g, Event::Evict { key, slot: None });
                 }
                 out.push(can);
             }
@@ -2271,7 +2271,7 @@ impl Cluster {
             // A draining daemon takes no new puts (as alone: `Store::allocate`).
             // (Blocks the core keeps for readers stay: see `allocate_detached`.)
             let node = &g.node;
-            let keep = |fp: u64, k: Key| node.holds_for_readers(&block_key(fp, k));
+            let keep = |r: SlotRef| node.slot_held(to_core(r));
             let how = Detached { exists_check: !overwrite, keep: &keep };
             let res = st
                 .check_not_draining()
@@ -2279,8 +2279,8 @@ impl Cluster {
             (res, st.take_evicted())
         };
         let any = !evicted.is_empty();
-        for (fp, k) in evicted {
-            self.feed_locked(&mut g, Event::Evict { key: block_key(fp, k) });
+        for (fp, k, r) in evicted {
+            self.feed_locked(&mut g, Event::Evict { key: block_key(fp, k), slot: Some(to_core(r)) });
         }
         if any && self.cfg.flush_when_idle {
             self.flush_locked(&mut g);
@@ -2794,7 +2794,7 @@ enum Dest {
 /// lock `st` ([`Cluster::alloc_fetch_slot`]); what that evicted goes to
 /// `queue`.
 fn fetch_slot_in(st: &mut Store, node: &Node, ns: u32, key: BlockKey, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
-    let keep = |fp: u64, k: Key| node.holds_for_readers(&block_key(fp, k));
+    let keep = |r: SlotRef| node.slot_held(to_core(r));
     let how = Detached { exists_check: false, keep: &keep };
     let r =
         st.allocate_detached(FETCH_SESSION, ns, &[Key(key.key)], 0, how, Instant::now()).ok().and_then(
@@ -2803,8 +2803,8 @@ fn fetch_slot_in(st: &mut Store, node: &Node, ns: u32, key: BlockKey, queue: &mu
                 _ => None,
             },
         );
-    for (fp, k) in st.take_evicted() {
-        queue.push_back(Event::Evict { key: block_key(fp, k) });
+    for (fp, k, r) in st.take_evicted() {
+        queue.push_back(Event::Evict { key: block_key(fp, k), slot: Some(to_core(r)) });
     }
     let r = r?;
     st.begin_commit(FETCH_SESSION, &[r]).ok()?.pop().flatten()?;

@@ -31,9 +31,9 @@ use crate::memory::{CudaMemory, PoolMemory};
 /// Identifies an engine connection.
 pub type SessionId = u64;
 
-/// Which indexed blocks (namespace fingerprint, key) eviction must pass
-/// over as if pinned (see [`Store::allocate_detached`]).
-pub type Keep<'a> = &'a dyn Fn(u64, Key) -> bool;
+/// Which slots eviction must pass over as if pinned (see
+/// [`Store::allocate_detached`]).
+pub type Keep<'a> = &'a dyn Fn(SlotRef) -> bool;
 
 /// How a clustered allocation ([`Store::allocate_detached`]) treats what
 /// is cached.
@@ -455,7 +455,7 @@ pub struct Store {
     coherent: bool,
     /// Clustered: indexed blocks evicted since the last `take_evicted`
     /// (namespace fingerprint, key), for the coherence core.
-    evicted: Vec<(u64, Key)>,
+    evicted: Vec<(u64, Key, SlotRef)>,
     /// Lease left when a pin is released (`/metrics`): how close engines
     /// cut their leases.
     lease_left_at_unpin: Arc<crate::metrics::AtomicHistogram>,
@@ -777,8 +777,9 @@ impl Store {
         let _ = self.events.send(KvEvent { ns, kind, seq, key, version });
     }
 
-    /// Indexed blocks evicted since the last call (clustered mode).
-    pub fn take_evicted(&mut self) -> Vec<(u64, Key)> {
+    /// Blocks evicted since the last call (clustered mode): namespace
+    /// fingerprint, key, and the slot freed.
+    pub fn take_evicted(&mut self) -> Vec<(u64, Key, SlotRef)> {
         std::mem::take(&mut self.evicted)
     }
 
@@ -798,11 +799,13 @@ impl Store {
     /// key whose Valid copy is here answers `Exists` instead. A key twice in
     /// the batch answers `InProgress` the second time.
     ///
-    /// `how.keep(fingerprint, key)`: blocks the coherence core still holds for
-    /// readers (a grant not yet pinned here: its store pin is taken when
-    /// the grant's batch leaves) are passed over by eviction as if pinned,
-    /// so the store never frees a slot the core still counts granted (a
-    /// copy the core would keep announcing with no slot behind it).
+    /// `how.keep(slot)`: slots the coherence core still holds for readers
+    /// (a grant not yet pinned here: its store pin is taken when the
+    /// grant's batch leaves; a copy dropped since, still granted) are
+    /// passed over by eviction as if pinned, so the store never frees a
+    /// slot the core still counts granted (a copy the core would keep
+    /// announcing with no slot behind it, or a grant refused at the last
+    /// moment).
     pub fn allocate_detached(
         &mut self,
         session: SessionId,
@@ -1414,7 +1417,7 @@ impl Store {
             if slot.generation != gen_ || slot.queue != expect || slot.state != State::Valid {
                 continue; // stale entry of a freed or removed slot
             }
-            if slot.pins > 0 || self.namespaces.get(slot.ns as usize).is_some_and(|n| keep(n.fingerprint, slot.key)) {
+            if slot.pins > 0 || keep(SlotRef { pool: p, slot: s, generation: gen_ }) {
                 pinned_seen += 1;
                 if pinned_seen > live {
                     // every live slot is pinned
@@ -1465,7 +1468,7 @@ impl Store {
             }
             if removed && self.coherent {
                 let fp = self.namespaces[ns as usize].fingerprint;
-                self.evicted.push((fp, key));
+                self.evicted.push((fp, key, SlotRef { pool: p, slot: s, generation: gen_ }));
             }
             self.counters.evictions += 1;
             self.free_slot(p, s);
@@ -1562,7 +1565,7 @@ impl Store {
     ) -> Result<(Vec<AllocOutcome>, Instant), Error> {
         let keep: Keep<'_> = match detached {
             Some(d) => d.keep,
-            None => &|_, _| false,
+            None => &|_| false,
         };
         let nsd = self.namespace(ns)?.clone();
         self.check_allowance(session, keys.len())?;
@@ -1601,8 +1604,8 @@ impl Store {
                 self.counters.resource_exhausted += 1;
                 let pool = &self.pools[p as usize];
                 return Err(Error::ResourceExhausted(format!(
-                    "pool {}: no slot to allocate: all {} slots are pinned or being written \
-                     ({} pinned, {} pending, {} removed but still pinned)",
+                    "pool {}: no slot to allocate: all {} slots are pinned, being written or held for \
+                     peers' reads ({} pinned, {} pending, {} removed but still pinned)",
                     pool.name,
                     pool.slot_count(),
                     pool.pinned,
@@ -2213,7 +2216,7 @@ mod tests {
 
     /// A clustered allocation that keeps nothing from eviction.
     fn detached(exists_check: bool) -> Detached<'static> {
-        Detached { exists_check, keep: &|_, _| false }
+        Detached { exists_check, keep: &|_| false }
     }
 
     fn store(slots: u64, extra: &str) -> Store {
@@ -2798,7 +2801,7 @@ mod tests {
             }
             // Evictions are reported; the core drops those copies (their
             // slots are already gone: the free is a stale no-op).
-            for (f, k) in st.take_evicted() {
+            for (f, k, _) in st.take_evicted() {
                 assert_eq!(f, fp);
                 let slot = copies.remove(&k).expect("only copies the core references are indexed");
                 assert!(!pins.keys().any(|(_, r)| *r == slot), "step {step}: a pinned slot was evicted");
@@ -2926,12 +2929,14 @@ mod tests {
             assert!(st.commit_core(slot, i as u64 + 1, 7, false));
         }
         // Key 0 is the oldest: the first victim, unless the core keeps it.
-        let keep0: Keep<'_> = &|f, k| f == fp && k == Key(0);
+        let slot0 = st.index[&IndexKey::new(ns, Key(0))];
+        let keep0: Keep<'_> = &|r| (r.pool, r.slot) == slot0;
         st.allocate_detached(1, ns, &[Key(10)], 0, Detached { exists_check: false, keep: keep0 }, now).unwrap();
-        assert_eq!(st.take_evicted(), vec![(fp, Key(1))], "the kept block was evicted");
+        let evicted: Vec<_> = st.take_evicted().into_iter().map(|(f, k, _)| (f, k)).collect();
+        assert_eq!(evicted, vec![(fp, Key(1))], "the kept block was evicted");
         assert!(st.valid_slot(ns, Key(0)).is_some());
         // Everything kept: no slot, and nothing freed.
-        let all: Keep<'_> = &|_, _| true;
+        let all: Keep<'_> = &|_| true;
         let got = st.allocate_detached(1, ns, &[Key(11)], 0, Detached { exists_check: false, keep: all }, now);
         assert!(matches!(got, Err(Error::ResourceExhausted(_))), "{got:?}");
         assert!(st.take_evicted().is_empty());

@@ -368,10 +368,15 @@ pub enum Event {
         /// The slot.
         slot: SlotRef,
     },
-    /// The pool wants the copy of `key` gone (memory pressure).
+    /// The pool wants the copy of `key` gone (memory pressure, or an
+    /// engine's `Remove`).
     Evict {
         /// Block.
         key: BlockKey,
+        /// The slot the pool freed, when it did: only a copy in that slot is
+        /// dropped (the copy may have moved to another slot since: a newer
+        /// version committed in the same step). `None`: whichever slot.
+        slot: Option<SlotRef>,
     },
     /// A batch from a peer.
     Receive {

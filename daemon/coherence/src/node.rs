@@ -644,14 +644,13 @@ impl Node {
         self.slots.get(&slot).is_some_and(|h| h.grants.contains_key(&grant))
     }
 
-    /// Whether this node holds a copy of `key` whose slot is pinned or
-    /// granted: a slot its driver's store must not free (a store that
-    /// evicts on its own asks this first; the core then still has the
-    /// copy it announces, with its bytes behind it).
-    pub fn holds_for_readers(&self, key: &BlockKey) -> bool {
-        self.copies
-            .get(key)
-            .is_some_and(|c| self.slots.get(&c.slot).is_some_and(|h| h.pins > 0 || !h.grants.is_empty()))
+    /// Whether `slot` is pinned or granted (the slot of a copy, or of one
+    /// dropped since that a reader still holds): a slot its driver's store
+    /// must not free. A store that evicts on its own asks this first, so
+    /// every copy the core keeps has its bytes behind it and every grant
+    /// its slot.
+    pub fn slot_held(&self, slot: SlotRef) -> bool {
+        self.slots.get(&slot).is_some_and(|h| h.pins > 0 || !h.grants.is_empty())
     }
 
     /// Whether a copy of `key` could be evicted now (no pins, no grants).
@@ -791,7 +790,11 @@ impl Node {
                 }
                 self.maybe_free(slot);
             }
-            Event::Evict { key } => self.evict(key),
+            Event::Evict { key, slot } => {
+                if slot.is_none_or(|s| self.copies.get(&key).is_some_and(|c| c.slot == s)) {
+                    self.evict(key)
+                }
+            }
             Event::Receive { from, batch } => self.receive(from, batch),
             Event::TransferDone { op, dest, result } => self.transfer_done(op, dest, result),
             Event::View(v) => self.new_view(v),

@@ -183,6 +183,42 @@ fn put_then_remote_get_reads_under_a_grant_and_registers() {
     assert_eq!(net.nodes[0].metrics().grants_outstanding, 0, "grant released after the read");
 }
 
+/// The pool's eviction names the slot it freed: a copy that moved to
+/// another slot meanwhile (a newer version committed in the same step)
+/// stays. And a slot a reader holds a grant on stays held after its copy
+/// is dropped, until the grant ends: the pool must not free it.
+#[test]
+fn an_eviction_of_another_slot_keeps_the_copy_and_a_granted_slot_stays_held() {
+    let mut net = Net::new(3, Config::default());
+    net.put(0, 1, key(7), 0xabc);
+    net.settle();
+    assert!(matches!(net.outcome(0, 1), Some(Outcome::Stored { .. })), "{:?}", net.outcome(0, 1));
+    let (_, s1) = net.nodes[0].copy_of(&key(7)).expect("copy");
+    let other = SlotRef { slot: s1.slot, generation: s1.generation + 1 };
+    net.drive(0, Event::Evict { key: key(7), slot: Some(other) });
+    assert_eq!(net.nodes[0].copy_of(&key(7)).map(|c| c.1), Some(s1), "a copy not in the freed slot was dropped");
+    assert!(!net.nodes[0].slot_held(s1), "nothing holds it yet");
+    // Node 2 is granted a read of it, held (its read not served).
+    net.drive(2, Event::ClientGet { op: 2, key: key(7) });
+    net.settle();
+    assert_eq!(net.reads.len(), 1);
+    assert!(net.nodes[0].slot_held(s1), "granted");
+    // The copy goes (an engine's Remove refuses a granted copy, so an
+    // invalidation by another writer: node 1 puts a new version).
+    net.put(1, 3, key(7), 0xdef);
+    net.settle();
+    assert!(net.nodes[0].copy_of(&key(7)).is_none_or(|c| c.1 != s1), "node 0's old copy dropped");
+    assert!(net.nodes[0].slot_held(s1), "the grant still holds the dropped copy's slot");
+    net.drive(0, Event::Evict { key: key(7), slot: Some(s1) });
+    net.serve_reads(false);
+    net.settle();
+    for _ in 0..100 {
+        net.flush();
+    }
+    net.settle();
+    assert!(!net.nodes[0].slot_held(s1), "released with the grant");
+}
+
 #[test]
 fn a_torn_transfer_is_a_miss_never_a_hit() {
     let mut net = Net::new(2, Config::default());
@@ -413,7 +449,7 @@ fn directory_holds_only_cached_keys_after_churn() {
         net.drive(2, Event::ClientInvalidate { op: 1_000 + i as u64, key: key(i) });
     }
     for i in 300..600u128 {
-        net.drive((i % 2) as NodeId, Event::Evict { key: key(i) });
+        net.drive((i % 2) as NodeId, Event::Evict { key: key(i), slot: None });
     }
     net.settle();
     for i in 0..300u64 {
@@ -1045,7 +1081,7 @@ fn a_fetched_copy_is_valid_when_it_validates_and_a_source_once_confirmed() {
     // Confirmed, node 2 is a source: node 0 drops its copy, and a get on
     // node 1 (the home) reads from node 2.
     net.settle();
-    net.drive(0, Event::Evict { key: k });
+    net.drive(0, Event::Evict { key: k, slot: None });
     net.settle();
     net.drive(1, Event::ClientGet { op: 3, key: k });
     net.settle();
@@ -1194,7 +1230,7 @@ fn a_late_locate_answer_is_taken_back() {
     net.wire.extend(held);
     net.settle();
     assert_eq!(net.nodes[1].directory_entry(&k).expect("entry").holders, vec![0], "taken back");
-    net.drive(0, Event::Evict { key: k });
+    net.drive(0, Event::Evict { key: k, slot: None });
     net.settle();
     assert!(net.nodes[1].directory_entry(&k).is_none(), "the entry goes with the last holder");
 }
@@ -1214,7 +1250,7 @@ fn a_confirmation_overtaken_by_its_remove_registers_nothing() {
         "the confirmation is on its way"
     );
     net.drive(2, Event::Unpin { slot: net.nodes[2].copy_of(&k).expect("copy").1 });
-    net.drive(2, Event::Evict { key: k });
+    net.drive(2, Event::Evict { key: k, slot: None });
     net.flush();
     let remove: Vec<_> = net.wire.drain(..).filter(|(from, to, _)| (*from, *to) == (2, 1)).collect();
     for (from, to, batch) in remove.into_iter().chain(confirm) {

@@ -250,7 +250,7 @@ fn run_core(data: &[u8]) -> World {
                 let k = key(s.byte().unwrap_or(0));
                 if let Some((_, slot)) = w.nodes[node as usize].copy_of(&k) {
                     w.drive(node, Event::Unpin { slot });
-                    w.drive(node, Event::Evict { key: k });
+                    w.drive(node, Event::Evict { key: k, slot: None });
                 }
             }
         }
