@@ -280,7 +280,21 @@ async fn reused_slot_is_caught_by_validation_tcp() {
     reused_slot_is_caught("tcp").await;
 }
 
+/// Kills A while B fetches from it (retried when the kill overlapped no
+/// fetch: the workload ended first, or nothing was cut short).
 async fn killed_peer(transports: &str) {
+    for attempt in 1..=3 {
+        if killed_peer_once(transports).await {
+            return;
+        }
+        eprintln!("{transports}: attempt {attempt}: the kill overlapped no fetch; again");
+    }
+    panic!("{transports}: in 3 attempts A was never killed while B's fetches were in flight");
+}
+
+/// One try of [`killed_peer`]: false if the kill did not land while
+/// fetches were in flight.
+async fn killed_peer_once(transports: &str) -> bool {
     // B coordinates membership, so it keeps its lease when A dies (a dead
     // coordinator stops every daemon from serving: see docs/COHERENCE.md).
     let (mut a, b) = pair_with(&format!("kill-{transports}"), transports, &[], "[coherence]\ncoordinator = 2\n");
@@ -318,15 +332,41 @@ async fn killed_peer(transports: &str) {
             (outcome, t0.elapsed())
         }));
     }
-    tokio::time::sleep(Duration::from_millis(15)).await;
+    // Kill A once some blocks moved and B has gets in flight.
+    let t0 = Instant::now();
+    let at_kill = loop {
+        let s = cb.stats().await.unwrap();
+        let busy = s.coherence.as_ref().is_some_and(|c| c.ops_in_flight > 0);
+        if busy && s.remote_fetched >= 64 && s.remote_fetched < keys.len() as u64 {
+            break s;
+        }
+        if s.remote_fetched >= keys.len() as u64 || tasks.iter().all(|t| t.is_finished()) {
+            for t in tasks {
+                let _ = t.await;
+            }
+            return false;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(20), "no fetch from A started: {s:?}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    };
     a.child.kill().unwrap(); // SIGKILL
     a.child.wait().unwrap();
+    let mut fetched = 0;
     for t in tasks {
         let ((hits, misses, errors), took) = t.await.unwrap();
         // Every call ended: data, a miss or an explicit error, within the
         // transfer deadline (2 s) per batch plus slack.
         assert!(took < Duration::from_secs(30), "calls hung for {took:?}");
         eprintln!("{transports}: hits {hits} misses {misses} errors {errors} in {took:?}");
+        fetched += hits;
+    }
+    eprintln!(
+        "{transports}: at the kill {} fetched, {} gets in flight",
+        at_kill.remote_fetched,
+        at_kill.coherence.as_ref().map_or(0, |c| c.ops_in_flight)
+    );
+    if fetched == keys.len() {
+        return false; // the kill cut nothing short
     }
     // The survivor still serves once A left the view.
     let t0 = Instant::now();
@@ -342,6 +382,7 @@ async fn killed_peer(transports: &str) {
     let local = Key(5);
     put_all(&cb, &bb, &[local]).await;
     assert!(cb.pin(&bb, &[local]).await.unwrap()[0].is_some());
+    true
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
