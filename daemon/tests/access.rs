@@ -11,24 +11,12 @@ use std::process::Command;
 
 use common::{Daemon, pool};
 
-/// `kvmesh stats` against `socket` as `uid`: (exit code, stderr), or None
-/// when the CLI cannot run as that uid here (not root, or the binary is
-/// out of that uid's reach).
-fn stats_as(uid: u32, socket: &std::path::Path) -> Option<(i32, String)> {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvmesh"))
-        .arg("--socket")
-        .arg(socket)
-        .arg("stats")
-        .uid(uid)
-        .gid(65534)
-        .output();
-    match out {
-        Ok(o) => Some((o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stderr).into_owned())),
-        Err(e) => {
-            eprintln!("SKIPPED part of the uid test: cannot run the CLI as uid {uid}: {e}");
-            None
-        }
-    }
+/// `kvmesh stats` against `socket` as `uid` (root only), with the CLI at
+/// `cli` (a copy every uid can reach): (exit code, stderr).
+fn stats_as(cli: &std::path::Path, uid: u32, socket: &std::path::Path) -> (i32, String) {
+    let out = Command::new(cli).arg("--socket").arg(socket).arg("stats").uid(uid).gid(65534).output();
+    let o = out.unwrap_or_else(|e| panic!("cannot run the CLI as uid {uid} (as root, binary at {cli:?}): {e}"));
+    (o.status.code().unwrap_or(-1), String::from_utf8_lossy(&o.stderr).into_owned())
 }
 
 #[test]
@@ -50,11 +38,16 @@ fn the_socket_is_private_and_other_uids_are_refused_unless_allowed() {
         eprintln!("SKIPPED the other-uid half of this test: it needs root to run a client as another uid");
         return;
     }
+    // The CLI where any uid can run it (the build tree may be out of reach).
+    let bin = common::TempDir::new("access-cli");
+    std::fs::set_permissions(bin.0.as_path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cli = bin.0.join("kvmesh");
+    std::fs::copy(env!("CARGO_BIN_EXE_kvmesh"), &cli).unwrap();
+    std::fs::set_permissions(&cli, std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::set_permissions(d.dir.0.as_path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    if let Some((code, err)) = stats_as(65534, &d.socket) {
-        assert_ne!(code, 0, "uid 65534 used a private daemon");
-        assert!(err.to_lowercase().contains("permission denied"), "{err}");
-    }
+    let (code, err) = stats_as(&cli, 65534, &d.socket);
+    assert_ne!(code, 0, "uid 65534 used a private daemon");
+    assert!(err.to_lowercase().contains("permission denied"), "{err}");
     drop(d);
 
     // allow_uids = [65534]: the socket is 0666 and the uid is checked per
@@ -63,14 +56,12 @@ fn the_socket_is_private_and_other_uids_are_refused_unless_allowed() {
     let mode = std::fs::metadata(&d.socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o666, "socket mode {mode:o}");
     std::fs::set_permissions(d.dir.0.as_path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    if let Some((code, err)) = stats_as(65534, &d.socket) {
-        assert_eq!(code, 0, "allowed uid refused: {err}");
-    }
-    if let Some((code, err)) = stats_as(65533, &d.socket) {
-        assert_ne!(code, 0, "uid 65533 served");
-        assert!(err.contains("uid 65533") && err.contains("server.allow_uids"), "{err}");
-        assert!(d.log().contains("engine connection refused: uid 65533"), "{}", d.log());
-    }
+    let (code, err) = stats_as(&cli, 65534, &d.socket);
+    assert_eq!(code, 0, "allowed uid refused: {err}");
+    let (code, err) = stats_as(&cli, 65533, &d.socket);
+    assert_ne!(code, 0, "uid 65533 served");
+    assert!(err.contains("uid 65533") && err.contains("server.allow_uids"), "{err}");
+    assert!(d.log().contains("engine connection refused: uid 65533"), "{}", d.log());
 }
 
 /// The socket appears only once the daemon answers on it: a client that
