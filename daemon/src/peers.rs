@@ -939,8 +939,12 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut src = e.source();
     while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
+        // (Some errors repeat their source in their own text.)
+        let t = c.to_string();
+        if !s.ends_with(&t) {
+            s.push_str(": ");
+            s.push_str(&t);
+        }
         src = c.source();
     }
     s
