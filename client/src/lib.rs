@@ -271,8 +271,7 @@ impl Releases {
 /// slot).
 struct Unsent<'a> {
     releases: &'a Releases,
-    /// Aborts (uncommitted allocations), else unpins.
-    abort: bool,
+    /// Unpins.
     slots: Vec<pb::SlotRef>,
 }
 
@@ -286,16 +285,14 @@ impl Unsent<'_> {
 
 impl Drop for Unsent<'_> {
     fn drop(&mut self) {
-        for s in self.slots.drain(..) {
-            if self.abort {
-                self.releases.abort(SlotRef { pool: s.pool, slot: s.slot, generation: s.generation });
-            } else {
-                let mut q = self.releases.unpins.lock().unwrap_or_else(|e| e.into_inner());
-                q.push(s);
-                if q.len() == 1 {
-                    let _ = self.releases.tx.send(Release::Wake);
-                }
-            }
+        if self.slots.is_empty() {
+            return;
+        }
+        let mut q = self.releases.unpins.lock().unwrap_or_else(|e| e.into_inner());
+        let was_empty = q.is_empty();
+        q.append(&mut self.slots);
+        if was_empty {
+            let _ = self.releases.tx.send(Release::Wake);
         }
     }
 }
@@ -1018,8 +1015,7 @@ impl Client {
     pub async fn pin_with(&self, ns: &Namespace, keys: &[Key], opts: PinOptions) -> Result<Vec<Option<PinnedBlock>>> {
         self.check_batch(keys.len())?;
         // (Queued again if this call ends before they are sent.)
-        let mut carried =
-            Unsent { releases: &self.inner.releases, abort: false, slots: self.inner.releases.take_unpins() };
+        let mut carried = Unsent { releases: &self.inner.releases, slots: self.inner.releases.take_unpins() };
         let max = self.inner.hello.batch_keys_max as usize;
         if carried.slots.len() > max {
             // More than one request can carry: send the excess on its own.
@@ -1106,7 +1102,7 @@ impl Client {
         self.check_own(blocks.iter().map(|b| &b.release))?;
         // Batches not sent when this call ends (cancelled, or a batch
         // failed) are unpinned in the background.
-        let mut left = Unsent { releases: &self.inner.releases, abort: false, slots: Vec::with_capacity(blocks.len()) };
+        let mut left = Unsent { releases: &self.inner.releases, slots: Vec::with_capacity(blocks.len()) };
         for mut b in blocks {
             b.release = None;
             left.slots.push(b.slot.into());
@@ -1478,15 +1474,24 @@ impl Calls {
             None => Ok(self.rpc.lookup(r).await?.into_inner()),
         }
     }
-    async fn pin(&mut self, r: pb::PinRequest) -> Result<pb::PinResponse> {
+    async fn pin(&mut self, mut r: pb::PinRequest) -> Result<pb::PinResponse> {
         match &self.fast {
             Some(f) => f.call(kvmesh_common::handshake::fast::PIN, &r).await,
-            // (Releases it carries are sent once it started.)
-            None if !r.release.is_empty() => {
-                let mut rpc = self.rpc.clone();
-                detached(async move { rpc.pin(r).await }).await
+            None => {
+                // The releases it would carry go in an unpin of their own,
+                // sent whatever becomes of this call (a dropped tonic call
+                // may never be sent).
+                let release = std::mem::take(&mut r.release);
+                if !release.is_empty() {
+                    let mut rpc = self.rpc.clone();
+                    tokio::spawn(async move {
+                        if let Err(e) = rpc.unpin(pb::UnpinRequest { slots: release }).await {
+                            tracing::debug!("unpin failed (the daemon releases pins of closed connections): {e}");
+                        }
+                    });
+                }
+                Ok(self.rpc.pin(r).await?.into_inner())
             }
-            None => Ok(self.rpc.pin(r).await?.into_inner()),
         }
     }
     async fn unpin(&mut self, r: pb::UnpinRequest) -> Result<pb::UnpinResponse> {

@@ -51,9 +51,9 @@ struct PeerState {
     takes_locate_registration: std::sync::atomic::AtomicBool,
     /// Its handshake said it takes push invitations (`Frame.push_invites`).
     takes_push_invites: std::sync::atomic::AtomicBool,
-    /// Why the last attempt to reach it failed, since it was last reached
-    /// (each new reason is logged as a warning, repeats at debug).
-    failing: Mutex<Option<String>>,
+    /// Why attempts to reach it failed since it was last reached (each
+    /// new reason is logged as a warning, repeats at debug; a few kept).
+    failing: Mutex<Vec<String>>,
 }
 
 /// Test-only fault injection, from the environment (`KVMESH_TEST_HOOK`).
@@ -141,7 +141,7 @@ impl Peers {
                     renewed_at: Mutex::new(None),
                     takes_locate_registration: std::sync::atomic::AtomicBool::new(false),
                     takes_push_invites: std::sync::atomic::AtomicBool::new(false),
-                    failing: Mutex::new(None),
+                    failing: Mutex::new(Vec::new()),
                 })
             })
             .collect();
@@ -255,7 +255,7 @@ impl Peers {
                 p.takes_locate_registration.store(c.takes_locate_registration, Ordering::Relaxed);
                 p.takes_push_invites.store(c.takes_push_invites, Ordering::Relaxed);
                 *p.conn.lock().await = Some(c);
-                if p.failing.lock().take().is_some() {
+                if !std::mem::take(&mut *p.failing.lock()).is_empty() {
                     tracing::info!(peer = p.entry.id, addr = %p.entry.addr, "peer reached");
                 }
                 true
@@ -265,9 +265,12 @@ impl Peers {
                 // failure (and each new reason: a refused certificate, a
                 // peer naming another node id) is a warning, repeats are not.
                 let mut failing = p.failing.lock();
-                if failing.as_deref() != Some(e.as_str()) {
+                if !failing.contains(&e) {
                     tracing::warn!(peer = p.entry.id, addr = %p.entry.addr, "peer not reachable: {e}");
-                    *failing = Some(e);
+                    if failing.len() >= 8 {
+                        failing.remove(0);
+                    }
+                    failing.push(e);
                 } else {
                     tracing::debug!(peer = p.entry.id, addr = %p.entry.addr, "peer not reachable: {e}");
                 }
@@ -287,7 +290,11 @@ impl Peers {
             incarnation: self.incarnation,
             worker_address: self.dp.worker_address().to_vec(),
         };
-        let resp = client.handshake(req).await.map_err(|s| format!("handshake: {}", s.message()))?.into_inner();
+        let resp = client
+            .handshake(req)
+            .await
+            .map_err(|s| format!("handshake: {}", sources(s.message().to_string(), std::error::Error::source(&s))))?
+            .into_inner();
         if resp.node_id != e.id {
             return Err(format!("peer at {} says it is node {}, config says {}", e.addr, resp.node_id, e.id));
         }
@@ -936,8 +943,11 @@ impl pb::peer_server::Peer for PeerService {
 /// An error with its sources ("transport error: ...: certificate not
 /// trusted"): tonic's transport error alone says only "transport error".
 fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
+    sources(e.to_string(), e.source())
+}
+
+/// `s`, then each error of the chain from `src`.
+fn sources(mut s: String, mut src: Option<&dyn std::error::Error>) -> String {
     while let Some(c) = src {
         // (Some errors repeat their source in their own text.)
         let t = c.to_string();

@@ -234,7 +234,8 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
         )
         .map_err(|e| {
             format!(
-                "{}: ca.key is not the key of the CA in ca.pem ({e:?}): put the CA's own key back (or remove \
+                "{}: a certificate signed with ca.key does not verify against ca.pem ({e:?}): ca.key is not \
+                 that CA's key, or ca.pem was not made by `kvmesh certs`; put the CA's own key back (or remove \
                  both to make a new CA)",
                 dir.display()
             )
@@ -311,7 +312,7 @@ mod tests {
         let kept_ca_key = std::fs::read(dir.join("ca.key")).unwrap();
         std::fs::copy(other.join("ca.key"), dir.join("ca.key")).unwrap();
         let e = make_certs(&dir, &[5], 1).unwrap_err();
-        assert!(e.contains("ca.key is not the key of the CA in ca.pem"), "{e}");
+        assert!(e.contains("does not verify against ca.pem"), "{e}");
         assert!(!dir.join("node-5.pem").exists());
         std::fs::write(dir.join("ca.key"), kept_ca_key).unwrap();
         make_certs(&dir, &[5], 1).unwrap();

@@ -101,7 +101,9 @@ async fn coordinator_restart_under_paused_members(coordinator_env: &[(&str, &str
     let paused = Instant::now();
     nodes[0].child.kill().unwrap();
     nodes[0].child.wait().unwrap();
-    nodes[0].restart(coordinator_env);
+    // (Started, not waited for: its start-up must not eat the paused
+    // daemons' lease on a slow machine.)
+    nodes[0].respawn(coordinator_env);
     // 3. Resume the paused daemons well inside their lease (1.5 s), then
     //    overwrite with B on the restarted coordinator, retrying refusals.
     let since = paused.elapsed();
@@ -119,6 +121,7 @@ async fn coordinator_restart_under_paused_members(coordinator_env: &[(&str, &str
         eprintln!("after the pause: lease lapses {}, copies {}", k.lease_lapses, k.copies);
         held &= k.lease_lapses == 0 && k.copies >= 1;
     }
+    nodes[0].wait_ready();
     put_until_stored(&nodes[0], b'B', Duration::from_secs(20)).await;
     // 4. Right after the put returned: no daemon may serve A.
     let mut stale_right_after = 0;

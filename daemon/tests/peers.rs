@@ -1158,10 +1158,17 @@ async fn a_block_granted_in_an_unsent_batch_is_not_evicted() {
         assert!(t.elapsed() < Duration::from_secs(5), "A never granted key 0");
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    // The grant's batch has not left: an engine put on A now, whose
-    // allocation evicts one block of the full pool.
-    assert_eq!(ca.stats().await.unwrap().grants_given, pinned_grants, "the grant left before the put: no check");
-    put_all(&ca, &sa, &[Key(1000)]).await;
+    // An engine put on A now, whose allocation evicts one block of the
+    // full pool, while the grant's batch has not left (checked after the
+    // allocation: else its pin, not the fix, kept the block).
+    let mut w = match ca.allocate(&sa, &[Key(1000)]).await.unwrap().pop() {
+        Some(kvmesh_client::Allocation::Allocated(w)) => w,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(ca.stats().await.unwrap().grants_given, pinned_grants, "the grant left before the allocation: no check");
+    w.write(&block_bytes(Key(1000), sa.block_bytes as usize)).unwrap();
+    let c = ca.commit(vec![w]).await.unwrap();
+    assert!(matches!(c[0], kvmesh_client::CommitOutcome::Committed { .. }), "{c:?}");
     let (got, sb) = getter.await.unwrap().unwrap();
     let blk = got[0].as_ref().expect("the granted block reached B");
     assert_eq!(&blk[..], &block_bytes(Key(0), sb.block_bytes as usize)[..]);

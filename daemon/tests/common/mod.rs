@@ -61,13 +61,20 @@ impl Daemon {
     /// Starts the daemon again on the same config, socket and log (after a
     /// kill).
     pub fn restart(&mut self, env: &[(&str, &str)]) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        self.child = spawn(&self.dir, env, true);
+        self.respawn(env);
         self.wait_ready();
     }
 
-    fn wait_ready(&mut self) {
+    /// [`Daemon::restart`] without waiting for it to serve
+    /// ([`Daemon::wait_ready`] does).
+    pub fn respawn(&mut self, env: &[(&str, &str)]) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        self.child = spawn(&self.dir, env, true);
+    }
+
+    /// Waits until the daemon serves its engine socket.
+    pub fn wait_ready(&mut self) {
         let log = self.dir.0.join("kvmeshd.log");
         wait_serving(&mut self.child, &self.socket, &log);
     }
