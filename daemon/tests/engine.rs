@@ -168,7 +168,7 @@ async fn eviction_never_takes_pinned_blocks_and_full_pins_exhaust() {
         assert!(next < 20_000, "allocation never ran out");
     };
     assert_eq!(err.code(), tonic::Code::ResourceExhausted, "{err}");
-    assert!(err.to_string().contains("pinned or being written"), "{err}");
+    assert!(err.to_string().contains("pinned, being written"), "{err}");
     // Hot blocks still intact.
     for p in pinned.iter().flatten() {
         p.verify().unwrap();
