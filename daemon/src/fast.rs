@@ -354,6 +354,7 @@ fn read_calls<G: Send + Sync + 'static>(
             fast::ABORT => "abort",
             _ => "unknown",
         };
+        tracing::trace!(session, id, label, "fast call read");
         let call = call(ctx.service.clone(), session, id, method, body);
         let mut call = Box::pin(call);
         // Run it here; a call that has to wait goes on where it is woken
@@ -388,7 +389,9 @@ fn read_calls<G: Send + Sync + 'static>(
                     } else {
                         FastAnswer::Other
                     });
-                    match w.offer(answer(&m, label, id, r, started)) {
+                    let sent = w.offer(answer(&m, label, id, r, started));
+                    tracing::trace!(id, label, "fast answer offered");
+                    match sent {
                         Ok(Offered::Sent | Offered::Queued) => drop(g),
                         Ok(Offered::Flush) => {
                             let mut duty = FlushDuty(w, false);
