@@ -734,6 +734,7 @@ impl Cluster {
                 self.membership_actions(g, actions, queue);
             }
             Action::ClientDone { op, outcome } => {
+                tracing::trace!(op, "client op done");
                 self.end_pushes(g, op);
                 let waiter = g.waiters.remove(&op);
                 let mut fetched = false;
@@ -1039,7 +1040,10 @@ impl Cluster {
         if crate::peers::test_hook() == Some(crate::peers::TestHook::InlineReportsFindCoreBusy) {
             return Some((r, result));
         }
-        let Some(g) = self.inner.try_lock() else { return Some((r, result)) };
+        let Some(g) = self.inner.try_lock() else {
+            tracing::trace!(op = r.op, "read ended with the core busy: a task reports it");
+            return Some((r, result));
+        };
         self.read_ended_under(g, r, result);
         None
     }
