@@ -384,13 +384,10 @@ fn read_calls<G: Send + Sync + 'static>(
                     // Written from here when the socket takes it at once;
                     // waiting for a client slow to read is not for a
                     // runtime worker.
-                    m.count_fast_answer(if crate::inline::serving() {
-                        FastAnswer::DataPlane
-                    } else {
-                        FastAnswer::Other
-                    });
+                    let on_data_plane = crate::inline::serving();
+                    m.count_fast_answer(if on_data_plane { FastAnswer::DataPlane } else { FastAnswer::Other });
                     let sent = w.offer(answer(&m, label, id, r, started));
-                    tracing::trace!(id, label, "fast answer offered");
+                    tracing::trace!(id, label, on_data_plane, "fast answer offered");
                     match sent {
                         Ok(Offered::Sent | Offered::Queued) => drop(g),
                         Ok(Offered::Flush) => {
