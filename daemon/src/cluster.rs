@@ -2274,8 +2274,7 @@ impl Cluster {
             let mut st = self.store.lock();
             // A draining daemon takes no new puts (as alone: `Store::allocate`).
             // (Blocks the core keeps for readers stay: see `allocate_detached`.)
-            let node = &g.node;
-            let keep = |r: SlotRef| node.slot_held(to_core(r));
+            let keep = core_holds(&g.node);
             let how = Detached { exists_check: !overwrite, keep: &keep };
             let res = st
                 .check_not_draining()
@@ -2794,11 +2793,17 @@ enum Dest {
     Staged { slot: crate::staging::StagingSlot, memory: crate::memory::PoolMemory },
 }
 
+/// The store slots the core holds pinned or granted: clustered eviction
+/// passes over them (`Detached::keep`).
+fn core_holds(node: &Node) -> impl Fn(SlotRef) -> bool + '_ {
+    |r| node.slot_held(to_core(r))
+}
+
 /// A fetch slot for `key` in namespace `ns`, reserved under the store
 /// lock `st` ([`Cluster::alloc_fetch_slot`]); what that evicted goes to
 /// `queue`.
 fn fetch_slot_in(st: &mut Store, node: &Node, ns: u32, key: BlockKey, queue: &mut VecDeque<Event>) -> Option<CoreSlot> {
-    let keep = |r: SlotRef| node.slot_held(to_core(r));
+    let keep = core_holds(node);
     let how = Detached { exists_check: false, keep: &keep };
     let r =
         st.allocate_detached(FETCH_SESSION, ns, &[Key(key.key)], 0, how, Instant::now()).ok().and_then(

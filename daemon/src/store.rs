@@ -454,7 +454,7 @@ pub struct Store {
     /// `set_coherent`).
     coherent: bool,
     /// Clustered: indexed blocks evicted since the last `take_evicted`
-    /// (namespace fingerprint, key), for the coherence core.
+    /// (namespace fingerprint, key, the slot freed), for the coherence core.
     evicted: Vec<(u64, Key, SlotRef)>,
     /// Lease left when a pin is released (`/metrics`): how close engines
     /// cut their leases.

@@ -211,6 +211,9 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
         CertificateDer::from_pem_slice(&pem).map_err(|e| format!("{}: {e}", ca_pem.display()))?
     };
     let anchor = webpki::anchor_from_trusted_cert(&ca_der).map_err(|e| format!("{}: {e}", ca_pem.display()))?;
+    let unix = rustls_pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(
+        now.unix_timestamp().max(0) as u64,
+    ));
     let mut made = Vec::new();
     for &id in nodes {
         let mut p = CertificateParams::new(vec![node_name(id)]).map_err(err)?;
@@ -220,9 +223,6 @@ pub fn make_certs(dir: &Path, nodes: &[u32], days: u32) -> Result<Vec<PathBuf>, 
         let k = KeyPair::generate().map_err(err)?;
         let cert = p.signed_by(&k, &issuer).map_err(err)?;
         let leaf = webpki::EndEntityCert::try_from(cert.der()).map_err(|e| format!("node {id}: {e}"))?;
-        let unix = rustls_pki_types::UnixTime::since_unix_epoch(std::time::Duration::from_secs(
-            now.unix_timestamp().max(0) as u64,
-        ));
         leaf.verify_for_usage(
             CA_ALGS,
             std::slice::from_ref(&anchor),
